@@ -1,0 +1,216 @@
+"""The commands of `migrt` (each small; the work is in migrt.ops)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from migrt import __version__
+from migrt.cli.main import cli, handle_errors, load_config
+from migrt.cli.render import ConsoleProgress, emit_json, human_size, table
+
+JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+
+
+@cli.command()
+@click.argument("container_id")
+@click.option("--root", help="runc state root (default: searched in /run/containerd/runc/<ns>, /run/runc).")
+@click.option("--name", help="Checkpoint name (default: <container>-<UTC timestamp>).")
+@click.option("--leave-running", is_flag=True, help="Keep the container running after the dump.")
+@click.option("--tcp-established", is_flag=True, help="Dump established TCP connections.")
+@click.option("--ext-unix-sk", is_flag=True, help="Allow external unix sockets.")
+@click.option("--file-locks", is_flag=True, help="Dump file locks.")
+@JSON
+@handle_errors
+def checkpoint(container_id, root, name, leave_running, tcp_established, ext_unix_sk, file_locks, as_json):
+    """Checkpoint a running container into the store; prints the checkpoint name."""
+    from migrt.ops.checkpoint import CheckpointRequest
+    from migrt.ops.checkpoint import checkpoint as do_checkpoint
+
+    cfg = load_config()
+    progress = ConsoleProgress(enabled=None if not as_json else False)
+    if progress.enabled:
+        click.echo(f"checkpointing {container_id}", err=True)
+    data = do_checkpoint(cfg, CheckpointRequest(
+        container_id=container_id, root=root, name=name, leave_running=leave_running,
+        tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
+    ), progress=progress)
+    if as_json:
+        emit_json({k: data[k] for k in ("name", "created", "size_bytes", "timings", "source", "options")})
+    else:
+        if progress.enabled:
+            click.echo(f"  total: {data['timings'].get('total_s', 0):.2f} s, {human_size(data['size_bytes'])}", err=True)
+        click.echo(data["name"])
+
+
+def _summary(ckpt) -> dict:
+    try:
+        m = ckpt.manifest
+    except Exception as exc:  # a broken checkpoint is still listed, with its problem
+        return {"name": ckpt.name, "error": str(exc)}
+    src = m.get("source", {})
+    return {
+        "name": ckpt.name, "created": m.get("created"), "container_id": src.get("container_id"),
+        "cri": src.get("cri", {}), "size_bytes": m.get("size_bytes"), "gpu": bool(m.get("gpu")),
+    }
+
+
+@cli.command("ls")
+@JSON
+@handle_errors
+def ls_cmd(as_json):
+    """List the checkpoints in the store."""
+    from migrt.store import Store
+
+    cfg = load_config()
+    items = [_summary(c) for c in Store(cfg.store).list()]
+    if as_json:
+        emit_json(items)
+        return
+    rows = []
+    for it in items:
+        if "error" in it:
+            rows.append([it["name"], "-", "-", "-", f"BROKEN: {it['error']}"])
+            continue
+        cri = it["cri"]
+        pod = f"{cri.get('pod_namespace', '')}/{cri.get('pod_name', '')}/{cri.get('container_name', '')}" if cri else "-"
+        rows.append([it["name"], it["created"] or "-", (it["container_id"] or "-")[:24], pod, human_size(it["size_bytes"])])
+    click.echo(table(["NAME", "CREATED", "CONTAINER", "POD", "SIZE"], rows))
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--verify", is_flag=True, help="Check every file against the manifest's sha256.")
+@JSON
+@handle_errors
+def inspect(name, verify, as_json):
+    """Show a checkpoint: manifest, process tree, memory, open files (read with pycriu)."""
+    from migrt.criu.images import inspect_images
+    from migrt.store import Store
+
+    cfg = load_config()
+    ckpt = Store(cfg.store).get(name)
+    m = ckpt.manifest
+    result = {"manifest": m, "images": inspect_images(ckpt.images)}
+    verified = None
+    if verify:
+        ckpt.verify()
+        verified = True
+    result["verified"] = verified
+    if as_json:
+        emit_json(result)
+        return
+    src = m.get("source", {})
+    click.echo(f"name:       {m['name']}")
+    click.echo(f"created:    {m.get('created')}")
+    click.echo(f"container:  {src.get('container_id')} (root {src.get('runtime_root')})")
+    if src.get("cri"):
+        click.echo("pod:        " + ", ".join(f"{k}={v}" for k, v in sorted(src["cri"].items())))
+    click.echo("versions:   " + ", ".join(f"{k} {v}" for k, v in sorted(m.get("versions", {}).items()) if k != "runtime_path"))
+    click.echo("options:    " + (", ".join(k for k, v in sorted(m.get("options", {}).items()) if v) or "none"))
+    click.echo(f"size:       {human_size(m.get('size_bytes'))} in {len(m.get('files', {}))} files")
+    click.echo("timings:    " + ", ".join(f"{k} {v}" for k, v in sorted(m.get("timings", {}).items())))
+    img = result["images"]
+    if img.get("error"):
+        click.echo(f"images:     unreadable: {img['error']}")
+    else:
+        click.echo("processes:")
+        for p in img["processes"]:
+            click.echo(f"  pid {p['pid']:>6} ppid {p['ppid']:>6} threads {p['threads']:>3}  {p.get('comm', '?'):<16} "
+                       f"mem {human_size(p.get('dumped_bytes'))} dumped / {human_size(p.get('vma_bytes'))} mapped")
+            for f in p.get("files", [])[:20]:
+                click.echo(f"      fd {f['fd']:>3} {f['type']:<8} {f.get('path', '')}")
+    if m.get("gpu"):
+        from migrt.cli.gpu_render import render_gpu  # GPU issue
+
+        render_gpu(m["gpu"])
+    if verify:
+        click.echo("verify:     ok (every file matches its sha256)")
+
+
+@cli.command()
+@click.argument("name")
+@JSON
+@handle_errors
+def rm(name, as_json):
+    """Remove a checkpoint."""
+    from migrt.store import Store
+
+    cfg = load_config()
+    Store(cfg.store).remove(name)
+    if as_json:
+        emit_json({"removed": name})
+    else:
+        click.echo(f"removed {name}", err=True)
+
+
+@cli.command()
+@click.argument("name")
+@click.argument("container_id")
+@click.option("--bundle", required=True, type=click.Path(exists=True, file_okay=False), help="OCI bundle to restore into.")
+@click.option("--root", help="runc state root (default /run/runc).")
+@click.option("--output", type=click.Path(dir_okay=False), default=os.devnull, show_default=True,
+              help="File receiving the restored container's stdout and stderr.")
+@JSON
+@handle_errors
+def restore(name, container_id, bundle, root, output, as_json):
+    """Restore checkpoint NAME as container CONTAINER_ID from an OCI bundle (outside containerd)."""
+    from migrt.oci.bundle import Bundle
+    from migrt.ops.restore import RestoreTarget, restore_checkpoint
+    from migrt.shim.lower import default_root
+
+    cfg = load_config()
+    runtime = cfg.runtime_path()
+    progress = ConsoleProgress(enabled=None if not as_json else False)
+    with open(os.devnull, "rb") as devnull, open(output, "ab") as out:
+        result = restore_checkpoint(cfg, name, RestoreTarget(
+            container_id=container_id, bundle=Bundle.load(os.path.abspath(bundle)),
+            root=root or default_root(runtime), stdio=(devnull, out, out),
+        ), progress=progress)
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"restored {name} as {container_id} (pid {result['pid']}) in {result['timings']['total_s']:.2f} s")
+
+
+@cli.command()
+@JSON
+@handle_errors
+def doctor(as_json):
+    """Check this node: CRIU, runc, kernel features, containerd, store. Exit 1 if a check fails."""
+    from migrt.ops.doctor import run_checks
+
+    checks = run_checks()
+    failed = [c for c in checks if c["status"] == "fail"]
+    if as_json:
+        emit_json({"ok": not failed, "checks": checks})
+    else:
+        for c in checks:
+            mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}[c["status"]]
+            click.echo(f"[{mark}] {c['name']}: {c['detail']}")
+            if c["status"] != "ok" and c.get("fix"):
+                click.echo(f"       fix: {c['fix']}")
+    sys.exit(1 if failed else 0)
+
+
+@cli.command()
+@JSON
+def version(as_json):
+    """Print the versions of migrt, the lower runtime, CRIU and the kernel."""
+    from migrt import config
+    from migrt.criu.version import versions
+    from migrt.errors import MigrtError
+
+    try:
+        runtime = config.load().runtime_path()
+    except MigrtError:
+        runtime = "runc"
+    v = versions(runtime)
+    if as_json:
+        emit_json(v)
+    else:
+        click.echo(f"migrt {__version__}")
+        for k in ("runtime", "criu", "kernel"):
+            click.echo(f"{k}: {v.get(k) or 'not found'}" + (f" ({v['runtime_path']})" if k == "runtime" else ""))

@@ -1,0 +1,95 @@
+"""Configuration: /etc/migrt/config.yaml, or the file named by MIGRT_CONFIG.
+
+Keys (all optional):
+  runtime: runc                      lower runtime: a path or a name on PATH (never migrt-runc)
+  store: /var/lib/migrt              checkpoint store root
+  restore_failure_policy: fail       fail | fresh (on a failed restore, run the original create)
+  log_file: /var/log/migrt/migrt.log migrt's own debug log (JSON lines)
+  log_level: info                    debug | info | warning | error
+  runtime_roots: []                  extra runc state roots to search for containers
+  criu_options: {}                   defaults for checkpoints: tcp_established, ext_unix_sk, file_locks
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from migrt.errors import ConfigError
+from migrt.shim.lower import config_path, resolve
+
+POLICIES = ("fail", "fresh")
+LEVELS = ("debug", "info", "warning", "error")
+CRIU_OPTION_KEYS = ("tcp_established", "ext_unix_sk", "file_locks", "shell_job")
+
+
+@dataclass
+class Config:
+    path: str
+    runtime: str = "runc"
+    store: str = "/var/lib/migrt"
+    restore_failure_policy: str = "fail"
+    log_file: str = "/var/log/migrt/migrt.log"
+    log_level: str = "info"
+    runtime_roots: list[str] = field(default_factory=list)
+    criu_options: dict[str, bool] = field(default_factory=dict)
+    loaded: bool = False  # False when the file did not exist (defaults in use)
+
+    def runtime_path(self) -> str:
+        path = resolve(self.runtime)
+        if not path:
+            raise ConfigError(
+                f"lower runtime {self.runtime!r} (config {self.path}) is not an executable file on PATH; "
+                "install runc or set 'runtime:'"
+            )
+        return path
+
+
+def load(path: str | None = None) -> Config:
+    """Load and validate. A missing file means defaults; a broken one raises ConfigError."""
+    import yaml
+
+    path = path or config_path()
+    cfg = Config(path=path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        return cfg
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config {path}: cannot read: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path}: invalid YAML: {exc}") from exc
+    cfg.loaded = True
+    if data is None:
+        return cfg
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
+    known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"config {path}: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
+    for key in ("runtime", "store", "log_file"):
+        if key in data:
+            if not isinstance(data[key], str) or not data[key]:
+                raise ConfigError(f"config {path}: '{key}' must be a non-empty string")
+            setattr(cfg, key, data[key])
+    if not os.path.isabs(cfg.store):
+        raise ConfigError(f"config {path}: 'store' must be an absolute path, got {cfg.store!r}")
+    policy = data.get("restore_failure_policy", cfg.restore_failure_policy)
+    if policy not in POLICIES:
+        raise ConfigError(f"config {path}: 'restore_failure_policy' must be one of {POLICIES}, got {policy!r}")
+    cfg.restore_failure_policy = policy
+    level = data.get("log_level", cfg.log_level)
+    if level not in LEVELS:
+        raise ConfigError(f"config {path}: 'log_level' must be one of {LEVELS}, got {level!r}")
+    cfg.log_level = level
+    roots = data.get("runtime_roots", [])
+    if not isinstance(roots, list) or not all(isinstance(r, str) and os.path.isabs(r) for r in roots):
+        raise ConfigError(f"config {path}: 'runtime_roots' must be a list of absolute paths")
+    cfg.runtime_roots = roots
+    opts = data.get("criu_options", {}) or {}
+    if not isinstance(opts, dict) or not all(k in CRIU_OPTION_KEYS and isinstance(v, bool) for k, v in opts.items()):
+        raise ConfigError(f"config {path}: 'criu_options' keys must be among {CRIU_OPTION_KEYS} with true/false values")
+    cfg.criu_options = opts
+    return cfg

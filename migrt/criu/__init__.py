@@ -1,0 +1,1 @@
+"""CRIU: options model, versions and checks, errors quoted from its logs, image inspection."""

@@ -1,0 +1,25 @@
+"""Quote CRIU's own error lines (runc does the same): the lines that say "Error" with a little context."""
+
+from __future__ import annotations
+
+import os
+
+MAX_LINES = 6
+
+
+def error_lines(log_path: str, *, limit: int = MAX_LINES) -> list[str]:
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    hits = [ln.strip() for ln in lines if "Error" in ln or "error" in ln.split(":", 1)[0]]
+    return hits[-limit:]
+
+
+def find_log(work_dir: str, names: tuple[str, ...]) -> str | None:
+    for name in names:
+        path = os.path.join(work_dir, name)
+        if os.path.isfile(path):
+            return path
+    return None

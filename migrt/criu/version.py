@@ -1,0 +1,59 @@
+"""Versions of CRIU, the lower runtime and the kernel, for manifests and `migrt doctor`."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+MIN_CRIU = (4, 2)
+
+
+def _first_line(argv: list[str]) -> str | None:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = (out.stdout or out.stderr).strip()
+    return text.splitlines()[0] if text else None
+
+
+def criu_binary() -> str | None:
+    return shutil.which("criu") or next((p for p in ("/usr/sbin/criu", "/sbin/criu") if os.path.exists(p)), None)
+
+
+def criu_version() -> str | None:
+    crit = criu_binary()
+    line = _first_line([crit, "--version"]) if crit else None
+    m = re.search(r"Version:\s*([0-9][0-9.]*)", line or "")
+    return m.group(1) if m else None
+
+
+def parse_version(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    m = re.match(r"(\d+(?:\.\d+)*)", text)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+
+
+def runtime_version(path: str) -> str | None:
+    line = _first_line([path, "--version"])
+    m = re.search(r"version\s+(\S+)", line or "")
+    return m.group(1) if m else line
+
+
+def kernel_version() -> str:
+    return os.uname().release
+
+
+def versions(runtime_path: str) -> dict[str, str | None]:
+    from migrt import __version__
+
+    return {
+        "migrt": __version__,
+        "runtime": runtime_version(runtime_path),
+        "runtime_path": runtime_path,
+        "criu": criu_version(),
+        "kernel": kernel_version(),
+    }

@@ -1,0 +1,55 @@
+"""One exception tree; each class carries the exit code the CLI and the shim use.
+
+Exit codes (also in README "Exit codes"):
+  0 ok | 1 unexpected error | 2 usage error | 3 not found | 4 checkpoint invalid or corrupted
+  5 runtime or CRIU failed | 6 conflict (exists, locked, container state) | 7 configuration error
+  8 precondition not met (e.g. GPU preflight)
+"""
+
+from __future__ import annotations
+
+
+class MigrtError(Exception):
+    exit_code = 1
+
+    def __init__(self, message: str, *, details: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details or []
+
+    def __str__(self) -> str:  # message plus quoted details (e.g. CRIU error lines)
+        if not self.details:
+            return self.message
+        return self.message + ": " + " | ".join(self.details)
+
+
+class UsageError(MigrtError):
+    exit_code = 2
+
+
+class InvalidName(UsageError):
+    pass
+
+
+class NotFound(MigrtError):
+    exit_code = 3
+
+
+class CheckpointInvalid(MigrtError):
+    exit_code = 4
+
+
+class RuntimeFailed(MigrtError):
+    exit_code = 5
+
+
+class Conflict(MigrtError):
+    exit_code = 6
+
+
+class ConfigError(MigrtError):
+    exit_code = 7
+
+
+class PreconditionFailed(MigrtError):
+    exit_code = 8

@@ -1,0 +1,113 @@
+"""Bundle: a read-only view of an OCI bundle's config.json. Stdlib only (used on the hot path).
+config.json is never rewritten."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from migrt.errors import MigrtError
+
+RESTORE_ENV = "MIGRT_RESTORE"
+FALLBACK_ENV = "MIGRT_RESTORE_FALLBACK"
+RESTORE_ANNOTATION = "migrt.io/restore"
+FALLBACK_ANNOTATION = "migrt.io/restore-fallback"
+CONTAINER_TYPE = "io.kubernetes.cri.container-type"
+
+CRI_ANNOTATIONS = {
+    "pod_namespace": "io.kubernetes.cri.sandbox-namespace",
+    "pod_name": "io.kubernetes.cri.sandbox-name",
+    "pod_uid": "io.kubernetes.cri.sandbox-uid",
+    "container_name": "io.kubernetes.cri.container-name",
+    "image_name": "io.kubernetes.cri.image-name",
+    "sandbox_id": "io.kubernetes.cri.sandbox-id",
+}
+
+
+class BundleError(MigrtError):
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class RestoreRequest:
+    name: str
+    fallback: str | None  # "fresh" | "fail" | None (use the configured policy)
+    source: str  # "env" or "annotation"
+
+
+class Bundle:
+    def __init__(self, path: str, config: dict) -> None:
+        self.path = path
+        self.config = config
+
+    @classmethod
+    def load(cls, path: str) -> "Bundle":
+        cfg_path = os.path.join(path, "config.json")
+        try:
+            with open(cfg_path, "rb") as fh:
+                config = json.load(fh)
+        except FileNotFoundError as exc:
+            raise BundleError(f"bundle {path}: config.json not found") from exc
+        except (OSError, ValueError) as exc:
+            raise BundleError(f"bundle {path}: cannot read config.json: {exc}") from exc
+        if not isinstance(config, dict):
+            raise BundleError(f"bundle {path}: config.json is not a JSON object")
+        return cls(path, config)
+
+    @property
+    def env(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for item in (self.config.get("process") or {}).get("env") or []:
+            if isinstance(item, str):
+                key, _, value = item.partition("=")
+                out[key] = value
+        return out
+
+    @property
+    def annotations(self) -> dict[str, str]:
+        ann = self.config.get("annotations") or {}
+        return {k: v for k, v in ann.items() if isinstance(k, str) and isinstance(v, str)}
+
+    @property
+    def container_type(self) -> str | None:
+        return self.annotations.get(CONTAINER_TYPE)
+
+    @property
+    def is_application_container(self) -> bool:
+        return self.container_type in (None, "container")
+
+    @property
+    def terminal(self) -> bool:
+        return bool((self.config.get("process") or {}).get("terminal"))
+
+    @property
+    def rootfs(self) -> str:
+        root = (self.config.get("root") or {}).get("path") or "rootfs"
+        return root if os.path.isabs(root) else os.path.join(self.path, root)
+
+    @property
+    def mounts(self) -> list[dict]:
+        return [m for m in self.config.get("mounts") or [] if isinstance(m, dict)]
+
+    @property
+    def namespaces(self) -> list[dict]:
+        return [n for n in (self.config.get("linux") or {}).get("namespaces") or [] if isinstance(n, dict)]
+
+    def cri_metadata(self) -> dict[str, str]:
+        ann = self.annotations
+        return {key: ann[a] for key, a in CRI_ANNOTATIONS.items() if a in ann}
+
+    def restore_request(self) -> RestoreRequest | None:
+        """The restore request, if any; never for a pod sandbox (or any non-application container)."""
+        env, ann = self.env, self.annotations
+        if env.get(RESTORE_ENV):
+            name, source = env[RESTORE_ENV], "env"
+        elif ann.get(RESTORE_ANNOTATION):
+            name, source = ann[RESTORE_ANNOTATION], "annotation"
+        else:
+            return None
+        if not self.is_application_container:
+            return None
+        fallback = env.get(FALLBACK_ENV) or ann.get(FALLBACK_ANNOTATION) or None
+        return RestoreRequest(name=name, fallback=fallback, source=source)

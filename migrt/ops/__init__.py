@@ -1,0 +1,1 @@
+"""Orchestration: checkpoint, restore (no argv parsing, no click)."""

@@ -1,0 +1,105 @@
+"""`migrt doctor`: node checks, each with a status (ok | warn | fail), a detail and how to fix it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+
+from migrt.criu.version import MIN_CRIU, criu_binary, criu_version, kernel_version, parse_version, runtime_version
+from migrt.errors import MigrtError
+
+
+def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
+    return {"name": name, "status": status, "detail": detail, "fix": fix}
+
+
+def _criu_feature(crit: str, feature: str) -> bool:
+    try:
+        return subprocess.run([crit, "check", "--feature", feature], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def run_checks() -> list[dict]:
+    from migrt import config
+
+    out: list[dict] = []
+    cfg = None
+    try:
+        cfg = config.load()
+        out.append(_check("config", "ok", f"{cfg.path}" + ("" if cfg.loaded else " (absent: defaults in use)")))
+    except MigrtError as exc:
+        out.append(_check("config", "fail", str(exc), "fix the file or point MIGRT_CONFIG at a valid one"))
+    setup = "run packaging/setup-host.sh (installs CRIU 4.2, runc and containerd from Debian sid)"
+    crit = criu_binary()
+    if not crit:
+        out.append(_check("criu", "fail", "criu not found", setup))
+    else:
+        v = criu_version()
+        ok = parse_version(v) >= MIN_CRIU
+        out.append(_check("criu", "ok" if ok else "fail", f"{crit} version {v}",
+                          "" if ok else f"CRIU >= {'.'.join(map(str, MIN_CRIU))} is needed on kernel {kernel_version()}; {setup}"))
+        try:
+            res = subprocess.run([crit, "check"], capture_output=True, text=True, timeout=60)
+            text = (res.stdout + res.stderr).strip().splitlines()
+            out.append(_check("criu check", "ok" if res.returncode == 0 else "fail",
+                              text[-1] if text else f"exit {res.returncode}",
+                              "see 'criu check' output; usually a kernel config or missing capability"))
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            out.append(_check("criu check", "fail", str(exc), "run 'criu check' by hand"))
+        uffd = _criu_feature(crit, "uffd-noncoop")
+        out.append(_check("lazy pages (userfaultfd)", "ok" if uffd else "warn",
+                          "available" if uffd else "not available",
+                          "" if uffd else "kernel needs CONFIG_USERFAULTFD; lazy migration is disabled"))
+        sd = _criu_feature(crit, "mem_dirty_track")
+        out.append(_check("pre-dump (soft-dirty)", "ok" if sd else "warn",
+                          "available" if sd else "not available (CONFIG_MEM_SOFT_DIRTY unset)",
+                          "" if sd else "pre-dump rounds cannot be incremental here; migrations use stop-and-copy or lazy pages"))
+    runtime = None
+    try:
+        runtime = cfg.runtime_path() if cfg else None
+    except MigrtError as exc:
+        out.append(_check("lower runtime", "fail", str(exc), "install runc or set 'runtime:' in the config"))
+    if runtime:
+        out.append(_check("lower runtime", "ok", f"{runtime} version {runtime_version(runtime)}"))
+    shim = shutil.which("migrt-runc")
+    out.append(_check("migrt-runc", "ok" if shim else "warn", shim or "not on PATH",
+                      "" if shim else "run packaging/setup-host.sh to link /usr/local/bin/migrt-runc"))
+    ctrd = shutil.which("containerd")
+    if ctrd:
+        try:
+            v = subprocess.run([ctrd, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            v = "?"
+        out.append(_check("containerd", "ok", v))
+    else:
+        out.append(_check("containerd", "warn", "not found", "needed only for Kubernetes/containerd use"))
+    out.append(_check("iptables", "ok" if shutil.which("iptables") else "warn",
+                      shutil.which("iptables") or "not found",
+                      "CRIU needs iptables to lock the network of containers with their own netns"))
+    try:
+        import pycriu  # noqa: F401
+
+        out.append(_check("pycriu", "ok", "importable"))
+    except ImportError:
+        out.append(_check("pycriu", "warn", "not importable", "install python3-pycriu ('migrt inspect' needs it)"))
+    out.append(_check("kernel", "ok", kernel_version()))
+    if cfg:
+        out.append(_store_check(cfg.store))
+    return out
+
+
+def _store_check(root: str) -> dict:
+    fix = f"install -d -m 0700 -o root -g root {root}"
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        return _check("store", "warn", f"{root} does not exist yet (created on first checkpoint)", fix)
+    except OSError as exc:
+        return _check("store", "fail", f"{root}: {exc}", fix)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != 0 or mode & 0o077:
+        return _check("store", "fail", f"{root} is owned by uid {st.st_uid} with mode {mode:o}; must be root, 0700", fix)
+    return _check("store", "ok", f"{root} (root, 0700)")

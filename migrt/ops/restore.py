@@ -1,0 +1,165 @@
+"""Restore a checkpoint as a container: verify, hard-link view of the images, runc restore --detach,
+marker for the no-op start. A failed restore never deletes its checkpoint and cleans up after itself.
+
+`restore_on_create` is the shim's path (create -> restore swap); `restore_checkpoint` is shared with
+`migrt restore`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+from migrt import names
+from migrt.config import POLICIES, Config
+from migrt.criu.options import CriuOptions
+from migrt.errors import Conflict, MigrtError, UsageError
+from migrt.oci.bundle import Bundle, RestoreRequest
+from migrt.ops.progress import Progress, null_progress
+from migrt.runtime.markers import write_marker
+from migrt.runtime.runc import LowerRuntime, RestoreSpec
+from migrt.store import Store
+
+
+@dataclass
+class RestoreTarget:
+    container_id: str
+    bundle: Bundle
+    root: str
+    global_tokens: list[str] | None = None  # None: migrt builds --root/--log itself
+    pid_file: str | None = None
+    console_socket: str | None = None
+    no_pivot: bool = False
+    stdio: tuple | None = None
+    log_path: str | None = None
+    extra: list[str] = field(default_factory=list)
+
+
+def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: Progress = null_progress) -> dict:
+    names.validate(name)
+    runtime = LowerRuntime(cfg.runtime_path())
+    store = Store(cfg.store)
+    timings: dict[str, float] = {}
+    t_all = time.monotonic()
+    with store.lock(name, "used"):
+        ckpt = store.get(name)
+        progress("phase", name="verify", checkpoint=name)
+        t0 = time.monotonic()
+        ckpt.verify()
+        store.check_images_dir(ckpt)
+        timings["verify_s"] = round(time.monotonic() - t0, 3)
+        progress("done", name="verify", seconds=timings["verify_s"])
+        state_dir = os.path.join(target.root, target.container_id)
+        if os.path.exists(state_dir):
+            raise Conflict(f"container {target.container_id} already exists in {target.root}")
+        options = CriuOptions.from_dict(ckpt.manifest.get("options"))
+        work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
+        os.makedirs(work, mode=0o700, exist_ok=True)
+        global_tokens = target.global_tokens
+        log_path = target.log_path
+        if global_tokens is None:
+            log_path = os.path.join(work, "runc.log")
+            global_tokens = ["--root", target.root, "--log", log_path, "--log-format", "json"]
+        try:
+            with store.restore_view(ckpt) as view:
+                spec = RestoreSpec(
+                    container_id=target.container_id, bundle=target.bundle.path, image_path=view,
+                    work_path=work, pid_file=target.pid_file, console_socket=target.console_socket,
+                    no_pivot=target.no_pivot, options=options, extra=target.extra,
+                )
+                progress("phase", name="restore", checkpoint=name)
+                t0 = time.monotonic()
+                try:
+                    pid = runtime.restore(spec, global_tokens=global_tokens, stdio=target.stdio, log_path=log_path)
+                except MigrtError:
+                    if os.path.exists(state_dir):  # ours: it did not exist before
+                        runtime.delete_force(target.root, target.container_id)
+                    raise
+                timings["restore_s"] = round(time.monotonic() - t0, 3)
+                progress("done", name="restore", seconds=timings["restore_s"])
+            write_marker(target.root, target.container_id,
+                         {"checkpoint": name, "restored_at": time.time(), "pid": pid})
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    timings["total_s"] = round(time.monotonic() - t_all, 3)
+    return {"checkpoint": name, "container_id": target.container_id, "pid": pid, "timings": timings}
+
+
+def _check_create_flags(cmd) -> list[str]:
+    """Flags of `create` that `restore` does not take: drop the harmless, refuse the rest."""
+    dropped = []
+    for f in cmd.flags:
+        if f.name in ("bundle", "b", "pid-file", "console-socket", "no-pivot"):
+            continue
+        if f.name == "no-new-keyring":
+            dropped.append("--no-new-keyring")  # restore keeps the checkpointed keyring
+        elif f.name == "preserve-fds" and (f.value or "0") == "0":
+            dropped.append("--preserve-fds=0")
+        elif f.name in ("preserve-fds", "pidfd-socket"):
+            raise UsageError(f"create flag --{f.name} is not supported when restoring a checkpoint")
+        else:
+            raise UsageError(f"create flag {' '.join(f.tokens)} is unknown to migrt; refusing to restore with it")
+    return dropped
+
+
+def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, lower: str,
+                      lower_warning: str | None) -> int:
+    """The shim's create -> restore swap. Returns the exit code; may exec the original create."""
+    from migrt import config as config_mod
+    from migrt import log as log_mod
+    from migrt.shim import lower as lower_mod
+    from migrt.shim import runclog
+
+    args = parsed.render()
+
+    def fail(exc: MigrtError) -> int:
+        runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
+        return exc.exit_code
+
+    try:
+        cfg = config_mod.load()
+    except MigrtError as exc:  # fail closed: never guess a store or policy
+        return fail(exc)
+    log = log_mod.setup(cfg.log_file, cfg.log_level, component="migrt-runc")
+    if lower_warning:
+        log.warning("lower_runtime_fallback", detail=lower_warning)
+    cid = cmd.container_id
+    policy = request.fallback or cfg.restore_failure_policy
+    log.info("restore_requested", container=cid, checkpoint=request.name, source=request.source, policy=policy)
+    try:
+        if policy not in POLICIES:
+            raise UsageError(f"MIGRT_RESTORE_FALLBACK must be one of {POLICIES}, got {policy!r}")
+        if not cid:
+            raise UsageError("create without a container id")
+        names.validate(request.name)
+        for flag in _check_create_flags(cmd):
+            log.debug("create_flag_dropped", flag=flag)
+        cfg.runtime = lower  # the shim already resolved it (same rules)
+        target = RestoreTarget(
+            container_id=cid, bundle=bundle, root=parsed.root or lower_mod.default_root(lower),
+            global_tokens=[t for f in parsed.global_flags for t in f.tokens],
+            pid_file=cmd.value("pid-file"), console_socket=cmd.value("console-socket"),
+            no_pivot=cmd.has("no-pivot"), log_path=parsed.log_path,
+        )
+        try:
+            result = restore_checkpoint(cfg, request.name, target)
+        except MigrtError:
+            raise
+        except Exception as exc:  # never leak a traceback to the container's stderr
+            log.exception("restore_crashed", container=cid)
+            raise MigrtError(f"internal error during restore of {request.name!r}: {exc!r}") from exc
+    except MigrtError as exc:
+        log.error("restore_failed", container=cid, checkpoint=request.name, error=str(exc))
+        if policy == "fresh":
+            runclog.append(parsed.log_path, "warning",
+                           f"migrt: restore of {request.name!r} failed ({exc}); starting the container fresh "
+                           "(restore failure policy 'fresh')", log_format=parsed.log_format)
+            try:
+                os.execv(lower, [lower, *args])
+            except OSError as exec_exc:
+                return fail(MigrtError(f"cannot execute lower runtime {lower}: {exec_exc}"))
+        return fail(exc)
+    log.info("restored", **result)
+    return 0

@@ -1,0 +1,1 @@
+"""The lower runtime (runc, crun, nvidia-container-runtime)."""

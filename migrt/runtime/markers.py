@@ -1,0 +1,29 @@
+"""The marker migrt leaves for a container it restored at `create`: `<root>/<id>/migrt-restored`.
+
+It lives inside the lower runtime's own state directory, which `runc delete` removes whole, so
+nothing is left behind after delete. Stdlib only (the shim's `start` reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+MARKER = "migrt-restored"
+
+
+def marker_path(root: str, container_id: str) -> str:
+    return os.path.join(root, container_id, MARKER)
+
+
+def is_restored(root: str, container_id: str) -> bool:
+    if not container_id or "/" in container_id or container_id in (".", ".."):
+        return False
+    return os.path.isfile(marker_path(root, container_id))
+
+
+def write_marker(root: str, container_id: str, info: dict) -> None:
+    path = marker_path(root, container_id)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(info, fh)

@@ -1,0 +1,155 @@
+"""The lower runtime run as a child (exec is the shim's job): state, checkpoint, restore, delete.
+CalledProcessError/OSError become RuntimeFailed here, quoting CRIU's error lines."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+
+from migrt.criu.logs import error_lines
+from migrt.criu.options import CriuOptions
+from migrt.errors import Conflict, NotFound, RuntimeFailed, UsageError
+
+CONTAINERD_ROOTS = "/run/containerd/runc/*"
+DEFAULT_ROOTS = ("/run/runc", "/run/crun")
+
+
+def _last_runc_error(log_path: str | None) -> str | None:
+    """The msg of the last error line runc wrote to its --log (JSON)."""
+    if not log_path:
+        return None
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("level") == "error":
+            return str(rec.get("msg"))
+    return None
+
+
+@dataclass
+class RestoreSpec:
+    container_id: str
+    bundle: str
+    image_path: str
+    work_path: str
+    pid_file: str | None = None
+    console_socket: str | None = None
+    no_pivot: bool = False
+    options: CriuOptions = field(default_factory=CriuOptions)
+    extra: list[str] = field(default_factory=list)
+
+    def argv(self) -> list[str]:
+        out = ["restore", "--detach", "--bundle", self.bundle]
+        if self.pid_file:
+            out += ["--pid-file", self.pid_file]
+        if self.console_socket:
+            out += ["--console-socket", self.console_socket]
+        if self.no_pivot:
+            out.append("--no-pivot")
+        out += ["--image-path", self.image_path, "--work-path", self.work_path]
+        out += self.options.runc_flags() + self.extra
+        out.append(self.container_id)
+        return out
+
+
+class LowerRuntime:
+    def __init__(self, path: str, global_args: list[str] | None = None) -> None:
+        self.path = path
+        self.global_args = list(global_args or [])
+
+    def _argv(self, root: str | None, args: list[str]) -> list[str]:
+        g = list(self.global_args)
+        if root and "--root" not in g:
+            g = ["--root", root, *g]
+        return [self.path, *g, *args]
+
+    def state(self, root: str | None, container_id: str) -> dict:
+        try:
+            out = subprocess.run(self._argv(root, ["state", container_id]), capture_output=True, text=True,
+                                 timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeFailed(f"{self.path} state {container_id}: {exc}") from exc
+        if out.returncode != 0:
+            msg = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
+            raise NotFound(f"container {container_id}: {msg}")
+        return json.loads(out.stdout)
+
+    def checkpoint(self, root: str, container_id: str, *, image_path: str, work_path: str,
+                   options: CriuOptions, leave_running: bool, extra: list[str] | None = None) -> None:
+        log = os.path.join(work_path, "runc.log")
+        args = ["--log", log, "--log-format", "json"] if "--log" not in self.global_args else []
+        argv = [self.path, "--root", root, *args, *self.global_args, "checkpoint",
+                "--image-path", image_path, "--work-path", work_path, *options.runc_flags(),
+                *(["--leave-running"] if leave_running else []), *(extra or []), container_id]
+        try:
+            out = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+        except OSError as exc:
+            raise RuntimeFailed(f"cannot run {self.path}: {exc}") from exc
+        if out.returncode != 0:
+            msg = _last_runc_error(log) or out.stderr.strip() or f"exit status {out.returncode}"
+            raise RuntimeFailed(
+                f"checkpoint of container {container_id} failed: {msg}",
+                details=error_lines(os.path.join(work_path, "dump.log")),
+            )
+
+    def restore(self, spec: RestoreSpec, *, global_tokens: list[str], stdio: tuple | None = None,
+                log_path: str | None = None) -> int:
+        """Run `restore --detach`; return the restored init's pid (from the pid file when given).
+        stdio: (stdin, stdout, stderr) for runc, which CRIU hands to the restored process;
+        None inherits ours (the shim's pipes at create)."""
+        argv = [self.path, *global_tokens, *spec.argv()]
+        kw = {}
+        if stdio is not None:
+            kw = {"stdin": stdio[0], "stdout": stdio[1], "stderr": stdio[2]}
+        try:
+            rc = subprocess.run(argv, check=False, **kw).returncode
+        except OSError as exc:
+            raise RuntimeFailed(f"cannot run {self.path}: {exc}") from exc
+        if rc != 0:
+            msg = _last_runc_error(log_path) or f"{os.path.basename(self.path)} restore exited with status {rc}"
+            raise RuntimeFailed(f"restore failed: {msg}",
+                                details=error_lines(os.path.join(spec.work_path, "restore.log")))
+        if spec.pid_file:
+            try:
+                with open(spec.pid_file) as fh:
+                    return int(fh.read().strip())
+            except (OSError, ValueError) as exc:
+                raise RuntimeFailed(f"restore succeeded but pid file {spec.pid_file} is unreadable: {exc}") from exc
+        return 0
+
+    def delete_force(self, root: str | None, container_id: str) -> None:
+        subprocess.run(self._argv(root, ["delete", "--force", container_id]), stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+
+def candidate_roots(extra: list[str] | None = None) -> list[str]:
+    roots = sorted(glob.glob(CONTAINERD_ROOTS)) + list(DEFAULT_ROOTS) + list(extra or [])
+    seen, out = set(), []
+    for r in roots:
+        if r not in seen and os.path.isdir(r):
+            seen.add(r)
+            out.append(r)
+    return out
+
+
+def find_root(container_id: str, extra: list[str] | None = None) -> str:
+    """The runc root holding container_id: containerd's per-namespace roots, /run/runc, /run/crun."""
+    if not container_id or "/" in container_id or container_id in (".", ".."):
+        raise UsageError(f"invalid container id {container_id!r}")
+    hits = [r for r in candidate_roots(extra) if os.path.isfile(os.path.join(r, container_id, "state.json"))]
+    if not hits:
+        raise NotFound(f"container {container_id}: not found under {', '.join(candidate_roots(extra)) or 'any runc root'}; "
+                       "pass --root")
+    if len(hits) > 1:
+        raise Conflict(f"container {container_id}: found in several roots ({', '.join(hits)}); pass --root")
+    return hits[0]

@@ -1,0 +1,69 @@
+"""migrt-runc: runc-compatible entry point.
+
+Everything not intercepted is handed to the lower runtime with os.execv, argv byte-identical.
+Intercepted: `create` whose bundle asks for a restore (becomes `runc restore --detach`), and `start`
+of a container migrt restored (a no-op: it already runs). Standard library only until that decision.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from migrt.runtime.markers import is_restored
+from migrt.shim import lower as _lower
+from migrt.shim import runclog
+from migrt.shim.argv import RuncArgv
+
+
+def _exec(path: str, args: list[str], parsed: RuncArgv) -> int:
+    try:
+        os.execv(path, [path, *args])
+    except OSError as exc:
+        runclog.append(parsed.log_path, "error", f"migrt: cannot execute lower runtime {path}: {exc}",
+                       log_format=parsed.log_format)
+        return 126
+    return 126  # not reached
+
+
+def _create(parsed: RuncArgv, lower: str, warning: str | None) -> int | None:
+    """Returns an exit code when migrt handled the create, None to pass it through."""
+    from migrt.oci.bundle import Bundle, BundleError
+
+    cmd = parsed.command_args()
+    bundle_dir = cmd.value("bundle", "b") or os.getcwd()
+    try:
+        bundle = Bundle.load(bundle_dir)
+    except BundleError:
+        return None  # runc reports its own error about the bundle
+    request = bundle.restore_request()
+    if request is None:
+        return None
+    from migrt.ops.restore import restore_on_create  # heavy imports only from here on
+
+    return restore_on_create(parsed, cmd, bundle, request, lower=lower, lower_warning=warning)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    parsed = RuncArgv.parse(args)
+    lower, warning = _lower.lower_runtime()
+    if lower is None:
+        runclog.append(parsed.log_path, "error",
+                       "migrt: no lower runtime found: set 'runtime:' in the migrt config or put runc on PATH",
+                       log_format=parsed.log_format)
+        return 127
+    if parsed.command == "create":
+        rc = _create(parsed, lower, warning)
+        if rc is not None:
+            return rc
+    elif parsed.command == "start":
+        cid = parsed.command_args().container_id
+        root = parsed.root or _lower.default_root(lower)
+        if cid and is_restored(root, cid):
+            return 0  # restored at create: already running
+    return _exec(lower, args, parsed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

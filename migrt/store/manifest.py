@@ -1,0 +1,86 @@
+"""manifest.json: what a checkpoint holds and how to check it.
+
+Schema 1:
+  schema, name, created (ISO 8601 UTC), source {container_id, runtime_root, bundle, pid, status,
+  cri {pod_namespace, pod_name, container_name, ...}}, versions {migrt, runc, criu, kernel},
+  options {leave_running, tcp_established, ext_unix_sk, shell_job, file_locks, ...},
+  size_bytes, files {relpath: {size, sha256}}, timings {phase: seconds}, gpu (GPU issue; optional).
+A manifest from a newer schema is refused rather than misread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from migrt.errors import CheckpointInvalid
+from migrt.store.fsutil import hash_tree, walk_files, write_json_atomic
+
+SCHEMA = 1
+MANIFEST = "manifest.json"
+REQUIRED = ("schema", "name", "created", "files")
+
+
+def load(path: str, name: str) -> dict:
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as fh:
+            data = json.load(fh)
+    except FileNotFoundError as exc:
+        raise CheckpointInvalid(f"checkpoint {name}: manifest.json is missing") from exc
+    except (OSError, ValueError) as exc:
+        raise CheckpointInvalid(f"checkpoint {name}: manifest.json is unreadable: {exc}") from exc
+    if not isinstance(data, dict) or any(k not in data for k in REQUIRED):
+        raise CheckpointInvalid(f"checkpoint {name}: manifest.json lacks required fields {REQUIRED}")
+    schema = data.get("schema")
+    if not isinstance(schema, int) or schema < 1:
+        raise CheckpointInvalid(f"checkpoint {name}: manifest schema {schema!r} is invalid")
+    if schema > SCHEMA:
+        raise CheckpointInvalid(
+            f"checkpoint {name}: manifest schema {schema} is newer than this migrt understands ({SCHEMA}); "
+            "upgrade migrt"
+        )
+    if data.get("name") != name:
+        raise CheckpointInvalid(f"checkpoint {name}: manifest names {data.get('name')!r}; it was renamed or tampered with")
+    if not isinstance(data["files"], dict):
+        raise CheckpointInvalid(f"checkpoint {name}: manifest 'files' is not an object")
+    return data
+
+
+def write(path: str, data: dict) -> None:
+    write_json_atomic(os.path.join(path, MANIFEST), data)
+
+
+def list_payload(path: str) -> list[str]:
+    """Every file of a checkpoint directory except the manifest itself; refuses links and oddities."""
+    rels = []
+    for rel in walk_files(path):
+        if rel == MANIFEST:
+            continue
+        full = os.path.join(path, rel)
+        if os.path.islink(full) or not os.path.isfile(full):
+            raise CheckpointInvalid(f"{full}: not a regular file")
+        rels.append(rel)
+    return rels
+
+
+def verify(path: str, data: dict, name: str, *, progress=None) -> None:
+    """Raise CheckpointInvalid naming the first problem: missing, extra, resized or altered file."""
+    listed: dict = data["files"]
+    hint = f"; run 'migrt inspect --verify {name}'"
+    present = set(list_payload(path))
+    for rel in sorted(listed):
+        if rel not in present:
+            raise CheckpointInvalid(f"checkpoint {name}: file {rel} is missing{hint}")
+    extra = sorted(present - set(listed))
+    if extra:
+        raise CheckpointInvalid(f"checkpoint {name}: unexpected file {extra[0]} (not in the manifest){hint}")
+    for rel, meta in listed.items():
+        actual = os.path.getsize(os.path.join(path, rel))
+        if actual != meta.get("size"):
+            raise CheckpointInvalid(
+                f"checkpoint {name}: size mismatch in {rel} ({actual} bytes, manifest says {meta.get('size')}){hint}"
+            )
+    hashed = hash_tree(path, sorted(listed), progress=progress)
+    for rel in sorted(listed):
+        if hashed[rel]["sha256"] != listed[rel].get("sha256"):
+            raise CheckpointInvalid(f"checkpoint {name}: sha256 mismatch in {rel}{hint}")
