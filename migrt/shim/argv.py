@@ -24,11 +24,23 @@ COMMAND_VALUE_FLAGS: dict[str, frozenset[str]] = {
         "image-path", "work-path", "parent-path", "page-server", "manage-cgroups-mode",
         "empty-ns", "status-fd", "lsm-profile", "lsm-mount-context",
     }),
+    "exec": frozenset({
+        "console-socket", "pidfd-socket", "cwd", "env", "e", "user", "u", "additional-gids", "g",
+        "process", "p", "pid-file", "process-label", "apparmor", "cap", "c", "preserve-fds", "cgroup",
+    }),
+    "ps": frozenset({"format", "f"}),
+    "update": frozenset({
+        "resources", "r", "blkio-weight", "cpu-period", "cpu-quota", "cpu-burst", "cpu-share",
+        "cpu-rt-period", "cpu-rt-runtime", "cpuset-cpus", "cpuset-mems", "memory", "cpu-idle",
+        "memory-reservation", "memory-swap", "pids-limit", "l3-cache-schema", "mem-bw-schema",
+    }),
     "start": frozenset(),
     "delete": frozenset(),
     "kill": frozenset(),
     "state": frozenset(),
 }
+# Commands whose flags end at the first positional (runc sets SkipArgReorder: `exec ID sh -c ...`).
+NO_REORDER = frozenset({"exec"})
 COMMAND_BOOL_FLAGS: dict[str, frozenset[str]] = {
     "create": frozenset({"no-pivot", "no-new-keyring"}),
     "run": frozenset({"no-pivot", "no-new-keyring", "detach", "d", "no-subreaper", "keep"}),
@@ -40,6 +52,9 @@ COMMAND_BOOL_FLAGS: dict[str, frozenset[str]] = {
         "leave-running", "tcp-established", "ext-unix-sk", "shell-job", "lazy-pages", "file-locks",
         "pre-dump", "auto-dedup", "tcp-skip-in-flight", "link-remap",
     }),
+    "exec": frozenset({"tty", "t", "detach", "d", "no-new-privs", "ignore-paused"}),
+    "ps": frozenset(),
+    "update": frozenset(),
     "start": frozenset(),
     "delete": frozenset({"force", "f"}),
     "kill": frozenset({"all", "a"}),
@@ -148,7 +163,8 @@ class RuncArgv:
 
     def command_args(self) -> "CommandArgs":
         values = COMMAND_VALUE_FLAGS.get(self.command or "", frozenset())
-        flags, positionals, tail = parse_flags(self.rest, values, stop_at_positional=False)
+        flags, positionals, tail = parse_flags(self.rest, values,
+                                               stop_at_positional=self.command in NO_REORDER)
         positionals = positionals + [t for t in tail if t != "--"]
         return CommandArgs(self.command or "", flags, positionals)
 
@@ -173,7 +189,8 @@ class CommandArgs:
 
     @property
     def container_id(self) -> str | None:
-        return self.positionals[-1] if self.positionals else None
+        """The first positional, as runc reads it (`kill ID SIGNAL`, `exec ID CMD...`)."""
+        return self.positionals[0] if self.positionals else None
 
     def unknown_flags(self) -> list[Flag]:
         known = COMMAND_VALUE_FLAGS.get(self.command, frozenset()) | COMMAND_BOOL_FLAGS.get(
