@@ -15,7 +15,8 @@ def make_rootfs(path: str) -> str:
     for d in ("proc", "sys", "dev", "tmp", "etc", "data", "run"):
         os.makedirs(os.path.join(path, d), exist_ok=True)
     shutil.copy2(BUSYBOX, os.path.join(path, "bin", "busybox"))
-    for applet in ("sh", "sleep", "echo", "cat", "ls", "sha256sum", "head", "dd", "true", "wc", "kill"):
+    for applet in ("sh", "sleep", "echo", "cat", "ls", "sha256sum", "head", "dd", "true", "wc", "kill", "od", "tr",
+                   "cut", "touch", "ps", "grep", "mkdir", "rm", "env", "hostname"):
         link = os.path.join(path, "bin", applet)
         if not os.path.lexists(link):
             os.symlink("busybox", link)
