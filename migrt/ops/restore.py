@@ -66,7 +66,7 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
             with store.restore_view(ckpt) as view:
                 spec = RestoreSpec(
                     container_id=target.container_id, bundle=target.bundle.path, image_path=view,
-                    work_path=work, pid_file=target.pid_file, console_socket=target.console_socket,
+                    work_path=work, pid_file=target.pid_file or os.path.join(work, "init.pid"), console_socket=target.console_socket,
                     no_pivot=target.no_pivot, options=options, extra=target.extra,
                 )
                 progress("phase", name="restore", checkpoint=name)

@@ -1,0 +1,160 @@
+"""migrt-runc and the CLI with the real runc and CRIU, no containerd (private runc root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import time
+
+import pytest
+
+from tests.helpers.bundles import make_bundle
+from tests.integration.conftest import SHIM, run_cli
+from tests.integration.workloads import COUNTER, parse_ticks
+
+pytestmark = pytest.mark.integration
+
+
+class Piped:
+    """A runc call with fresh pipes as stdio (what containerd's shim does); keeps the read end."""
+
+    def __init__(self, argv: list[str], cwd: str) -> None:
+        r_in, self.w_in = os.pipe()
+        self.r_out, w_out = os.pipe()
+        self.rc = subprocess.run(argv, cwd=cwd, stdin=r_in, stdout=w_out, stderr=w_out, timeout=120).returncode
+        os.close(r_in)
+        os.close(w_out)
+        self.buf = b""
+
+    def read_for(self, seconds: float) -> str:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ready, _, _ = select.select([self.r_out], [], [], 0.1)
+            if ready:
+                chunk = os.read(self.r_out, 65536)
+                if not chunk:
+                    break
+                self.buf += chunk
+        return self.buf.decode(errors="replace")
+
+    def close(self) -> None:
+        for fd in (self.w_in, self.r_out):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def runc_root(stack, migrt_config, tmp_path):
+    root = tmp_path / "runc-root"
+    root.mkdir()
+    yield str(root)
+    for cid in os.listdir(root):
+        subprocess.run(["runc", "--root", str(root), "delete", "--force", cid], capture_output=True)
+
+
+def _state(root: str, cid: str) -> dict:
+    out = subprocess.run(["runc", "--root", root, "state", cid], capture_output=True, text=True)
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def test_restore_via_migrt_runc_create(runc_root, migrt_config, tmp_path):
+    src_bundle = make_bundle(str(tmp_path / "src"), ["sh", "-c", COUNTER])
+    src = Piped(["runc", "--root", runc_root, "create", "src"], src_bundle)
+    assert src.rc == 0
+    assert subprocess.run(["runc", "--root", runc_root, "start", "src"]).returncode == 0
+    before = parse_ticks(src.read_for(1.5))
+    assert len(before) >= 3
+    name = "runc-direct"
+    assert run_cli("checkpoint", "src", "--root", runc_root, "--name", name).stdout.strip() == name
+    assert _state(runc_root, "src").get("status") in (None, "stopped")  # runc destroys it after the dump
+    last = parse_ticks(src.read_for(0.3))[-1]
+    src.close()
+
+    dst_bundle = make_bundle(str(tmp_path / "dst"), ["sh", "-c", "echo fresh"], env=[f"MIGRT_RESTORE={name}"])
+    log = str(tmp_path / "log.json")
+    pid_file = os.path.join(dst_bundle, "init.pid")
+    dst = Piped([SHIM, "--root", runc_root, "--log", log, "--log-format", "json", "create", "--bundle",
+                 dst_bundle, "--pid-file", pid_file, "dst"], dst_bundle)
+    try:
+        assert dst.rc == 0, open(log).read() if os.path.exists(log) else ""
+        raw = open(pid_file).read()
+        assert raw.isdigit()  # decimal digits, no newline: what the shim parses
+        st = _state(runc_root, "dst")
+        assert st["status"] == "running" and st["pid"] == int(raw)
+        assert subprocess.run([SHIM, "--root", runc_root, "start", "dst"]).returncode == 0  # no-op
+        after = parse_ticks(dst.read_for(1.5))
+        assert after and after[0][0] == last[0] + 1  # continues exactly after the last tick
+        assert all(t[2] == last[2] for t in after)
+        assert "fresh" not in dst.buf.decode()
+        subprocess.run(["runc", "--root", runc_root, "kill", "dst", "KILL"], check=True)
+        for _ in range(50):
+            if _state(runc_root, "dst").get("status") == "stopped":
+                break
+            time.sleep(0.1)
+        assert subprocess.run([SHIM, "--root", runc_root, "delete", "dst"]).returncode == 0
+        assert not os.path.exists(os.path.join(runc_root, "dst"))  # marker gone with runc's state
+        assert not [f for f in os.listdir(dst_bundle) if f.startswith(".migrt")]
+    finally:
+        dst.close()
+
+
+def test_cli_restore_ls_inspect_rm(runc_root, migrt_config, tmp_path):
+    bundle = make_bundle(str(tmp_path / "a"), ["sh", "-c", COUNTER])
+    a = Piped(["runc", "--root", runc_root, "create", "a"], bundle)
+    subprocess.run(["runc", "--root", runc_root, "start", "a"], check=True)
+    a.read_for(1.0)
+    res = run_cli("checkpoint", "a", "--root", runc_root, "--name", "cli-ck", "--leave-running", "--json")
+    data = json.loads(res.stdout)
+    assert data["name"] == "cli-ck" and data["options"]["leave_running"] is True
+    assert set(data["timings"]) >= {"dump_s", "commit_s", "total_s"}
+    assert _state(runc_root, "a")["status"] == "running"
+    a.close()
+
+    ls = json.loads(run_cli("ls", "--json").stdout)
+    entry = next(c for c in ls if c["name"] == "cli-ck")
+    assert entry["container_id"] == "a" and entry["size_bytes"] > 0
+    ins = json.loads(run_cli("inspect", "cli-ck", "--json", "--verify").stdout)
+    assert ins["verified"] is True
+    procs = ins["images"]["processes"]
+    assert procs[0]["pid"] == 1 and procs[0]["comm"] == "sh"
+    assert ins["images"]["dumped_bytes"] > 0
+    assert any(f["type"] == "pipe" for f in procs[0]["files"])
+    assert ins["manifest"]["versions"]["criu"].startswith("4.")
+
+    b_bundle = make_bundle(str(tmp_path / "b"), ["sh", "-c", "exit 1"])
+    out = tmp_path / "b.out"
+    res = run_cli("restore", "cli-ck", "b", "--bundle", b_bundle, "--root", runc_root, "--output", str(out), "--json")
+    assert json.loads(res.stdout)["pid"] > 0
+    time.sleep(1.0)
+    assert _state(runc_root, "b")["status"] == "running"
+    assert parse_ticks(out.read_text())
+    # an existing container id is refused before anything is touched
+    res = run_cli("restore", "cli-ck", "b", "--bundle", b_bundle, "--root", runc_root, check=False)
+    assert res.returncode == 6 and "already exists" in res.stderr
+
+    run_cli("rm", "cli-ck")
+    assert "cli-ck" not in [c["name"] for c in json.loads(run_cli("ls", "--json").stdout)]
+    res = run_cli("inspect", "cli-ck", check=False)
+    assert res.returncode == 3 and "not found" in res.stderr
+
+
+def test_checkpoint_errors(runc_root, migrt_config):
+    res = run_cli("checkpoint", "no-such-container", "--root", runc_root, check=False)
+    assert res.returncode == 3 and "no-such-container" in res.stderr
+    res = run_cli("checkpoint", "x", "--name", "../bad", "--root", runc_root, check=False)
+    assert res.returncode in (2, 3)
+
+
+def test_doctor_json(stack, migrt_config):
+    res = run_cli("doctor", "--json", check=False)
+    data = json.loads(res.stdout)
+    names = {c["name"]: c for c in data["checks"]}
+    assert names["criu"]["status"] == "ok"
+    assert names["lower runtime"]["status"] == "ok"
+    assert names["pre-dump (soft-dirty)"]["status"] in ("ok", "warn")
+    assert all(c["status"] == "ok" or c["fix"] for c in data["checks"])
+    assert res.returncode == (0 if data["ok"] else 1)
