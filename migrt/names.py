@@ -16,7 +16,7 @@ def validate(name: str) -> str:
         raise InvalidName("checkpoint name is empty")
     if len(name) > MAX_LEN:
         raise InvalidName(f"checkpoint name is {len(name)} characters long; at most {MAX_LEN} allowed")
-    if not _NAME.match(name) or ".." in name:
+    if not _NAME.fullmatch(name) or ".." in name:  # fullmatch: `$` would accept a trailing newline
         raise InvalidName(
             f"invalid checkpoint name {name!r}: use lower-case letters, digits, '.', '_' and '-', "
             "starting and ending with a letter or digit (no paths)"

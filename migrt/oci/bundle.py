@@ -55,10 +55,16 @@ class Bundle:
             raise BundleError(f"bundle {path}: config.json is not a JSON object")
         return cls(path, config)
 
+    def _section(self, key: str) -> dict:
+        """A top-level object of config.json, {} when absent or malformed (runc reports that)."""
+        value = self.config.get(key)
+        return value if isinstance(value, dict) else {}
+
     @property
     def env(self) -> dict[str, str]:
         out: dict[str, str] = {}
-        for item in (self.config.get("process") or {}).get("env") or []:
+        env = self._section("process").get("env")
+        for item in env if isinstance(env, list) else []:
             if isinstance(item, str):
                 key, _, value = item.partition("=")
                 out[key] = value
@@ -66,7 +72,7 @@ class Bundle:
 
     @property
     def annotations(self) -> dict[str, str]:
-        ann = self.config.get("annotations") or {}
+        ann = self._section("annotations")
         return {k: v for k, v in ann.items() if isinstance(k, str) and isinstance(v, str)}
 
     @property

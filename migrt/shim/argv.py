@@ -90,9 +90,9 @@ def parse_flags(
 ) -> tuple[list[Flag], list[str], list[str]]:
     """Parse flags from tokens. Returns (flags, positionals, unparsed tail).
 
-    With stop_at_positional the first positional ends parsing (global flags); otherwise flags and
-    positionals may interleave (urfave/cli stops at the first positional too, but containerd always
-    puts the container id last, and `--` ends flags).
+    With stop_at_positional the first positional ends parsing (global flags, `exec`); otherwise flags
+    and positionals may interleave, as urfave/cli v1 reorders them for runc's subcommands (`delete
+    ID --force` works); `--` ends flags.
     """
     flags: list[Flag] = []
     positionals: list[str] = []

@@ -32,7 +32,7 @@ def load(path: str, name: str) -> dict:
     if not isinstance(data, dict) or any(k not in data for k in REQUIRED):
         raise CheckpointInvalid(f"checkpoint {name}: manifest.json lacks required fields {REQUIRED}")
     schema = data.get("schema")
-    if not isinstance(schema, int) or schema < 1:
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:  # JSON true is not 1
         raise CheckpointInvalid(f"checkpoint {name}: manifest schema {schema!r} is invalid")
     if schema > SCHEMA:
         raise CheckpointInvalid(

@@ -65,6 +65,7 @@ class Staging:
         self.images = os.path.join(path, "images")
         self.work = os.path.join(path, "work")
         self.committed = False
+        _mkdir(path)  # makedirs would give the intermediate directory the umask's mode, not 0700
         _mkdir(self.images)
         _mkdir(self.work)
 

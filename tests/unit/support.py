@@ -16,6 +16,7 @@ SH_SHIM_SRC = REPO / "migrt" / "shim" / "migrt-runc.sh"
 
 
 def make_executable(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     path.chmod(0o755)
     return path
@@ -24,7 +25,8 @@ def make_executable(path: Path, text: str) -> Path:
 @dataclass
 class FakeRuntime:
     """An executable that appends one JSON line per call to `record`: its argv (as hex bytes, so any
-    byte survives), cwd and, with FAKE_READ_STDIN=1, its stdin. Exits with $FAKE_RC (default 0)."""
+    byte survives), cwd, open fds, MIGRT_*/FAKE_* environment and, with FAKE_READ_STDIN=1, its stdin.
+    Exits with $FAKE_RC (default 0). Writes nothing to stdout or stderr."""
 
     path: Path
     record: Path
@@ -45,6 +47,8 @@ rec = {{
     "argv0": sys.argv[0],
     "argv_hex": [os.fsencode(a).hex() for a in sys.argv[1:]],
     "cwd": os.getcwd(),
+    "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+    "env": {{k: v for k, v in os.environ.items() if k.startswith(("MIGRT_", "FAKE_"))}},
 }}
 if os.environ.get("FAKE_READ_STDIN") == "1":
     rec["stdin"] = sys.stdin.read()

@@ -1,0 +1,540 @@
+"""The checkpoint store under a temp dir: atomic commit (crash at every step), permissions, locks,
+verification, restore views, gc."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from migrt.errors import CheckpointInvalid, Conflict, InvalidName, NotFound
+from migrt.store import Staging, Store
+from migrt.store import manifest as mf
+from tests.unit.support import is_private_dir
+
+STEPS = ["hashed", "manifest-written", "synced", "renamed"]
+PAYLOAD = {
+    "images/pages-1.img": os.urandom(70_000),
+    "images/core-1.img": b"core",
+    "images/sub/dir/inventory.img": b"inv" * 10,
+    "images/descriptors.json": b'["pipe:[1]","pipe:[2]","pipe:[3]"]',
+    "images/empty.img": b"",
+    "rootfs-diff.tar": b"tar" * 100,
+}
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    return Store(str(tmp_path / "store"))
+
+
+def fill(staging: Staging, payload: dict[str, bytes] = PAYLOAD) -> None:
+    for rel, data in payload.items():
+        full = os.path.join(staging.path, rel)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as fh:
+            fh.write(data)
+    # CRIU leaves logs in the work directory; they are not part of the checkpoint.
+    with open(os.path.join(staging.work, "dump.log"), "w") as fh:
+        fh.write("log")
+
+
+def make(store: Store, name: str = "ck", fields: dict | None = None) -> dict:
+    with store.writer(name) as w:
+        fill(w)
+        return w.commit({"created": "2025-01-01T00:00:00Z", **(fields or {})})
+
+
+def staging_entries(store: Store) -> list[str]:
+    try:
+        return os.listdir(os.path.join(store.root, ".staging"))
+    except FileNotFoundError:
+        return []
+
+
+def assert_complete(store: Store, name: str) -> None:
+    ckpt = store.get(name)
+    ckpt.verify()
+    assert set(ckpt.manifest["files"]) == set(PAYLOAD)
+    for rel, data in PAYLOAD.items():
+        with open(os.path.join(ckpt.path, rel), "rb") as fh:
+            assert fh.read() == data
+
+
+# -- commit and visibility ------------------------------------------------------------------------
+def test_checkpoint_is_visible_only_after_commit(store):
+    with store.writer("ck") as w:
+        fill(w)
+        assert store.list() == []
+        assert not store.exists("ck")
+        with pytest.raises(NotFound):
+            store.get("ck")
+        w.commit({"created": "now"})
+        assert [c.name for c in store.list()] == ["ck"]
+    assert store.exists("ck")
+    assert staging_entries(store) == []
+    assert_complete(store, "ck")
+
+
+def test_writer_without_commit_leaves_nothing(store):
+    with store.writer("ck") as w:
+        fill(w)
+        staging_path = w.path
+    assert not os.path.exists(staging_path)
+    assert store.list() == []
+    assert staging_entries(store) == []
+
+
+def test_exception_in_writer_discards_staging(store):
+    with pytest.raises(RuntimeError):
+        with store.writer("ck") as w:
+            fill(w)
+            raise RuntimeError("dump failed")
+    assert store.list() == []
+    assert staging_entries(store) == []
+    make(store, "ck")  # the name is free again
+    assert_complete(store, "ck")
+
+
+def test_manifest_contents(store):
+    data = make(store, "ck", {"source": {"container_id": "abc"}, "name": "evil", "schema": 99})
+    ckpt = store.get("ck")
+    assert ckpt.manifest == data
+    assert data["name"] == "ck" and data["schema"] == mf.SCHEMA  # fields cannot override these
+    assert data["source"] == {"container_id": "abc"}
+    assert data["size_bytes"] == sum(len(v) for v in PAYLOAD.values())
+    assert data["files"] == {
+        rel: {"size": len(v), "sha256": hashlib.sha256(v).hexdigest()} for rel, v in PAYLOAD.items()
+    }
+    assert "checksum_s" in data["timings"]
+    assert not os.path.exists(os.path.join(ckpt.path, "work"))
+    assert "manifest.json" not in data["files"]
+
+
+def test_commit_reports_progress_in_bytes(store):
+    seen = []
+    with store.writer("ck") as w:
+        fill(w)
+        data = w.commit({"created": "now"}, progress=seen.append)
+    assert sum(seen) == data["size_bytes"]
+    assert len(seen) == len(PAYLOAD)
+
+
+def test_permissions(store, tmp_path):
+    old = os.umask(0o022)
+    try:
+        make(store, "ck")
+    finally:
+        os.umask(old)
+    for d in (store.root, *(os.path.join(store.root, h) for h in (".staging", ".locks", ".tmp"))):
+        assert is_private_dir(d), d
+    ckpt = store.get("ck")
+    for dirpath, dirnames, filenames in os.walk(ckpt.path):
+        assert is_private_dir(dirpath), dirpath
+        for f in filenames:
+            full = os.path.join(dirpath, f)
+            assert stat.S_IMODE(os.stat(full).st_mode) == 0o600, full
+            if os.geteuid() == 0:
+                assert (os.stat(full).st_uid, os.stat(full).st_gid) == (0, 0)
+    assert stat.S_IMODE(os.stat(os.path.join(store.root, ".locks", "ck.lock")).st_mode) == 0o600
+
+
+def test_staging_directory_is_private_while_written(store):
+    with store.writer("ck") as w:
+        assert is_private_dir(w.path)
+        assert is_private_dir(w.images)
+        assert is_private_dir(w.work)
+        assert os.path.dirname(w.path) == os.path.join(store.root, ".staging")
+
+
+def test_duplicate_name_is_a_conflict(store):
+    make(store, "ck")
+    with pytest.raises(Conflict, match="ck already exists") as info:
+        with store.writer("ck"):
+            pytest.fail("writer must refuse an existing name")
+    assert info.value.exit_code == 6
+    assert_complete(store, "ck")
+
+
+def test_name_taken_during_write_is_a_conflict_at_commit(store):
+    with store.writer("ck") as w:
+        fill(w)
+        os.makedirs(os.path.join(store.root, "ck", "other"))  # e.g. an import that bypassed the lock
+        with pytest.raises(Conflict, match="already exists"):
+            w.commit({"created": "now"})
+    assert os.listdir(os.path.join(store.root, "ck")) == ["other"]
+    assert staging_entries(store) == []
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "UP", "", ".staging"])
+def test_writer_refuses_invalid_names(store, name):
+    with pytest.raises(InvalidName):
+        with store.writer(name):
+            pass
+    assert not os.path.exists(os.path.join(os.path.dirname(store.root), "x"))
+
+
+def test_list_ignores_hidden_and_invalid_entries(store):
+    make(store, "b")
+    make(store, "a")
+    os.makedirs(os.path.join(store.root, "lost+found"))
+    os.makedirs(os.path.join(store.root, "UPPER"))
+    with open(os.path.join(store.root, "c"), "w"):
+        pass
+    assert [c.name for c in store.list()] == ["a", "b"]
+
+
+def test_list_of_missing_root_is_empty(tmp_path):
+    assert Store(str(tmp_path / "nope")).list() == []
+
+
+# -- crashes between commit steps ----------------------------------------------------------------
+@pytest.mark.parametrize("step", STEPS)
+def test_crash_between_commit_steps(store, monkeypatch, step):
+    # The crashed process never runs discard(): make it a no-op for the crashing writer only.
+    monkeypatch.setattr(Staging, "discard", lambda self: None)
+
+    def fault(s: str) -> None:
+        if s == step:
+            raise Crash(s)
+
+    with pytest.raises(Crash):
+        with store.writer("ck") as w:
+            fill(w)
+            w.commit({"created": "now"}, fault=fault)
+    monkeypatch.undo()
+
+    if step == "renamed":
+        assert [c.name for c in store.list()] == ["ck"]
+        assert_complete(store, "ck")
+        assert staging_entries(store) == []
+        assert store.gc() == []
+        assert_complete(store, "ck")
+        with pytest.raises(Conflict):
+            with store.writer("ck"):
+                pass
+        return
+
+    assert store.list() == []
+    assert not store.exists("ck")
+    leftover = staging_entries(store)
+    assert len(leftover) == 1 and leftover[0].startswith("ck.")
+    removed = store.gc()
+    assert removed == [os.path.join(".staging", leftover[0])]
+    assert staging_entries(store) == []
+    make(store, "ck")
+    assert_complete(store, "ck")
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_process_killed_between_commit_steps(store, step):
+    """A real crash: the writer's process exits at the step (no finally, no discard); the kernel
+    releases its lock."""
+    store.ensure()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 3
+        try:
+            def fault(s: str) -> None:
+                if s == step:
+                    os._exit(17)
+
+            with store.writer("ck") as w:
+                fill(w)
+                w.commit({"created": "now"}, fault=fault)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 17
+    if step == "renamed":
+        assert_complete(store, "ck")
+    else:
+        assert store.list() == []
+        assert len(staging_entries(store)) == 1
+    store.gc()
+    assert staging_entries(store) == []
+    if step != "renamed":
+        make(store, "ck")
+    assert_complete(store, "ck")
+
+
+def test_gc_keeps_staging_of_a_live_writer(store):
+    with store.writer("my.name") as w:
+        fill(w)
+        assert store.gc() == []
+        assert os.path.isdir(w.path)
+        w.commit({"created": "now"})
+    store.get("my.name").verify()
+
+
+def test_gc_removes_tmp_entries_of_dead_processes_only(store):
+    store.ensure()
+    tmp = os.path.join(store.root, ".tmp")
+    dead = os.path.join(tmp, "view.999999999.1")
+    alive = os.path.join(tmp, f"view.{os.getpid()}.1")
+    os.makedirs(dead)
+    os.makedirs(alive)
+    removed = store.gc()
+    assert removed == [os.path.join(".tmp", "view.999999999.1")]
+    assert not os.path.exists(dead)
+    assert os.path.isdir(alive)
+
+
+# -- locks -----------------------------------------------------------------------------------------
+HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_lock_held_by_another_process_is_a_conflict(store):
+    store.ensure()
+    lock = os.path.join(store.root, ".locks", "ck.lock")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, lock], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(Conflict, match="ck is being written by another process") as info:
+            with store.writer("ck"):
+                pytest.fail("writer must not get the lock")
+        assert info.value.exit_code == 6
+        assert store._locked("ck")
+        assert staging_entries(store) == []
+    finally:
+        holder.communicate("", timeout=10)
+    assert not store._locked("ck")
+    make(store, "ck")
+    assert_complete(store, "ck")
+
+
+def test_second_writer_in_another_thread_is_a_conflict(store):
+    inside = threading.Event()
+    release = threading.Event()
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            with store.writer("ck") as w:
+                fill(w)
+                inside.set()
+                assert release.wait(10)
+                w.commit({"created": "now"})
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            inside.set()
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(Conflict, match="being written"):
+            with store.writer("ck"):
+                pass
+        with pytest.raises(Conflict, match="being used"):
+            store.remove("ck")
+    finally:
+        release.set()
+        t.join(10)
+    assert errors == []
+    assert_complete(store, "ck")
+
+
+def test_different_names_do_not_conflict(store):
+    with store.writer("a") as wa, store.writer("b") as wb:
+        fill(wa)
+        fill(wb)
+        wa.commit({"created": "now"})
+        wb.commit({"created": "now"})
+    assert [c.name for c in store.list()] == ["a", "b"]
+
+
+# -- remove ----------------------------------------------------------------------------------------
+def test_remove(store):
+    make(store, "ck")
+    make(store, "keep")
+    store.remove("ck")
+    assert [c.name for c in store.list()] == ["keep"]
+    with pytest.raises(NotFound):
+        store.get("ck")
+    assert os.listdir(os.path.join(store.root, ".tmp")) == []
+    make(store, "ck")
+    assert_complete(store, "ck")
+
+
+def test_remove_missing_is_not_found(store):
+    with pytest.raises(NotFound, match="migrt ls") as info:
+        store.remove("ck")
+    assert info.value.exit_code == 3
+
+
+# -- verification ----------------------------------------------------------------------------------
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("rel", ["images/pages-1.img", "images/sub/dir/inventory.img", "rootfs-diff.tar"])
+def test_one_flipped_byte_is_detected(store, rel):
+    make(store, "ck")
+    ckpt = store.get("ck")
+    _flip(os.path.join(ckpt.path, rel), len(PAYLOAD[rel]) // 2)
+    with pytest.raises(CheckpointInvalid) as info:
+        store.get("ck").verify()
+    assert f"sha256 mismatch in {rel}" in str(info.value)
+    assert "migrt inspect --verify ck" in str(info.value)
+    assert info.value.exit_code == 4
+
+
+def test_resized_file_is_detected(store):
+    make(store, "ck")
+    with open(os.path.join(store.root, "ck", "images", "core-1.img"), "ab") as fh:
+        fh.write(b"x")
+    with pytest.raises(CheckpointInvalid, match=r"size mismatch in images/core-1.img \(5 bytes, manifest says 4\)"):
+        store.get("ck").verify()
+
+
+def test_extra_file_is_detected(store):
+    make(store, "ck")
+    with open(os.path.join(store.root, "ck", "images", "extra.img"), "wb") as fh:
+        fh.write(b"x")
+    with pytest.raises(CheckpointInvalid, match="unexpected file images/extra.img"):
+        store.get("ck").verify()
+
+
+def test_missing_file_is_detected(store):
+    make(store, "ck")
+    os.unlink(os.path.join(store.root, "ck", "images", "empty.img"))
+    with pytest.raises(CheckpointInvalid, match="file images/empty.img is missing"):
+        store.get("ck").verify()
+
+
+def test_symlink_in_checkpoint_is_refused(store):
+    make(store, "ck")
+    os.symlink("/etc/passwd", os.path.join(store.root, "ck", "images", "link.img"))
+    with pytest.raises(CheckpointInvalid, match="not a regular file"):
+        store.get("ck").verify()
+
+
+def _rewrite_manifest(store: Store, ckpt_name: str, changes: dict) -> None:
+    path = os.path.join(store.root, ckpt_name, "manifest.json")
+    with open(path) as fh:
+        data = json.load(fh)
+    for k, v in changes.items():
+        if v is None:
+            data.pop(k, None)
+        else:
+            data[k] = v
+    with open(path, "w") as fh:
+        json.dump(data, fh)
+
+
+def test_future_schema_is_refused(store):
+    make(store, "ck")
+    _rewrite_manifest(store, "ck", {"schema": mf.SCHEMA + 1})
+    with pytest.raises(CheckpointInvalid, match="newer than this migrt understands.*upgrade migrt"):
+        store.get("ck").manifest
+
+
+@pytest.mark.parametrize("schema", [0, -1, "1", 1.0, True])
+def test_invalid_schema_is_refused(store, schema):
+    make(store, "ck")
+    _rewrite_manifest(store, "ck", {"schema": schema})
+    with pytest.raises(CheckpointInvalid, match="schema"):
+        store.get("ck").manifest
+
+
+def test_renamed_checkpoint_is_refused(store):
+    make(store, "ck")
+    os.rename(os.path.join(store.root, "ck"), os.path.join(store.root, "other"))
+    assert [c.name for c in store.list()] == ["other"]
+    with pytest.raises(CheckpointInvalid, match="manifest names 'ck'; it was renamed"):
+        store.get("other").verify()
+
+
+@pytest.mark.parametrize("field", ["schema", "name", "created", "files"])
+def test_missing_required_field_is_refused(store, field):
+    make(store, "ck")
+    _rewrite_manifest(store, "ck", {field: None})
+    with pytest.raises(CheckpointInvalid, match="lacks required fields"):
+        store.get("ck").manifest
+
+
+def test_missing_or_broken_manifest(store):
+    make(store, "ck")
+    path = os.path.join(store.root, "ck", "manifest.json")
+    with open(path, "w") as fh:
+        fh.write("{not json")
+    with pytest.raises(CheckpointInvalid, match="unreadable"):
+        store.get("ck").manifest
+    os.unlink(path)
+    with pytest.raises(CheckpointInvalid, match="manifest.json is missing"):
+        store.get("ck").manifest
+
+
+def test_files_not_an_object_is_refused(store):
+    make(store, "ck")
+    _rewrite_manifest(store, "ck", {"files": ["images/core-1.img"]})
+    with pytest.raises(CheckpointInvalid, match="'files' is not an object"):
+        store.get("ck").manifest
+
+
+def test_check_images_dir(store):
+    make(store, "ck")
+    ckpt = store.get("ck")
+    store.check_images_dir(ckpt)
+    os.rename(ckpt.images, ckpt.images + ".gone")
+    with pytest.raises(CheckpointInvalid, match="images/ directory is missing"):
+        store.check_images_dir(ckpt)
+
+
+# -- restore view ----------------------------------------------------------------------------------
+def test_restore_view_hard_links_images_and_leaves_checkpoint_untouched(store):
+    make(store, "ck")
+    ckpt = store.get("ck")
+    images = {rel: data for rel, data in PAYLOAD.items() if rel.startswith("images/")}
+    with store.restore_view(ckpt) as view:
+        assert os.path.dirname(view) == os.path.join(store.root, ".tmp")
+        assert is_private_dir(view)
+        seen = {os.path.relpath(os.path.join(d, f), view) for d, _, fs in os.walk(view) for f in fs}
+        assert seen == {os.path.relpath(rel, "images") for rel in images}
+        for rel in images:
+            src = os.stat(os.path.join(ckpt.path, rel))
+            dst = os.stat(os.path.join(view, os.path.relpath(rel, "images")))
+            assert (src.st_ino, src.st_dev) == (dst.st_ino, dst.st_dev), rel
+        # CRIU writes stats-restore (and restore.log) into the image directory.
+        with open(os.path.join(view, "stats-restore"), "wb") as fh:
+            fh.write(b"stats")
+        os.makedirs(os.path.join(view, "sub", "new"))
+        # Removing a link in the view does not remove the checkpoint's file.
+        os.unlink(os.path.join(view, "core-1.img"))
+    assert not os.path.exists(view)
+    assert not os.path.exists(os.path.join(ckpt.images, "stats-restore"))
+    assert not os.path.exists(os.path.join(ckpt.images, "sub", "new"))
+    store.get("ck").verify()
+    assert_complete(store, "ck")
+    assert os.listdir(os.path.join(store.root, ".tmp")) == []
+
+
+def test_restore_view_is_removed_after_an_error(store):
+    make(store, "ck")
+    with pytest.raises(Crash):
+        with store.restore_view(store.get("ck")) as view:
+            raise Crash("restore failed")
+    assert not os.path.exists(view)
+    store.get("ck").verify()
