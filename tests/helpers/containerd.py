@@ -40,13 +40,10 @@ class Containerd:
     def start(self, timeout: float = 30.0) -> "Containerd":
         os.makedirs(self.base, exist_ok=True)
         cfg = os.path.join(self.base, "config.toml")
-        text = CONFIG.format(root=self.root, state=self.state, sock=self.sock)
-        if not self.cri:
-            text = DISABLED + text
         with open(cfg, "w") as fh:
-            fh.write(text + self.extra_config)
+            fh.write(self.config_text())
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(["containerd", "--config", cfg], stdout=self._log, stderr=self._log,
+        self.proc = subprocess.Popen(self.command(cfg), stdout=self._log, stderr=self._log,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -56,6 +53,14 @@ class Containerd:
                 return self
             time.sleep(0.1)
         raise RuntimeError(f"containerd did not come up in {timeout}s; see {self.log_path}")
+
+    def config_text(self) -> str:
+        text = CONFIG.format(root=self.root, state=self.state, sock=self.sock)
+        return (text if self.cri else DISABLED + text) + self.extra_config
+
+    def command(self, config_path: str) -> list[str]:
+        """argv that starts containerd (subclasses may wrap it, e.g. in nsenter; the pid stays containerd's)."""
+        return ["containerd", "--config", config_path]
 
     def ctr(self, *args: str, check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
         argv = ["ctr", "--address", self.sock, "--namespace", self.namespace, *args]

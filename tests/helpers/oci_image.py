@@ -22,7 +22,24 @@ def _blob(tar: tarfile.TarFile, data: bytes) -> dict:
     return {"digest": digest, "size": len(data)}
 
 
-def build_image_tar(out_path: str, ref: str = IMAGE_REF) -> str:
+# A pod sandbox ("pause") image from the same busybox: the shell waits forever and exits on TERM/INT.
+# (As pid 1 of the pod's pid namespace it would otherwise ignore signals it has no handler for.)
+PAUSE_REF = "docker.io/migrt/pause:test"
+PAUSE_ENTRYPOINT = ["/bin/sh", "-c", "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done"]
+
+
+def _image_config(entrypoint: list[str] | None, cmd: list[str] | None, env: list[str] | None) -> dict:
+    out: dict = {"Env": env or ["PATH=/bin"]}
+    if entrypoint:
+        out["Entrypoint"] = entrypoint
+    if cmd or not entrypoint:
+        out["Cmd"] = cmd or ["sh"]
+    return out
+
+
+def build_image_tar(out_path: str, ref: str = IMAGE_REF, *, entrypoint: list[str] | None = None,
+                    cmd: list[str] | None = None, env: list[str] | None = None) -> str:
+    """busybox-static as a one-layer OCI image (default: Cmd ["sh"], Env PATH=/bin)."""
     with tempfile.TemporaryDirectory() as tmp:
         rootfs = make_rootfs(os.path.join(tmp, "rootfs"))
         layer_buf = io.BytesIO()
@@ -34,7 +51,7 @@ def build_image_tar(out_path: str, ref: str = IMAGE_REF) -> str:
         layer_desc = {"mediaType": "application/vnd.oci.image.layer.v1.tar", **_blob(tar, layer)}
         config = {
             "architecture": "amd64", "os": "linux",
-            "config": {"Env": ["PATH=/bin"], "Cmd": ["sh"]},
+            "config": _image_config(entrypoint, cmd, env),
             "rootfs": {"type": "layers", "diff_ids": [layer_desc["digest"]]},
         }
         config_desc = {"mediaType": "application/vnd.oci.image.config.v1+json",

@@ -80,3 +80,7 @@ def run_cli(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess
     if check and res.returncode != 0:
         raise AssertionError(f"migrt {' '.join(args)} failed ({res.returncode}): {res.stderr}")
     return res
+
+
+# CRI fixtures (containerd's CRI plugin, pods, a generated CRI client): cri_stack, cri_containerd, cri.
+from tests.integration.conftest_cri import cri, cri_containerd, cri_stack, cri_stubs  # noqa: E402,F401
