@@ -1,8 +1,10 @@
 """migrt-runc: runc-compatible entry point.
 
 Everything not intercepted is handed to the lower runtime with os.execv, argv byte-identical.
-Intercepted: `create` whose bundle asks for a restore (becomes `runc restore --detach`), and `start`
-of a container migrt restored (a no-op: it already runs). Standard library only until that decision.
+Intercepted: `create` whose bundle asks for a restore (becomes `runc restore --detach`), `start`
+of a container migrt restored (a no-op: it already runs), `checkpoint` of a container with CUDA
+processes and `restore` of an image with GPU state (migrt drives the GPU around the lower runtime).
+Standard library only until that decision.
 """
 
 from __future__ import annotations
@@ -44,6 +46,28 @@ def _create(parsed: RuncArgv, lower: str, warning: str | None) -> int | None:
     return restore_on_create(parsed, cmd, bundle, request, lower=lower, lower_warning=warning)
 
 
+def _gpu(parsed: RuncArgv, lower: str) -> int | None:
+    """checkpoint/restore with GPU state: migrt drives the GPU; None to pass the call through."""
+    from migrt.gpu import procs, records
+
+    if os.environ.get(records.HANDLED_ENV):
+        return None  # whoever called us drives the GPU
+    cmd = parsed.command_args()
+    if parsed.command == "checkpoint":
+        pids = procs.container_cuda_pids(parsed.root or _lower.default_root(lower), cmd.container_id or "")
+        if not pids:
+            return None
+        from migrt.ops import gpu_runc
+
+        return gpu_runc.checkpoint(parsed, lower, pids)
+    image_dir = cmd.value("image-path") or os.path.join(os.getcwd(), "checkpoint")
+    if not os.path.isfile(os.path.join(image_dir, records.IMAGE_FILE)):
+        return None
+    from migrt.ops import gpu_runc
+
+    return gpu_runc.restore(parsed, lower, image_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parsed = RuncArgv.parse(args)
@@ -55,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         return 127
     if parsed.command == "create":
         rc = _create(parsed, lower, warning)
+        if rc is not None:
+            return rc
+    elif parsed.command in ("checkpoint", "restore"):
+        rc = _gpu(parsed, lower)
         if rc is not None:
             return rc
     elif parsed.command == "start":

@@ -1,0 +1,232 @@
+"""CudaDriverBackend: the CUDA driver's process checkpoint API (r570+; remap needs r580) via ctypes.
+
+Argument structures, as the CUDA 12.8+/13.0 `cuda.h` and the driver API reference (section 7,
+"CUcheckpoint*Args") declare them; every one is 64 bytes on 64-bit Linux:
+
+    CUcheckpointLockArgs       { unsigned int timeoutMs; unsigned int reserved0; cuuint64_t reserved1[7]; }
+    CUcheckpointCheckpointArgs { cuuint64_t reserved[8]; }
+    CUcheckpointGpuPair        { CUuuid oldUuid; CUuuid newUuid; }                  (32 bytes)
+    CUcheckpointRestoreArgs    { CUcheckpointGpuPair *gpuPairs; unsigned int gpuPairsCount;
+                                 char reserved[52 - sizeof(CUcheckpointGpuPair *)]; cuuint64_t reserved1; }
+                               (8 + 4 + 44 = 56, then reserved1 at offset 56: 64 bytes)
+    CUcheckpointUnlockArgs     { cuuint64_t reserved[8]; }
+
+Reserved fields must be zero; ctypes zero-fills. CUresult codes become migrt errors in one place,
+`_check`, with the driver's own name and text (cuGetErrorName / cuGetErrorString).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from migrt.gpu.backend import CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuBackend, GpuError, GpuUnavailable, Remap
+
+LIBCUDA = "libcuda.so.1"
+
+# CUresult values the messages and the translation below care about (cuda.h).
+CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_NO_DEVICE = 100
+CUDA_ERROR_ILLEGAL_STATE = 401
+CUDA_ERROR_NOT_FOUND = 500
+CUDA_ERROR_NOT_PERMITTED = 800
+CUDA_ERROR_NOT_SUPPORTED = 801
+CUDA_ERROR_TIMEOUT = 909
+
+# CUprocessState
+_STATES = {0: RUNNING, 1: LOCKED, 2: CHECKPOINTED, 3: FAILED}
+
+_HINTS = {
+    CUDA_ERROR_INVALID_VALUE: "for restore: the GPU pairs must cover every GPU the process can see, each once",
+    CUDA_ERROR_ILLEGAL_STATE: "the process is not in the state this call needs",
+    CUDA_ERROR_NOT_FOUND: "no CUDA process with this pid (or it never initialised CUDA)",
+    CUDA_ERROR_NOT_PERMITTED: "run as root",
+    CUDA_ERROR_NOT_SUPPORTED: "the driver or GPU does not support process checkpoints (driver r570+ needed)",
+    CUDA_ERROR_TIMEOUT: "the process did not reach a lockable point in time; raise the lock timeout",
+}
+
+REQUIRED = ("cuInit", "cuGetErrorName", "cuGetErrorString", "cuCheckpointProcessLock",
+            "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
+            "cuCheckpointProcessGetState", "cuCheckpointProcessGetRestoreThreadId")
+
+
+class CUuuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+class CUcheckpointLockArgs(ctypes.Structure):
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint), ("reserved1", ctypes.c_uint64 * 7)]
+
+
+class CUcheckpointCheckpointArgs(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+
+
+class CUcheckpointGpuPair(ctypes.Structure):
+    _fields_ = [("oldUuid", CUuuid), ("newUuid", CUuuid)]
+
+
+class CUcheckpointRestoreArgs(ctypes.Structure):
+    _fields_ = [
+        ("gpuPairs", ctypes.POINTER(CUcheckpointGpuPair)),
+        ("gpuPairsCount", ctypes.c_uint),
+        ("reserved", ctypes.c_char * (52 - ctypes.sizeof(ctypes.c_void_p))),
+        ("reserved1", ctypes.c_uint64),
+    ]
+
+
+class CUcheckpointUnlockArgs(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+
+
+for _s in (CUcheckpointLockArgs, CUcheckpointCheckpointArgs, CUcheckpointRestoreArgs, CUcheckpointUnlockArgs):
+    assert ctypes.sizeof(_s) == 64, (_s.__name__, ctypes.sizeof(_s))
+assert ctypes.sizeof(CUcheckpointGpuPair) == 32
+
+
+def _gpu_pairs(remap: Remap) -> ctypes.Array:
+    pairs = (CUcheckpointGpuPair * len(remap))()
+    for i, (old, new) in enumerate(remap):
+        if len(old) != 16 or len(new) != 16:
+            raise ValueError(f"GPU pair {i}: UUIDs must be 16 bytes, got {len(old)} and {len(new)}")
+        ctypes.memmove(pairs[i].oldUuid.bytes, old, 16)
+        ctypes.memmove(pairs[i].newUuid.bytes, new, 16)
+    return pairs
+
+
+class CudaDriverBackend(GpuBackend):
+    """libcuda.so.1 (or `library`, a path: the tests' stand-in) loaded once, cuInit(0) on first use."""
+
+    name = "cuda"
+
+    def __init__(self, library: str = LIBCUDA) -> None:
+        self.library = library
+        self._lib: ctypes.CDLL | None = None
+        self._error: str | None = None
+        self._init_lock = threading.Lock()
+
+    # -- loading ---------------------------------------------------------------------------------
+    def _load(self) -> ctypes.CDLL:
+        with self._init_lock:
+            if self._lib is not None:
+                return self._lib
+            if self._error is not None:
+                raise GpuUnavailable(self._error)
+            try:
+                lib = ctypes.CDLL(self.library)
+            except OSError as exc:
+                self._error = f"cannot load {self.library}: {exc} (no NVIDIA driver on this node?)"
+                raise GpuUnavailable(self._error) from exc
+            missing = [s for s in REQUIRED if not hasattr(lib, s)]
+            if missing:
+                self._error = (f"{self.library} lacks {', '.join(missing)}: the driver is too old for process "
+                               "checkpoints (r570+ needed, r580+ for restore onto other GPUs)")
+                raise GpuUnavailable(self._error)
+            for fn in REQUIRED:
+                getattr(lib, fn).restype = ctypes.c_int
+            lib.cuInit.argtypes = [ctypes.c_uint]
+            lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            lib.cuCheckpointProcessLock.argtypes = [ctypes.c_int, ctypes.POINTER(CUcheckpointLockArgs)]
+            lib.cuCheckpointProcessCheckpoint.argtypes = [ctypes.c_int, ctypes.POINTER(CUcheckpointCheckpointArgs)]
+            lib.cuCheckpointProcessRestore.argtypes = [ctypes.c_int, ctypes.POINTER(CUcheckpointRestoreArgs)]
+            lib.cuCheckpointProcessUnlock.argtypes = [ctypes.c_int, ctypes.POINTER(CUcheckpointUnlockArgs)]
+            lib.cuCheckpointProcessGetState.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+            lib.cuCheckpointProcessGetRestoreThreadId.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+            self._lib = lib  # set before cuInit so that _check can name its errors
+            try:
+                self._check("cuInit", None, lib.cuInit(0))
+            except GpuError as exc:
+                self._lib = None
+                self._error = str(exc)
+                raise GpuUnavailable(self._error, call="cuInit", code=exc.code) from exc
+            return lib
+
+    def available(self) -> bool:
+        try:
+            self._load()
+        except GpuError:
+            return False
+        return True
+
+    def unavailable_reason(self) -> str | None:
+        return None if self.available() else self._error
+
+    # -- the one place where CUresult becomes a migrt error ----------------------------------------
+    def _describe(self, rc: int) -> tuple[str, str]:
+        name, text = ctypes.c_char_p(), ctypes.c_char_p()
+        lib = self._lib
+        if lib is None or lib.cuGetErrorName(rc, ctypes.byref(name)) != CUDA_SUCCESS or not name.value:
+            return f"CUresult {rc}", "unknown error"
+        if lib.cuGetErrorString(rc, ctypes.byref(text)) != CUDA_SUCCESS or not text.value:
+            return name.value.decode(errors="replace"), "no description"
+        return name.value.decode(errors="replace"), text.value.decode(errors="replace")
+
+    def _check(self, call: str, pid: int | None, rc: int) -> None:
+        if rc == CUDA_SUCCESS:
+            return
+        name, text = self._describe(rc)
+        where = f" (pid {pid})" if pid is not None else ""
+        hint = _HINTS.get(rc)
+        msg = f"{call}{where} failed: {name}: {text}" + (f"; {hint}" if hint else "")
+        cls = GpuUnavailable if rc == CUDA_ERROR_NOT_SUPPORTED else GpuError
+        raise cls(msg, call=call, pid=pid, code=rc)
+
+    # -- the calls -----------------------------------------------------------------------------------
+    def state(self, pid: int) -> str:
+        lib = self._load()
+        out = ctypes.c_int(-1)
+        self._check("cuCheckpointProcessGetState", pid, lib.cuCheckpointProcessGetState(pid, ctypes.byref(out)))
+        try:
+            return _STATES[out.value]
+        except KeyError:
+            raise GpuError(f"cuCheckpointProcessGetState (pid {pid}) returned unknown state {out.value}",
+                           call="cuCheckpointProcessGetState", pid=pid) from None
+
+    def lock(self, pid: int, timeout_ms: int = 0) -> None:
+        lib = self._load()
+        args = CUcheckpointLockArgs(timeoutMs=int(timeout_ms))
+        self._check("cuCheckpointProcessLock", pid, lib.cuCheckpointProcessLock(pid, ctypes.byref(args)))
+
+    def checkpoint(self, pid: int) -> None:
+        lib = self._load()
+        args = CUcheckpointCheckpointArgs()
+        self._check("cuCheckpointProcessCheckpoint", pid, lib.cuCheckpointProcessCheckpoint(pid, ctypes.byref(args)))
+
+    def restore(self, pid: int, remap: Remap | None = None) -> None:
+        lib = self._load()
+        args = CUcheckpointRestoreArgs()
+        pairs = None
+        if remap:
+            pairs = _gpu_pairs(remap)  # kept alive until the call returns
+            args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(CUcheckpointGpuPair))
+            args.gpuPairsCount = len(remap)
+        rc = lib.cuCheckpointProcessRestore(pid, ctypes.byref(args))
+        del pairs
+        self._check("cuCheckpointProcessRestore", pid, rc)
+
+    def unlock(self, pid: int) -> None:
+        lib = self._load()
+        args = CUcheckpointUnlockArgs()
+        self._check("cuCheckpointProcessUnlock", pid, lib.cuCheckpointProcessUnlock(pid, ctypes.byref(args)))
+
+    def restore_thread_id(self, pid: int) -> int:
+        lib = self._load()
+        tid = ctypes.c_int(0)
+        self._check("cuCheckpointProcessGetRestoreThreadId", pid,
+                    lib.cuCheckpointProcessGetRestoreThreadId(pid, ctypes.byref(tid)))
+        return tid.value
+
+    def driver_api_version(self) -> int | None:
+        """cuDriverGetVersion (e.g. 13000 for CUDA 13.0), or None."""
+        try:
+            lib = self._load()
+        except GpuError:
+            return None
+        fn = getattr(lib, "cuDriverGetVersion", None)
+        if fn is None:
+            return None
+        v = ctypes.c_int(0)
+        return v.value if fn(ctypes.byref(v)) == CUDA_SUCCESS else None

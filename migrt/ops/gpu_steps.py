@@ -1,0 +1,179 @@
+"""The GPU steps of checkpoint and restore, called from a few lines of ops/checkpoint.py,
+ops/restore.py and ops/gpu_runc.py (migrt-runc's own checkpoint/restore).
+
+Checkpoint:  suspend(...) finds the container's live CUDA processes; if any, locks and checkpoints
+             them all (undoing on failure). The returned GpuSuspension resumes them when the
+             container must keep running (--leave-running) or the dump failed.
+Restore:     plan_restore(...) is the preflight (before anything is touched); GpuRestore.resume(pid)
+             after the lower runtime's restore: finds the restored CUDA processes, fixes the
+             container's /dev/nvidia* nodes, restores (with the UUID remap) and unlocks them.
+Whenever migrt drives the GPU it sets MIGRT_GPU_HANDLED=1 in the lower runtime's environment, which
+CRIU passes on to action scripts: the hooks/cuda-criu-action then stands aside.
+A container without CUDA processes, or a checkpoint without GPU state, needs neither libcuda nor NVML.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from migrt import log as log_mod
+from migrt.errors import MigrtError, PreconditionFailed
+from migrt.gpu import devnodes, inventory, preflight, procs, records, select, session, visible
+from migrt.gpu.backend import CHECKPOINTED, GpuBackend, GpuError
+from migrt.ops.progress import Progress, null_progress
+
+HANDLED_ENV = records.HANDLED_ENV
+
+
+def backend_choice(cfg) -> str:
+    return getattr(cfg, "gpu_backend", "auto") or "auto"
+
+
+def lock_timeout_ms(cfg) -> int:
+    return int(getattr(cfg, "gpu_lock_timeout_ms", session.DEFAULT_LOCK_TIMEOUT_MS))
+
+
+def _usable_backend(cfg, what: str) -> GpuBackend:
+    backend = select.get_backend(backend_choice(cfg))
+    if not backend.available():
+        raise PreconditionFailed(f"{what}, but the CUDA checkpoint API is not usable here: "
+                                 f"{select.unavailable_reason(backend)}")
+    return backend
+
+
+def runtime_env(active) -> dict[str, str] | None:
+    """The lower runtime's environment: ours plus MIGRT_GPU_HANDLED=1 when migrt drives the GPU."""
+    if not active:
+        return None
+    return {**os.environ, HANDLED_ENV: "1"}
+
+
+# -- checkpoint --------------------------------------------------------------------------------------
+@dataclass
+class GpuSuspension:
+    pids: list[int]
+    backend: GpuBackend
+    section: dict
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def resume(self) -> None:
+        """Back to running from wherever each process stands (a dump that failed, --leave-running)."""
+        t0 = time.monotonic()
+        session.resume_if_needed(self.pids, self.backend)
+        self.timings["gpu_resume_s"] = round(time.monotonic() - t0, 3)
+
+
+def _config_gpus(config: dict | None, inv, what: str) -> list[str] | None:
+    if not config:
+        return None
+    try:
+        return visible.from_config(config, inv)
+    except visible.VisibleError as exc:
+        log_mod.get().warning("gpu_visible_unclear", container=what, error=str(exc))
+        return None
+
+
+def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
+            progress: Progress = null_progress, *, pids: list[int] | None = None) -> GpuSuspension | None:
+    """Suspend the container's CUDA processes; None when it has none (nothing GPU-related happens)."""
+    if pids is None:
+        pids = procs.cuda_pids(procs.container_pids(init_pid)) if init_pid else []
+    if not pids:
+        return None
+    what = f"container {container_id} has {len(pids)} CUDA process(es) (pids {', '.join(map(str, pids))})"
+    backend = _usable_backend(cfg, what)
+    inv = inventory.take()
+    vis = records.visible_at_checkpoint(_config_gpus(config, inv, container_id),
+                                        visible.from_devnodes(init_pid, inv) if init_pid else None, pids, inv)
+    section = records.describe(pids, inv, vis)
+    progress("phase", name="gpu-checkpoint", processes=len(pids))
+    t0 = time.monotonic()
+    session.suspend_all(pids, backend, lock_timeout_ms(cfg))
+    seconds = round(time.monotonic() - t0, 3)
+    section["timings"]["gpu_checkpoint_s"] = seconds
+    progress("done", name="gpu-checkpoint", seconds=seconds)
+    log_mod.get().info("gpu_suspended", container=container_id, pids=pids, seconds=seconds)
+    return GpuSuspension(pids=pids, backend=backend, section=section, timings={"gpu_checkpoint_s": seconds})
+
+
+@contextlib.contextmanager
+def suspended(cfg, container_id: str, init_pid: int | None, config: dict | None, *, leave_running: bool,
+              image_dir: str | None = None, progress: Progress = null_progress) -> Iterator[GpuSuspension | None]:
+    """Around the lower runtime's dump: suspend before, resume after when the container keeps
+    running, and on any failure inside (the failure is re-raised, with a failed resume noted)."""
+    gpu = suspend(cfg, container_id, init_pid, config, progress)
+    try:
+        if gpu and image_dir:
+            records.write_image_file(image_dir, gpu.section)
+        yield gpu
+    except BaseException as exc:
+        if gpu:
+            try:
+                gpu.resume()
+            except GpuError as undo:
+                log_mod.get().error("gpu_resume_failed", container=container_id, error=str(undo))
+                if isinstance(exc, MigrtError):
+                    exc.details.append(f"the GPU processes could not be resumed: {undo}")
+        raise
+    if gpu and leave_running:
+        gpu.resume()
+
+
+# -- restore -----------------------------------------------------------------------------------------
+@dataclass
+class GpuRestore:
+    section: dict
+    backend: GpuBackend
+    placement: preflight.Placement
+    inv: inventory.Inventory
+    what: str
+
+    def resume(self, init_pid: int, progress: Progress = null_progress) -> dict[str, float]:
+        """After the lower runtime restored the container (init_pid): GPU restore + unlock."""
+        want = len(self.section.get("processes") or [])
+        t0 = time.monotonic()
+        pids = []
+        for pid in procs.cuda_pids(procs.container_pids(init_pid), live=False):
+            try:
+                if self.backend.state(pid) == CHECKPOINTED:
+                    pids.append(pid)
+            except GpuError:
+                continue  # maps libcuda but never used it: not the driver's business
+        if len(pids) != want:
+            raise GpuError(f"{self.what}: found {len(pids)} checkpointed CUDA process(es) in the restored container "
+                           f"(init pid {init_pid}), the checkpoint has {want}")
+        minors = [g.minor for g in (self.inv.by_uuid(n) for _, n in self.placement.pairs) if g and g.minor is not None]
+        try:
+            changes = devnodes.sync(init_pid, minors)
+        except OSError as exc:
+            raise GpuError(f"{self.what}: cannot set up /dev/nvidia* in the restored container: {exc}") from exc
+        progress("phase", name="gpu-restore", processes=len(pids))
+        session.resume_all(pids, self.backend, self.placement.remap())
+        seconds = round(time.monotonic() - t0, 3)
+        progress("done", name="gpu-restore", seconds=seconds)
+        log_mod.get().info("gpu_restored", pids=pids, pairs=self.placement.to_dict(), devnodes=changes, seconds=seconds)
+        return {"gpu_restore_s": seconds}
+
+
+def plan_restore(cfg, section: dict | None, config: dict, what: str) -> GpuRestore | None:
+    """Preflight: None for a checkpoint without GPU state; PreconditionFailed on any mismatch."""
+    if not section or not section.get("processes"):
+        return None
+    inv = inventory.take()
+    try:
+        targets = visible.from_config(config, inv) if inv.available else None
+    except visible.VisibleError as exc:
+        raise PreconditionFailed(f"{what}: {exc}") from exc
+    placement = preflight.check(section, inv, targets, what=what)
+    backend = _usable_backend(cfg, f"{what} holds GPU state")
+    return GpuRestore(section=section, backend=backend, placement=placement, inv=inv, what=what)
+
+
+def resume_restored(gpu: GpuRestore | None, init_pid: int, timings: dict, progress: Progress = null_progress) -> None:
+    """The restore paths' one line: nothing without GPU state."""
+    if gpu is not None:
+        timings.update(gpu.resume(init_pid, progress))
