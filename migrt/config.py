@@ -8,6 +8,8 @@ Keys (all optional):
   log_level: info                    debug | info | warning | error
   runtime_roots: []                  extra runc state roots to search for containers
   criu_options: {}                   defaults for checkpoints: tcp_established, ext_unix_sk, file_locks
+  gpu_backend: auto                  auto | cuda | none (auto: the CUDA driver API when libcuda.so.1 has it)
+  gpu_lock_timeout_ms: 30000         how long a CUDA process may take to reach a lockable point
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from migrt.shim.lower import config_path, resolve
 POLICIES = ("fail", "fresh")
 LEVELS = ("debug", "info", "warning", "error")
 CRIU_OPTION_KEYS = ("tcp_established", "ext_unix_sk", "file_locks", "shell_job")
+GPU_KEYS = ("gpu_backend", "gpu_lock_timeout_ms")
+GPU_BACKENDS = ("auto", "cuda", "none")
 
 
 @dataclass
@@ -33,6 +37,8 @@ class Config:
     log_level: str = "info"
     runtime_roots: list[str] = field(default_factory=list)
     criu_options: dict[str, bool] = field(default_factory=dict)
+    gpu_backend: str = "auto"
+    gpu_lock_timeout_ms: int = 30_000
     loaded: bool = False  # False when the file did not exist (defaults in use)
 
     def runtime_path(self) -> str:
@@ -66,6 +72,7 @@ def load(path: str | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options"}
+    known |= set(GPU_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"config {path}: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
@@ -92,4 +99,16 @@ def load(path: str | None = None) -> Config:
     if not isinstance(opts, dict) or not all(k in CRIU_OPTION_KEYS and isinstance(v, bool) for k, v in opts.items()):
         raise ConfigError(f"config {path}: 'criu_options' keys must be among {CRIU_OPTION_KEYS} with true/false values")
     cfg.criu_options = opts
+    _load_gpu(cfg, data, path)
     return cfg
+
+
+def _load_gpu(cfg: Config, data: dict, path: str) -> None:
+    backend = data.get("gpu_backend", cfg.gpu_backend)
+    if backend not in GPU_BACKENDS:
+        raise ConfigError(f"config {path}: 'gpu_backend' must be one of {GPU_BACKENDS}, got {backend!r}")
+    cfg.gpu_backend = backend
+    timeout = data.get("gpu_lock_timeout_ms", cfg.gpu_lock_timeout_ms)
+    if not isinstance(timeout, int) or isinstance(timeout, bool) or not 0 <= timeout <= 3_600_000:
+        raise ConfigError(f"config {path}: 'gpu_lock_timeout_ms' must be an integer from 0 (no timeout) to 3600000")
+    cfg.gpu_lock_timeout_ms = timeout

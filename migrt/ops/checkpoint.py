@@ -12,6 +12,7 @@ from migrt.criu.options import CriuOptions
 from migrt.criu.version import versions
 from migrt.errors import Conflict, MigrtError
 from migrt.oci.bundle import Bundle
+from migrt.ops import gpu_steps
 from migrt.ops.progress import Progress, null_progress
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
@@ -61,11 +62,15 @@ def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_pr
     created = time.time()
     timings: dict[str, float] = {}
     with store.writer(name) as staging:
-        progress("phase", name="dump", container=req.container_id)
-        t0 = time.monotonic()
-        runtime.checkpoint(root, req.container_id, image_path=staging.images, work_path=staging.work,
-                           options=opts, leave_running=req.leave_running)
-        timings["dump_s"] = round(time.monotonic() - t0, 3)
+        # GPU: suspend the CUDA processes (if any) before the dump; resume them after it when the
+        # container keeps running, and on any failure.
+        with gpu_steps.suspended(cfg, req.container_id, state.get("pid"), bundle.config, image_dir=staging.images,
+                                 leave_running=req.leave_running, progress=progress) as gpu:
+            progress("phase", name="dump", container=req.container_id)
+            t0 = time.monotonic()
+            runtime.checkpoint(root, req.container_id, image_path=staging.images, work_path=staging.work,
+                               options=opts, leave_running=req.leave_running, env=gpu_steps.runtime_env(gpu))
+            timings["dump_s"] = round(time.monotonic() - t0, 3)
         dump_log = os.path.join(staging.work, "dump.log")
         if os.path.isfile(dump_log):
             os.makedirs(os.path.join(staging.path, "logs"), mode=0o700, exist_ok=True)
@@ -88,6 +93,9 @@ def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_pr
             "options": {**opts.to_dict(), "leave_running": req.leave_running},
             "timings": timings,
         }
+        if gpu:
+            fields["gpu"] = gpu.section
+            timings.update(gpu.timings)
         t0 = time.monotonic()
         data = staging.commit(fields, progress=lambda n: progress("bytes", name="commit", bytes=n))
         timings["commit_s"] = round(time.monotonic() - t0, 3)

@@ -133,7 +133,8 @@ def restore(parsed, lower: str, image_dir: str) -> int:
         log.error("gpu_restore_failed", container=cid, error=str(exc))
         subprocess.run([lower, *[t for f in parsed.global_flags for t in f.tokens], "delete", "--force", cid],
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-        return _fail(parsed, MigrtError(f"GPU restore of container {cid} failed; the container was removed, the "
-                                        f"checkpoint image {image_dir} is unchanged: {exc}", details=exc.details))
+        exc.message = (f"GPU restore of container {cid} failed; the container was removed, the checkpoint image "
+                       f"{image_dir} is unchanged: {exc.message}")
+        return _fail(parsed, exc)
     log.info("gpu_restore", container=cid, pid=pid, timings=timings)
     return 0

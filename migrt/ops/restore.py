@@ -17,6 +17,7 @@ from migrt.config import POLICIES, Config
 from migrt.criu.options import CriuOptions
 from migrt.errors import Conflict, MigrtError, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
+from migrt.ops import gpu_steps
 from migrt.ops.progress import Progress, null_progress
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
@@ -54,6 +55,8 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
         state_dir = os.path.join(target.root, target.container_id)
         if os.path.exists(state_dir):
             raise Conflict(f"container {target.container_id} already exists in {target.root}")
+        # GPU preflight, before anything is touched (None: the checkpoint has no GPU state)
+        gpu = gpu_steps.plan_restore(cfg, ckpt.manifest.get("gpu"), target.bundle.config, f"checkpoint {name}")
         options = CriuOptions.from_dict(ckpt.manifest.get("options"))
         work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
         os.makedirs(work, mode=0o700, exist_ok=True)
@@ -72,13 +75,15 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
                 progress("phase", name="restore", checkpoint=name)
                 t0 = time.monotonic()
                 try:
-                    pid = runtime.restore(spec, global_tokens=global_tokens, stdio=target.stdio, log_path=log_path)
+                    pid = runtime.restore(spec, global_tokens=global_tokens, stdio=target.stdio, log_path=log_path,
+                                          env=gpu_steps.runtime_env(gpu))
+                    timings["restore_s"] = round(time.monotonic() - t0, 3)
+                    progress("done", name="restore", seconds=timings["restore_s"])
+                    gpu_steps.resume_restored(gpu, pid, timings, progress)  # GPU restore (remap) + unlock
                 except MigrtError:
                     if os.path.exists(state_dir):  # ours: it did not exist before
                         runtime.delete_force(target.root, target.container_id)
                     raise
-                timings["restore_s"] = round(time.monotonic() - t0, 3)
-                progress("done", name="restore", seconds=timings["restore_s"])
             write_marker(target.root, target.container_id,
                          {"checkpoint": name, "restored_at": time.time(), "pid": pid})
         finally:

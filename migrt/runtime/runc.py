@@ -85,14 +85,16 @@ class LowerRuntime:
         return json.loads(out.stdout)
 
     def checkpoint(self, root: str, container_id: str, *, image_path: str, work_path: str,
-                   options: CriuOptions, leave_running: bool, extra: list[str] | None = None) -> None:
+                   options: CriuOptions, leave_running: bool, extra: list[str] | None = None,
+                   env: dict[str, str] | None = None) -> None:
+        """env: runc's environment (None: ours); CRIU passes it on to its action scripts."""
         log = os.path.join(work_path, "runc.log")
         args = ["--log", log, "--log-format", "json"] if "--log" not in self.global_args else []
         argv = [self.path, "--root", root, *args, *self.global_args, "checkpoint",
                 "--image-path", image_path, "--work-path", work_path, *options.runc_flags(),
                 *(["--leave-running"] if leave_running else []), *(extra or []), container_id]
         try:
-            out = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+            out = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, env=env)
         except OSError as exc:
             raise RuntimeFailed(f"cannot run {self.path}: {exc}") from exc
         if out.returncode != 0:
@@ -103,16 +105,16 @@ class LowerRuntime:
             )
 
     def restore(self, spec: RestoreSpec, *, global_tokens: list[str], stdio: tuple | None = None,
-                log_path: str | None = None) -> int:
+                log_path: str | None = None, env: dict[str, str] | None = None) -> int:
         """Run `restore --detach`; return the restored init's pid (from the pid file when given).
         stdio: (stdin, stdout, stderr) for runc, which CRIU hands to the restored process;
-        None inherits ours (the shim's pipes at create)."""
+        None inherits ours (the shim's pipes at create). env: runc's environment (None: ours)."""
         argv = [self.path, *global_tokens, *spec.argv()]
         kw = {}
         if stdio is not None:
             kw = {"stdin": stdio[0], "stdout": stdio[1], "stderr": stdio[2]}
         try:
-            rc = subprocess.run(argv, check=False, **kw).returncode
+            rc = subprocess.run(argv, check=False, env=env, **kw).returncode
         except OSError as exc:
             raise RuntimeFailed(f"cannot run {self.path}: {exc}") from exc
         if rc != 0:
