@@ -40,6 +40,14 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def ppid(pid: int) -> int | None:
+    stat = _read(f"/proc/{pid}/stat")
+    try:
+        return int(stat.rpartition(")")[2].split()[1]) if stat else None
+    except (IndexError, ValueError):
+        return None
+
+
 def ns_pid(pid: int) -> int | None:
     """The pid as the process's own (innermost) pid namespace sees it."""
     for line in (_read(f"/proc/{pid}/status") or "").splitlines():
