@@ -1,0 +1,46 @@
+"""`migrt doctor`'s containerd check: runtime handler `migrt` in containerd's config (main file and
+imports, merged as containerd does), migrt-runc behind it, and the drop-in up to date."""
+
+from __future__ import annotations
+
+import os
+
+from migrt.errors import MigrtError
+from migrt.ops import containerd_config as cc
+
+
+def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
+    return {"name": name, "status": status, "detail": detail, "fix": fix}
+
+
+def containerd_handler_check(config: str | None = None, root: str = "/") -> dict:
+    """Runtime handler `migrt` in containerd's config (main file + imports, merged as containerd does)."""
+    from migrt.ops.install import plan_containerd
+
+    config = config or cc.DEFAULT_CONFIG
+    name, fix = "containerd handler migrt", "run 'migrt install containerd', then restart containerd"
+    try:
+        cfg = cc.load(config, root)
+    except MigrtError as exc:
+        return _check(name, "fail", str(exc), "fix the file; containerd cannot start with it either")
+    if not cfg.exists:
+        return _check(name, "warn", f"{config} absent: containerd runs with defaults, no handler migrt", fix)
+    if cfg.version not in cc.SUPPORTED_VERSIONS:
+        return _check(name, "fail", f"{config}: config version {cfg.version} not supported", "containerd config migrate")
+    h = cc.handler(cfg.effective(), cfg.version)
+    if h is None:
+        return _check(name, "warn", f"not configured in {config} or its imports (needed for Kubernetes)", fix)
+    binary = (h.get("options") or {}).get("BinaryName") or ""
+    if h.get("runtime_type") != cc.RUNTIME_TYPE or not os.access(cc.host_path(root, binary or "/-"), os.X_OK):
+        return _check(name, "fail", f"runtime_type {h.get('runtime_type')!r}, BinaryName {binary!r} (not executable "
+                      "or wrong runtime type)", fix)
+    detail = f"{binary} (config version {cfg.version}); containerd reads it at start"
+    try:
+        plan = plan_containerd(config, root=root, binary=binary)
+    except MigrtError:
+        return _check(name, "ok", detail)
+    ours = next((c for c in plan.changes if c.path == plan.dropin), None)
+    if ours and ours.before is not None and plan.changed:
+        return _check(name, "warn", f"{detail}; but {plan.dropin} is out of date with the rest of the config",
+                      "run 'migrt install containerd' again, then restart containerd")
+    return _check(name, "ok", detail)
