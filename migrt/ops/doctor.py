@@ -9,6 +9,7 @@ import subprocess
 
 from migrt.criu.version import MIN_CRIU, criu_binary, criu_version, kernel_version, parse_version, runtime_version
 from migrt.errors import MigrtError
+from migrt.ops.doctor_gpu import gpu_checks
 
 
 def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
@@ -85,6 +86,7 @@ def run_checks() -> list[dict]:
         out.append(_check("pycriu", "ok", "importable"))
     except ImportError:
         out.append(_check("pycriu", "warn", "not importable", "install python3-pycriu ('migrt inspect' needs it)"))
+    out += gpu_checks(runtime)
     out.append(_check("kernel", "ok", kernel_version()))
     if cfg:
         out.append(_store_check(cfg.store))

@@ -324,3 +324,58 @@ def test_devnodes_sync_creates_fixes_and_removes(tmp_path, monkeypatch):
     assert stat.S_IMODE(os.stat(dev / "nvidia1").st_mode) == 0o666
     assert changes == ["removed nvidia0", "recreated nvidia-uvm (511:0)", "created nvidia1 (195:1)"]
     assert devnodes.sync(0, [1], dev_dir=str(dev)) == []
+
+
+# -- migrt inspect / migrt doctor --------------------------------------------------------------------------
+def test_inspect_renders_the_gpu_section():
+    from migrt.cli.gpu_render import gpu_lines
+
+    inv = inventory(h100(0, U0))
+    inv.cuda_driver_version = 13000
+    inv.processes = {os.getpid(): [(U0, 8 * GIB)]}
+    sec = records.describe([os.getpid()], inv, [U0])
+    sec["timings"]["gpu_checkpoint_s"] = 4.6
+    lines = gpu_lines(sec)
+    assert lines[0] == ("gpu:        NVIDIA driver 580.159 (CUDA 13.0), 1 GPU(s), 1 CUDA process(es), "
+                        "GPU checkpoint 4.60 s")
+    assert lines[1].startswith(f"  GPU 0  NVIDIA H100 80GB HBM3  {U0}  80.0 GiB  bus 00000000:10:00.0")
+    assert f"pid {os.getpid():>7}" in lines[2] and lines[2].endswith(f"8.0 GiB on {U0}")
+    assert gpu_lines({})[0].startswith("gpu:        NVIDIA driver ?, 0 GPU(s), 0 CUDA process(es)")
+
+
+def test_doctor_without_gpu_is_one_warning():
+    from migrt.ops.doctor_gpu import gpu_checks
+
+    checks = gpu_checks("/usr/sbin/runc", inv=Inventory(source="none", error="no driver"))
+    assert [(c["name"], c["status"]) for c in checks] == [("gpu", "warn")]
+    assert checks[0]["detail"] == "no GPU: no driver"
+
+
+def test_doctor_on_a_gpu_node(monkeypatch, tmp_path):
+    from migrt.ops import doctor_gpu
+
+    class Api:
+        def available(self):
+            return True
+
+        def driver_api_version(self):
+            return 13000
+
+    g = h100(0, U0)
+    g.persistence_mode = False
+    monkeypatch.setattr(doctor_gpu, "thp_setting", lambda path=None: "madvise")
+    monkeypatch.setattr(doctor_gpu, "CDI_SPECS", (str(tmp_path / "none*.yaml"),))
+    conf = tmp_path / "runc.conf"
+    conf.write_text("# criu options\naction-script /nonexistent/cuda-criu-action\n")
+    monkeypatch.setattr(doctor_gpu, "CRIU_CONFIGS", (str(conf),))
+    checks = {c["name"]: c for c in doctor_gpu.gpu_checks("/usr/sbin/runc", backend=Api(), inv=inventory(g))}
+    assert checks["gpu driver"]["status"] == "ok" and "1 x NVIDIA H100" in checks["gpu driver"]["detail"]
+    assert checks["gpu checkpoint API"]["detail"] == "cuCheckpointProcess* present (driver API 13.0)"
+    assert checks["gpu persistence mode"]["status"] == "warn"
+    assert checks["transparent huge pages"]["status"] == "warn" and "1.57x" in checks["transparent huge pages"]["fix"]
+    assert checks["gpu container runtime"]["status"] == "warn"
+    assert checks["gpu CRIU hook"]["status"] == "fail"
+    old = doctor_gpu.gpu_checks("/usr/bin/nvidia-container-runtime", backend=Api(),
+                                inv=inventory(h100(0, U0), driver="575.51.03"))
+    names = {c["name"]: c["status"] for c in old}
+    assert names["gpu checkpoint API"] == "warn" and names["gpu container runtime"] == "ok"

@@ -350,3 +350,19 @@ def test_gpu_config_keys(tmp_path):
     assert gpu_steps.lock_timeout_ms(cfg) == 5000
     select.override = None
     assert isinstance(select.get_backend(cfg.gpu_backend), NoGpuBackend)
+
+
+def test_inspect_shows_the_gpu_part(cfg, node, migrt_env):
+    from click.testing import CliRunner
+
+    from migrt.cli import commands  # noqa: F401 - registers the commands
+    from migrt.cli.main import cli
+
+    assert str(migrt_env.store) == cfg.store
+    take_checkpoint(cfg)
+    r = CliRunner().invoke(cli, ["inspect", "ck1"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    gpu = next(i for i, line in enumerate(lines) if line.startswith("gpu:"))
+    assert "NVIDIA driver 580.159, 1 GPU(s), 2 CUDA process(es)" in lines[gpu]
+    assert U0 in lines[gpu + 1] and f"pid {INIT:>7}" in lines[gpu + 2]
