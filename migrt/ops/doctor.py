@@ -9,6 +9,7 @@ import subprocess
 
 from migrt.criu.version import MIN_CRIU, criu_binary, criu_version, kernel_version, parse_version, runtime_version
 from migrt.errors import MigrtError
+from migrt.ops.doctor_containerd import containerd_handler_check
 from migrt.ops.doctor_gpu import gpu_checks
 
 
@@ -75,6 +76,7 @@ def run_checks() -> list[dict]:
         except (OSError, subprocess.TimeoutExpired):
             v = "?"
         out.append(_check("containerd", "ok", v))
+        out.append(containerd_handler_check())
     else:
         out.append(_check("containerd", "warn", "not found", "needed only for Kubernetes/containerd use"))
     out.append(_check("iptables", "ok" if shutil.which("iptables") else "warn",
