@@ -79,6 +79,8 @@ def test_pre_dump_suspends_the_tree_and_records_it(tree, tmp_path):
     sec = records.read_image_file(str(tmp_path / "img"))
     assert [p["pid"] for p in sec["processes"]] == [ROOT, CHILD] and sec["driven_by"] == "cuda-criu-action"
     assert h.watchdog_args == (os.getppid(), [(ROOT, 1000 + ROOT), (CHILD, 1000 + CHILD)])
+    h = hook.Hook({**crtools("pre-dump", tmp_path), "CRTOOLS_IMAGE_DIR": "/proc/4242/fd/5"}, backend=tree)
+    assert h.criu_pid() == 4242  # CRIU names its image directory through its own /proc entry
 
 
 def test_everything_is_left_alone_when_migrt_drives_the_gpu(tree, tmp_path):
