@@ -153,12 +153,13 @@ def test_sandbox_is_never_restored(cri, cri_containerd, source):
     """A pod whose sandbox config asks for a restore (the pod annotation migrt.io/restore reaches the
     sandbox's config.json through the handler's pod_annotations): the pause container starts as itself."""
     pod = cri.run_pod(_uid("sbx"), "team-a", handler="migrt", annotations={"migrt.io/restore": source.name})
-    assert cri.api.PodSandboxState.Name(cri.pod_status(pod).state) == "SANDBOX_READY"
+    status = cri.pod_status(pod)
+    assert cri.api.PodSandboxState.Name(status.state) == "SANDBOX_READY", status
     bundle = cri_containerd.bundle(pod)
     with open(os.path.join(bundle, "config.json")) as fh:
         ann = json.load(fh)["annotations"]
-    assert ann["migrt.io/restore"] == source.name  # the request did reach migrt-runc
-    assert ann["io.kubernetes.cri.container-type"] == "sandbox"
+    assert ann.get("migrt.io/restore") == source.name, ann  # the request did reach migrt-runc
+    assert ann.get("io.kubernetes.cri.container-type") == "sandbox", ann
     with open(os.path.join(bundle, "init.pid")) as fh:
         pid = int(fh.read())
     with open(f"/proc/{pid}/cmdline", "rb") as fh:
