@@ -10,6 +10,7 @@ Keys (all optional):
   criu_options: {}                   defaults for checkpoints: tcp_established, ext_unix_sk, file_locks
   gpu_backend: auto                  auto | cuda | none (auto: the CUDA driver API when libcuda.so.1 has it)
   gpu_lock_timeout_ms: 30000         how long a CUDA process may take to reach a lockable point
+  allow_cross_namespace_restore: false  restore a pod's checkpoint into another Kubernetes namespace
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Config:
     criu_options: dict[str, bool] = field(default_factory=dict)
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
+    allow_cross_namespace_restore: bool = False
     loaded: bool = False  # False when the file did not exist (defaults in use)
 
     def runtime_path(self) -> str:
@@ -71,7 +73,8 @@ def load(path: str | None = None) -> Config:
         return cfg
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
-    known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options"}
+    known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
+             "allow_cross_namespace_restore"}
     known |= set(GPU_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
@@ -100,6 +103,10 @@ def load(path: str | None = None) -> Config:
         raise ConfigError(f"config {path}: 'criu_options' keys must be among {CRIU_OPTION_KEYS} with true/false values")
     cfg.criu_options = opts
     _load_gpu(cfg, data, path)
+    cross = data.get("allow_cross_namespace_restore", False)
+    if not isinstance(cross, bool):
+        raise ConfigError(f"config {path}: 'allow_cross_namespace_restore' must be true or false")
+    cfg.allow_cross_namespace_restore = cross
     return cfg
 
 

@@ -13,6 +13,7 @@ from migrt.criu.version import versions
 from migrt.errors import Conflict, MigrtError
 from migrt.oci.bundle import Bundle
 from migrt.ops import gpu_steps
+from migrt.ops import rootfs
 from migrt.ops.progress import Progress, null_progress
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
@@ -61,6 +62,7 @@ def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_pr
     store.gc()
     created = time.time()
     timings: dict[str, float] = {}
+    upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle_dir else None  # while still mounted
     with store.writer(name) as staging:
         # GPU: suspend the CUDA processes (if any) before the dump; resume them after it when the
         # container keeps running, and on any failure.
@@ -76,6 +78,9 @@ def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_pr
             os.makedirs(os.path.join(staging.path, "logs"), mode=0o700, exist_ok=True)
             os.replace(dump_log, os.path.join(staging.path, "logs", "dump.log"))
         progress("done", name="dump", seconds=timings["dump_s"])
+        t0 = time.monotonic()
+        layer = rootfs.capture(upper, staging.path, [m.get("destination", "") for m in bundle.mounts])
+        timings["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
         total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(staging.images) for f in fs)
         progress("phase", name="commit", total_bytes=total)
         fields = {
@@ -91,6 +96,9 @@ def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_pr
             },
             "versions": versions(runtime.path),
             "options": {**opts.to_dict(), "leave_running": req.leave_running},
+            "mounts": [{"destination": m.get("destination"), "type": m.get("type"), "source": m.get("source")}
+                       for m in bundle.mounts],
+            "rootfs": layer,
             "timings": timings,
         }
         if gpu:

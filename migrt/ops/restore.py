@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from migrt import names
 from migrt.config import POLICIES, Config
 from migrt.criu.options import CriuOptions
-from migrt.errors import Conflict, MigrtError, UsageError
+from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
 from migrt.ops import gpu_steps
+from migrt.ops import rootfs
 from migrt.ops.progress import Progress, null_progress
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
@@ -57,6 +58,7 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
             raise Conflict(f"container {target.container_id} already exists in {target.root}")
         # GPU preflight, before anything is touched (None: the checkpoint has no GPU state)
         gpu = gpu_steps.plan_restore(cfg, ckpt.manifest.get("gpu"), target.bundle.config, f"checkpoint {name}")
+        check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore)
         options = CriuOptions.from_dict(ckpt.manifest.get("options"))
         work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
         os.makedirs(work, mode=0o700, exist_ok=True)
@@ -66,6 +68,10 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
             log_path = os.path.join(work, "runc.log")
             global_tokens = ["--root", target.root, "--log", log_path, "--log-format", "json"]
         try:
+            if (ckpt.manifest.get("rootfs") or {}).get("captured"):
+                t0 = time.monotonic()
+                rootfs.apply(ckpt.path, target.bundle.rootfs)
+                timings["rootfs_apply_s"] = round(time.monotonic() - t0, 3)
             with store.restore_view(ckpt) as view:
                 spec = RestoreSpec(
                     container_id=target.container_id, bundle=target.bundle.path, image_path=view,
@@ -90,6 +96,27 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
             shutil.rmtree(work, ignore_errors=True)
     timings["total_s"] = round(time.monotonic() - t_all, 3)
     return {"checkpoint": name, "container_id": target.container_id, "pid": pid, "timings": timings}
+
+
+def check_target(manifest: dict, bundle: Bundle, name: str, *, allow_cross_namespace: bool) -> None:
+    """Refuse, before anything is touched, a target the checkpoint cannot go into."""
+    src_ns = ((manifest.get("source") or {}).get("cri") or {}).get("pod_namespace")
+    dst_ns = bundle.cri_metadata().get("pod_namespace")
+    if src_ns and dst_ns != src_ns and not allow_cross_namespace:
+        raise PreconditionFailed(
+            f"checkpoint {name} was taken in Kubernetes namespace {src_ns!r} and may only be restored there "
+            f"(target: {dst_ns or 'not a pod'}); set 'allow_cross_namespace_restore: true' in the migrt config to allow it"
+        )
+    old_binds = rootfs.bind_destinations(manifest.get("mounts") or [])
+    new_dests = {m.get("destination") for m in bundle.mounts}
+    missing = [d for d in old_binds if d not in new_dests]
+    if missing:
+        sources = {m.get("destination"): m.get("source") for m in manifest.get("mounts") or []}
+        raise PreconditionFailed(
+            f"the new container lacks the mount destination {missing[0]} (the checkpointed container had a bind "
+            f"mount from {sources.get(missing[0])} there); give the new container a volume at {missing[0]}"
+            + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else "")
+        )
 
 
 def _check_create_flags(cmd) -> list[str]:

@@ -186,8 +186,9 @@ def test_fallback_fresh_starts_original_command(containerd):
 
 
 def test_failed_restore_leaves_checkpoint_usable(containerd, migrt_config, tmp_path):
-    """CRIU fails when the new container lacks a bind mount the old one had: the error says so, nothing
-    is left behind, and the same checkpoint then restores into a container that has the mount."""
+    """A new container that lacks a bind mount the old one had is refused before CRIU runs, with an
+    error naming the mount; nothing is left behind; the same checkpoint then restores into a
+    container that has the mount."""
     vol = tmp_path / "vol"
     vol.mkdir()
     mount = ["--mount", f"type=bind,src={vol},dst=/data,options=rbind:rw"]
@@ -203,7 +204,8 @@ def test_failed_restore_leaves_checkpoint_usable(containerd, migrt_config, tmp_p
     res = containerd.ctr("run", "--rm", "--runc-binary", SHIM, "--env", f"MIGRT_RESTORE={name}",
                          containerd.image, bad, "sh", "-c", "echo fresh", check=False)
     assert res.returncode != 0
-    assert "OCI runtime create failed" in res.stderr and "restore failed" in res.stderr, res.stderr
+    assert "OCI runtime create failed" in res.stderr, res.stderr
+    assert "lacks the mount destination /data" in res.stderr, res.stderr
     assert not os.path.exists(f"/run/containerd/runc/{containerd.namespace}/{bad}")
     assert os.listdir(os.path.join(migrt_config["store"], ".tmp")) == []
     run_cli("inspect", name, "--verify")

@@ -8,6 +8,8 @@ import select
 import subprocess
 import time
 
+import uuid
+
 import pytest
 
 from tests.helpers.bundles import make_bundle
@@ -56,21 +58,26 @@ def runc_root(stack, migrt_config, tmp_path):
         subprocess.run(["runc", "--root", str(root), "delete", "--force", cid], capture_output=True)
 
 
+def _uid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
 def _state(root: str, cid: str) -> dict:
     out = subprocess.run(["runc", "--root", root, "state", cid], capture_output=True, text=True)
     return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
 def test_restore_via_migrt_runc_create(runc_root, migrt_config, tmp_path):
+    sid, did = _uid("src"), _uid("dst")
     src_bundle = make_bundle(str(tmp_path / "src"), ["sh", "-c", COUNTER])
-    src = Piped(["runc", "--root", runc_root, "create", "src"], src_bundle)
-    assert src.rc == 0
-    assert subprocess.run(["runc", "--root", runc_root, "start", "src"]).returncode == 0
+    src = Piped(["runc", "--root", runc_root, "create", sid], src_bundle)
+    assert src.rc == 0, src.read_for(0.5)
+    assert subprocess.run(["runc", "--root", runc_root, "start", sid]).returncode == 0
     before = parse_ticks(src.read_for(1.5))
     assert len(before) >= 3
     name = "runc-direct"
-    assert run_cli("checkpoint", "src", "--root", runc_root, "--name", name).stdout.strip() == name
-    assert _state(runc_root, "src").get("status") in (None, "stopped")  # runc destroys it after the dump
+    assert run_cli("checkpoint", sid, "--root", runc_root, "--name", name).stdout.strip() == name
+    assert _state(runc_root, sid).get("status") in (None, "stopped")  # runc destroys it after the dump
     last = parse_ticks(src.read_for(0.3))[-1]
     src.close()
 
@@ -78,45 +85,46 @@ def test_restore_via_migrt_runc_create(runc_root, migrt_config, tmp_path):
     log = str(tmp_path / "log.json")
     pid_file = os.path.join(dst_bundle, "init.pid")
     dst = Piped([SHIM, "--root", runc_root, "--log", log, "--log-format", "json", "create", "--bundle",
-                 dst_bundle, "--pid-file", pid_file, "dst"], dst_bundle)
+                 dst_bundle, "--pid-file", pid_file, did], dst_bundle)
     try:
         assert dst.rc == 0, open(log).read() if os.path.exists(log) else ""
         raw = open(pid_file).read()
         assert raw.isdigit()  # decimal digits, no newline: what the shim parses
-        st = _state(runc_root, "dst")
+        st = _state(runc_root, did)
         assert st["status"] == "running" and st["pid"] == int(raw)
-        assert subprocess.run([SHIM, "--root", runc_root, "start", "dst"]).returncode == 0  # no-op
+        assert subprocess.run([SHIM, "--root", runc_root, "start", did]).returncode == 0  # no-op
         after = parse_ticks(dst.read_for(1.5))
         assert after and after[0][0] == last[0] + 1  # continues exactly after the last tick
         assert all(t[2] == last[2] for t in after)
         assert "fresh" not in dst.buf.decode()
-        subprocess.run(["runc", "--root", runc_root, "kill", "dst", "KILL"], check=True)
+        subprocess.run(["runc", "--root", runc_root, "kill", did, "KILL"], check=True)
         for _ in range(50):
-            if _state(runc_root, "dst").get("status") == "stopped":
+            if _state(runc_root, did).get("status") == "stopped":
                 break
             time.sleep(0.1)
-        assert subprocess.run([SHIM, "--root", runc_root, "delete", "dst"]).returncode == 0
-        assert not os.path.exists(os.path.join(runc_root, "dst"))  # marker gone with runc's state
+        assert subprocess.run([SHIM, "--root", runc_root, "delete", did]).returncode == 0
+        assert not os.path.exists(os.path.join(runc_root, did))  # marker gone with runc's state
         assert not [f for f in os.listdir(dst_bundle) if f.startswith(".migrt")]
     finally:
         dst.close()
 
 
 def test_cli_restore_ls_inspect_rm(runc_root, migrt_config, tmp_path):
+    aid, bid = _uid("a"), _uid("b")
     bundle = make_bundle(str(tmp_path / "a"), ["sh", "-c", COUNTER])
-    a = Piped(["runc", "--root", runc_root, "create", "a"], bundle)
-    subprocess.run(["runc", "--root", runc_root, "start", "a"], check=True)
+    a = Piped(["runc", "--root", runc_root, "create", aid], bundle)
+    subprocess.run(["runc", "--root", runc_root, "start", aid], check=True)
     a.read_for(1.0)
-    res = run_cli("checkpoint", "a", "--root", runc_root, "--name", "cli-ck", "--leave-running", "--json")
+    res = run_cli("checkpoint", aid, "--root", runc_root, "--name", "cli-ck", "--leave-running", "--json")
     data = json.loads(res.stdout)
     assert data["name"] == "cli-ck" and data["options"]["leave_running"] is True
     assert set(data["timings"]) >= {"dump_s", "commit_s", "total_s"}
-    assert _state(runc_root, "a")["status"] == "running"
+    assert _state(runc_root, aid)["status"] == "running"
     a.close()
 
     ls = json.loads(run_cli("ls", "--json").stdout)
     entry = next(c for c in ls if c["name"] == "cli-ck")
-    assert entry["container_id"] == "a" and entry["size_bytes"] > 0
+    assert entry["container_id"] == aid and entry["size_bytes"] > 0
     ins = json.loads(run_cli("inspect", "cli-ck", "--json", "--verify").stdout)
     assert ins["verified"] is True
     procs = ins["images"]["processes"]
@@ -127,13 +135,13 @@ def test_cli_restore_ls_inspect_rm(runc_root, migrt_config, tmp_path):
 
     b_bundle = make_bundle(str(tmp_path / "b"), ["sh", "-c", "exit 1"])
     out = tmp_path / "b.out"
-    res = run_cli("restore", "cli-ck", "b", "--bundle", b_bundle, "--root", runc_root, "--output", str(out), "--json")
+    res = run_cli("restore", "cli-ck", bid, "--bundle", b_bundle, "--root", runc_root, "--output", str(out), "--json")
     assert json.loads(res.stdout)["pid"] > 0
     time.sleep(1.0)
-    assert _state(runc_root, "b")["status"] == "running"
+    assert _state(runc_root, bid)["status"] == "running"
     assert parse_ticks(out.read_text())
     # an existing container id is refused before anything is touched
-    res = run_cli("restore", "cli-ck", "b", "--bundle", b_bundle, "--root", runc_root, check=False)
+    res = run_cli("restore", "cli-ck", bid, "--bundle", b_bundle, "--root", runc_root, check=False)
     assert res.returncode == 6 and "already exists" in res.stderr
 
     run_cli("rm", "cli-ck")
@@ -158,3 +166,30 @@ def test_doctor_json(stack, migrt_config):
     assert names["pre-dump (soft-dirty)"]["status"] in ("ok", "warn")
     assert all(c["status"] == "ok" or c["fix"] for c in data["checks"])
     assert res.returncode == (0 if data["ok"] else 1)
+
+
+def test_criu_failure_keeps_checkpoint(runc_root, migrt_config, tmp_path):
+    """CRIU itself fails (a file the process holds open is missing from the new rootfs, which is a plain
+    directory: no writable-layer diff): the error quotes CRIU, nothing is left, and once the file is
+    there the same checkpoint restores."""
+    bundle = make_bundle(str(tmp_path / "h"), ["sh", "-c", "echo x > /held; exec 3</held; " + COUNTER])
+    hid, nid = _uid("h"), _uid("n")
+    h = Piped(["runc", "--root", runc_root, "create", hid], bundle)
+    subprocess.run(["runc", "--root", runc_root, "start", hid], check=True)
+    h.read_for(1.0)
+    run_cli("checkpoint", hid, "--root", runc_root, "--name", "held-ck")
+    h.close()
+    new = make_bundle(str(tmp_path / "n"), ["true"])
+    res = run_cli("restore", "held-ck", nid, "--bundle", new, "--root", runc_root, check=False)
+    assert res.returncode == 5, res.stderr
+    assert "criu failed" in res.stderr and "held" in res.stderr, res.stderr
+    assert not os.path.exists(os.path.join(runc_root, nid))
+    assert not [f for f in os.listdir(new) if f.startswith(".migrt")]
+    run_cli("inspect", "held-ck", "--verify")
+    with open(os.path.join(new, "rootfs", "held"), "w") as fh:
+        fh.write("x\n")
+    out = tmp_path / "n.out"
+    run_cli("restore", "held-ck", nid, "--bundle", new, "--root", runc_root, "--output", str(out))
+    time.sleep(1.0)
+    assert _state(runc_root, nid)["status"] == "running"
+    assert parse_ticks(out.read_text())

@@ -1,0 +1,184 @@
+"""The container's writable layer: changes a container made to its own root filesystem (outside
+volumes) are not in CRIU's images. At checkpoint they are captured from the overlayfs upper
+directory of the rootfs mount (containerd's snapshotter): files, directories and symlinks into
+`rootfs-diff.tar`, deletions (whiteouts) and opaque directories into `rootfs-diff.json`. At restore
+they are re-applied into the new rootfs before CRIU runs, inside a chroot so that no path can leave
+the new rootfs.
+"""
+
+from __future__ import annotations
+
+import grp  # noqa: F401 - loaded before the chroot (tarfile may use them)
+import json
+import os
+import pwd  # noqa: F401
+import shutil
+import stat
+import tarfile
+
+from migrt.errors import RuntimeFailed
+
+DIFF_TAR = "rootfs-diff.tar"
+DIFF_META = "rootfs-diff.json"
+SKIP_TOP = ("proc", "sys", "dev")  # kernel file systems: never part of the layer
+
+
+def _unescape(text: str) -> str:
+    return text.encode().decode("unicode_escape") if "\\" in text else text
+
+
+def overlay_upperdir(rootfs: str) -> str | None:
+    """The upperdir of the overlay mounted at rootfs, or None if rootfs is not an overlay mount."""
+    target = os.path.realpath(rootfs)
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            for line in fh:
+                left, _, right = line.partition(" - ")
+                fields, rfields = left.split(), right.split()
+                if len(fields) < 5 or len(rfields) < 3:
+                    continue
+                mnt = fields[4].replace("\\040", " ")
+                if mnt == target and rfields[0] == "overlay":
+                    for opt in rfields[2].split(","):
+                        if opt.startswith("upperdir="):
+                            found = _unescape(opt[len("upperdir="):])
+    except OSError:
+        return None
+    return found
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _opaque(path: str) -> bool:
+    for attr in ("trusted.overlay.opaque", "user.overlay.opaque"):
+        try:
+            if os.getxattr(path, attr, follow_symlinks=False) == b"y":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def capture(upper: str | None, dest_dir: str, exclude: list[str]) -> dict:
+    """Write the diff held in an overlay upper directory (from overlay_upperdir(), looked up while
+    the rootfs is mounted) into dest_dir; return a summary for the manifest."""
+    if upper is None or not os.path.isdir(upper):
+        return {"captured": False, "reason": "rootfs is not an overlay mount (no base to diff against)"}
+    excl = {e.strip("/") for e in exclude if e.strip("/")}
+    deleted, opaque, count, size = [], [], 0, 0
+    tar_path = os.path.join(dest_dir, DIFF_TAR)
+    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for dirpath, dirnames, filenames in os.walk(upper):
+            rel_dir = os.path.relpath(dirpath, upper)
+            rel_dir = "" if rel_dir == "." else rel_dir
+            keep = []
+            for d in sorted(dirnames):
+                rel = os.path.join(rel_dir, d)
+                if (not rel_dir and d in SKIP_TOP) or rel in excl:
+                    continue
+                keep.append(d)
+            dirnames[:] = keep
+            for name in sorted(dirnames) + sorted(filenames):
+                rel = os.path.join(rel_dir, name)
+                if rel in excl or (not rel_dir and name in SKIP_TOP):
+                    continue
+                full = os.path.join(dirpath, name)
+                st = os.lstat(full)
+                if _is_whiteout(st):
+                    deleted.append(rel)
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    if _opaque(full):
+                        opaque.append(rel)
+                    tar.add(full, arcname=rel, recursive=False)
+                elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                    tar.add(full, arcname=rel, recursive=False)
+                    size += st.st_size
+                else:
+                    continue  # sockets, fifos, devices: recreated by the workload or by CRIU
+                count += 1
+    meta = {"deleted": deleted, "opaque": opaque}
+    with open(os.path.join(dest_dir, DIFF_META), "w") as fh:
+        json.dump(meta, fh)
+    return {"captured": True, "entries": count, "bytes": size, "deleted": len(deleted), "opaque": len(opaque)}
+
+
+def _safe(rel: str) -> bool:
+    return bool(rel) and not rel.startswith("/") and ".." not in rel.split("/")
+
+
+def _apply_in_chroot(tar_file, meta: dict) -> None:
+    for rel in meta.get("opaque", []) + meta.get("deleted", []):
+        if not _safe(rel):
+            continue
+        path = "/" + rel
+        if rel in meta.get("opaque", []):
+            if os.path.isdir(path) and not os.path.islink(path):
+                for entry in os.listdir(path):
+                    p = os.path.join(path, entry)
+                    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+        elif os.path.lexists(path):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+    with tarfile.open(fileobj=tar_file) as tar:
+        for member in tar:
+            if not _safe(member.name):
+                continue
+            path = "/" + member.name
+            if member.isdir():
+                if os.path.lexists(path) and not os.path.isdir(path):
+                    os.unlink(path)
+                os.makedirs(path, exist_ok=True)
+            else:
+                if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
+                    os.unlink(path)
+                elif os.path.isdir(path):
+                    shutil.rmtree(path)
+                os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+                tar.extract(member, "/", set_attrs=True, numeric_owner=True)
+            if member.isdir():
+                os.chmod(path, member.mode)
+                os.chown(path, member.uid, member.gid)
+
+
+def apply(diff_dir: str, rootfs: str) -> int:
+    """Re-apply a captured diff into rootfs (in a forked, chrooted child). Returns entries applied."""
+    tar_path = os.path.join(diff_dir, DIFF_TAR)
+    meta_path = os.path.join(diff_dir, DIFF_META)
+    if not os.path.isfile(tar_path):
+        return 0
+    with open(meta_path) as fh:
+        meta = json.load(fh)
+    tar_file = open(tar_path, "rb")  # opened before the chroot
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no Python-level cleanup, report through the pipe
+        code = 0
+        try:
+            os.close(r)
+            os.chroot(rootfs)
+            os.chdir("/")
+            _apply_in_chroot(tar_file, meta)
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(w, repr(exc).encode()[:2000])
+            code = 1
+        os._exit(code)
+    os.close(w)
+    tar_file.close()
+    err = b""
+    while chunk := os.read(r, 4096):
+        err += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeFailed(f"re-applying the container's writable-layer changes into {rootfs} failed: {err.decode(errors='replace')}")
+    with tarfile.open(tar_path) as tar:
+        return len(tar.getmembers()) + len(meta.get("deleted", []))
+
+
+def bind_destinations(mounts: list[dict]) -> list[str]:
+    return [m.get("destination", "") for m in mounts if m.get("type") == "bind" or
+            any(o in ("bind", "rbind") for o in m.get("options") or [])]
+
