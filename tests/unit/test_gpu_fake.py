@@ -379,3 +379,18 @@ def test_doctor_on_a_gpu_node(monkeypatch, tmp_path):
                                 inv=inventory(h100(0, U0), driver="575.51.03"))
     names = {c["name"]: c["status"] for c in old}
     assert names["gpu checkpoint API"] == "warn" and names["gpu container runtime"] == "ok"
+
+
+def test_gpu_report_table(tmp_path):
+    from tests.gpu import report
+
+    rows = [{"test": "roundtrip", "gb": 2.0, "processes": 1, "gpu_checkpoint_s": 1.234, "image_bytes": 3 << 30,
+             "gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159", "torch": "2.9.0"},
+            {"test": "pair", "gb": 2.0, "processes": 2, "gpu_restore_s": 0.5, "gpu": "NVIDIA H100 80GB HBM3",
+             "driver": "580.159", "torch": "2.9.0"}]
+    text = report.render(rows)
+    lines = text.splitlines()
+    assert lines[0] == "| test | GB | procs | GPU ckpt s | GPU restore s | image GiB |"
+    assert lines[2] == "| roundtrip | 2.00 | 1 | 1.23 | - | 3.00 |"
+    assert lines[3] == "| pair | 2.00 | 2 | - | 0.50 | - |"
+    assert lines[-1] == "GPU NVIDIA H100 80GB HBM3, driver 580.159, torch 2.9.0"
