@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 
-from migrt.errors import RuntimeFailed
+from migrt.errors import PreconditionFailed, RuntimeFailed
 
 RUNNING, LOCKED, CHECKPOINTED, FAILED = "running", "locked", "checkpointed", "failed"
 STATES = (RUNNING, LOCKED, CHECKPOINTED, FAILED)
@@ -31,10 +31,10 @@ class GpuError(RuntimeFailed):
         self.code = code
 
 
-class GpuUnavailable(GpuError):
+class GpuUnavailable(GpuError, PreconditionFailed):
     """No usable GPU checkpoint API on this node (no driver, too old, or the no-GPU backend)."""
 
-    exit_code = 8  # a precondition, like migrt.errors.PreconditionFailed
+    exit_code = PreconditionFailed.exit_code
 
 
 class GpuBackend(abc.ABC):

@@ -108,7 +108,10 @@ def suspended(cfg, container_id: str, init_pid: int | None, config: dict | None,
     gpu = suspend(cfg, container_id, init_pid, config, progress)
     try:
         if gpu and image_dir:
-            records.write_image_file(image_dir, gpu.section)
+            try:
+                records.write_image_file(image_dir, gpu.section)
+            except OSError as exc:
+                raise MigrtError(f"cannot write the GPU record into {image_dir}: {exc}") from exc
         yield gpu
     except BaseException as exc:
         if gpu:

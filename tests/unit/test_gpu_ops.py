@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -366,3 +367,26 @@ def test_inspect_shows_the_gpu_part(cfg, node, migrt_env):
     gpu = next(i for i, line in enumerate(lines) if line.startswith("gpu:"))
     assert "NVIDIA driver 580.159, 1 GPU(s), 2 CUDA process(es)" in lines[gpu]
     assert U0 in lines[gpu + 1] and f"pid {INIT:>7}" in lines[gpu + 2]
+
+
+def test_shim_checkpoint_decision_imports_only_the_standard_library(migrt_env, tmp_path):
+    """migrt-runc checkpoint of a container without CUDA processes decides with migrt.gpu.procs
+    (stdlib) and execs the lower runtime: no third-party module is imported on the way."""
+    root = tmp_path / "root"
+    (root / "c9").mkdir(parents=True)
+    (root / "c9" / "state.json").write_text(json.dumps({"init_process_pid": os.getpid()}))  # no libcuda here
+    probe = (
+        "import json, os, sys\n"
+        "import migrt.shim.__main__ as shim\n"
+        "class Exec(Exception): pass\n"
+        "def fake_execv(path, args): raise Exec(args)\n"
+        "os.execv = fake_execv\n"
+        "try:\n"
+        f"    shim.main(['--root', {str(root)!r}, 'checkpoint', '--image-path', '/x', 'c9'])\n"
+        "    print(json.dumps('returned'))\n"
+        "except Exec:\n"
+        "    print(json.dumps(sorted(m for m in ('click', 'structlog', 'yaml', 'pynvml', 'pycriu') if m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env=migrt_env.env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert json.loads(out.stdout) == []
