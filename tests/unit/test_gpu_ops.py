@@ -269,12 +269,20 @@ def _gpu_image(tmp_path: Path) -> Path:
     return img
 
 
-def test_runc_restore_with_gpu_remaps_after_runc(shim_env, node, tmp_path, monkeypatch):
-    img = _gpu_image(tmp_path)
-    bundle = write_bundle(tmp_path / "nb", env=[f"NVIDIA_VISIBLE_DEVICES={U1}"])
+@pytest.fixture
+def restored_node(shim_env, node, tmp_path, monkeypatch):
+    """After runc restore: the container's init NEW_INIT is a checkpointed CUDA process; the new
+    bundle gives GPU U1."""
     monkeypatch.setattr(procs, "runc_state", lambda root, cid: {"init_process_pid": NEW_INIT})
     node.trees[NEW_INIT] = [NEW_INIT]
     node.backend.add(NEW_INIT, CHECKPOINTED)
+    node.img = _gpu_image(tmp_path)
+    node.new_bundle = write_bundle(tmp_path / "nb", env=[f"NVIDIA_VISIBLE_DEVICES={U1}"])
+    return node
+
+
+def test_runc_restore_with_gpu_remaps_after_runc(shim_env, restored_node, tmp_path):
+    node, img, bundle = restored_node, restored_node.img, restored_node.new_bundle
     parsed = runc_args(tmp_path, "restore", "--image-path", str(img), "--detach", "--pid-file", str(bundle / "init.pid"),
                        "-no-subreaper", "--bundle", str(bundle), "c2")
     assert gpu_runc.restore(parsed, str(shim_env.fake.path), str(img)) == 0
@@ -283,12 +291,8 @@ def test_runc_restore_with_gpu_remaps_after_runc(shim_env, node, tmp_path, monke
     assert node.states(NEW_INIT) == [RUNNING] and node.synced == [(NEW_INIT, [1])]
 
 
-def test_runc_restore_gpu_failure_deletes_the_container(shim_env, node, tmp_path, monkeypatch):
-    img = _gpu_image(tmp_path)
-    bundle = write_bundle(tmp_path / "nb", env=[f"NVIDIA_VISIBLE_DEVICES={U1}"])
-    monkeypatch.setattr(procs, "runc_state", lambda root, cid: {"init_process_pid": NEW_INIT})
-    node.trees[NEW_INIT] = [NEW_INIT]
-    node.backend.add(NEW_INIT, CHECKPOINTED)
+def test_runc_restore_gpu_failure_deletes_the_container(shim_env, restored_node, tmp_path):
+    node, img, bundle = restored_node, restored_node.img, restored_node.new_bundle
     node.backend.fail("restore", NEW_INIT)
     parsed = runc_args(tmp_path, "restore", "--image-path", str(img), "--detach", "--bundle", str(bundle), "c2")
     assert gpu_runc.restore(parsed, str(shim_env.fake.path), str(img)) == 5
@@ -297,6 +301,14 @@ def test_runc_restore_gpu_failure_deletes_the_container(shim_env, node, tmp_path
     last = json.loads((tmp_path / "log.json").read_text().splitlines()[-1])
     assert "the container was removed" in last["msg"] and str(img) in last["msg"]
     assert (img / records.IMAGE_FILE).exists()
+
+
+def test_runc_restore_without_detach_is_refused_before_runc(shim_env, restored_node, tmp_path):
+    img, bundle = restored_node.img, restored_node.new_bundle
+    parsed = runc_args(tmp_path, "restore", "--image-path", str(img), "--bundle", str(bundle), "c2")
+    assert gpu_runc.restore(parsed, str(shim_env.fake.path), str(img)) == 2
+    assert shim_env.fake.calls() == []
+    assert "needs --detach" in json.loads((tmp_path / "log.json").read_text().splitlines()[-1])["msg"]
 
 
 def test_shim_restore_of_a_gpu_image_on_a_node_without_gpu_fails_before_runc(migrt_env, tmp_path):
