@@ -212,14 +212,23 @@ def test_restore_reapplies_rootfs_changes(cri, cri_containerd, source, tmp_path)
 
 
 def test_restored_container_sees_new_pod_hostname(cri, cri_containerd, source, tmp_path):
-    pod, cid, _vol = _restore_pod(cri, cri_containerd, source, tmp_path, name="counter-moved")
+    _pod, cid, _vol = _restore_pod(cri, cri_containerd, source, tmp_path, name="counter-moved")
     cri.start(cid)
     _assert_resumed(cri, cid, source)
     assert _exec_ok(cri, cid, "cat /etc/hostname").strip() == "counter-moved"
     assert _exec_ok(cri, cid, "hostname").strip() == "counter-moved"  # the new sandbox's UTS namespace
-    # and the container shares the new sandbox's IPC namespace
-    sandbox_pid = int(open(os.path.join(cri_containerd.bundle(pod), "init.pid")).read())
-    assert _exec_ok(cri, cid, "readlink /proc/self/ns/ipc").strip() == os.readlink(f"/proc/{sandbox_pid}/ns/ipc")
+
+
+@pytest.mark.parametrize("ns", ["uts", "ipc", "net"])
+def test_restored_container_joins_new_sandbox_namespace(cri, cri_containerd, source, tmp_path, ns):
+    """The restored process lives in the new pod's shared namespaces (as a fresh container would)."""
+    pod, cid, _vol = _restore_pod(cri, cri_containerd, source, tmp_path, name=f"counter-{ns}")
+    cri.start(cid)
+    _assert_resumed(cri, cid, source)
+    with open(os.path.join(cri_containerd.bundle(pod), "init.pid")) as fh:
+        sandbox_pid = int(fh.read())
+    inside = _exec_ok(cri, cid, f"readlink /proc/1/ns/{ns}").strip()
+    assert inside == os.readlink(f"/proc/{sandbox_pid}/ns/{ns}"), f"restored process's {ns} namespace is {inside}"
 
 
 def test_restore_refused_in_other_namespace(cri, cri_containerd, source, tmp_path):
