@@ -18,7 +18,7 @@ from migrt.criu.options import CriuOptions
 from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
 from migrt.ops import gpu_steps
-from migrt.ops import rootfs
+from migrt.ops import namespaces, rootfs
 from migrt.ops.progress import Progress, null_progress
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
@@ -73,6 +73,7 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
                 rootfs.apply(ckpt.path, target.bundle.rootfs)
                 timings["rootfs_apply_s"] = round(time.monotonic() - t0, 3)
             with store.restore_view(ckpt) as view:
+                hostname = namespaces.retarget_uts(view, target.bundle)
                 spec = RestoreSpec(
                     container_id=target.container_id, bundle=target.bundle.path, image_path=view,
                     work_path=work, pid_file=target.pid_file or os.path.join(work, "init.pid"), console_socket=target.console_socket,
@@ -95,7 +96,8 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
         finally:
             shutil.rmtree(work, ignore_errors=True)
     timings["total_s"] = round(time.monotonic() - t_all, 3)
-    return {"checkpoint": name, "container_id": target.container_id, "pid": pid, "timings": timings}
+    return {"checkpoint": name, "container_id": target.container_id, "pid": pid, "hostname": hostname,
+            "timings": timings}
 
 
 def check_target(manifest: dict, bundle: Bundle, name: str, *, allow_cross_namespace: bool) -> None:
