@@ -60,6 +60,7 @@ for a in "$@"; do
         --log|-log|--log-format|-log-format|--criu|-criu|--rootless|-rootless) expect=skip ;;
         --log=*|-log=*|--log-format=*|-log-format=*|--criu=*|-criu=*|--rootless=*|-rootless=*) ;;
         --debug|-debug|--debug=*|-debug=*|--systemd-cgroup|-systemd-cgroup|--systemd-cgroup=*|-systemd-cgroup=*) ;;
+        --version|-version|-v|--help|-help|-h) ;;
         --) break ;;
         -*) py "$@" ;;
         *) sub=$a

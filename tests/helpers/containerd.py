@@ -102,3 +102,7 @@ class Containerd:
                 self.proc.wait()
         if getattr(self, "_log", None):
             self._log.close()
+        try:  # the shim's per-namespace runc root, empty once every container is gone
+            os.rmdir(f"/run/containerd/runc/{self.namespace}")
+        except OSError:
+            pass
