@@ -11,6 +11,7 @@ Keys (all optional):
   gpu_backend: auto                  auto | cuda | none (auto: the CUDA driver API when libcuda.so.1 has it)
   gpu_lock_timeout_ms: 30000         how long a CUDA process may take to reach a lockable point
   allow_cross_namespace_restore: false  restore a pod's checkpoint into another Kubernetes namespace
+  migration_key_file: (none)         file with the secret shared by nodes that migrate to each other
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Config:
     log_level: str = "info"
     runtime_roots: list[str] = field(default_factory=list)
     criu_options: dict[str, bool] = field(default_factory=dict)
+    migration_key_file: str | None = None
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
     allow_cross_namespace_restore: bool = False
@@ -74,7 +76,7 @@ def load(path: str | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
-             "allow_cross_namespace_restore"}
+             "allow_cross_namespace_restore", "migration_key_file"}
     known |= set(GPU_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
@@ -107,6 +109,10 @@ def load(path: str | None = None) -> Config:
     if not isinstance(cross, bool):
         raise ConfigError(f"config {path}: 'allow_cross_namespace_restore' must be true or false")
     cfg.allow_cross_namespace_restore = cross
+    key_file = data.get("migration_key_file")
+    if key_file is not None and (not isinstance(key_file, str) or not os.path.isabs(key_file)):
+        raise ConfigError(f"config {path}: 'migration_key_file' must be an absolute path")
+    cfg.migration_key_file = key_file
     return cfg
 
 
