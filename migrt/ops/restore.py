@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from migrt import names
@@ -37,6 +38,10 @@ class RestoreTarget:
     stdio: tuple | None = None
     log_path: str | None = None
     extra: list[str] = field(default_factory=list)
+    # Migration seams: `verified` skips re-hashing a checkpoint just imported and verified on the fly;
+    # `before_restore(image_view, work_dir)` runs right before runc restore (lazy pages: the daemon).
+    verified: bool = False
+    before_restore: Callable[[str, str], None] | None = None
 
 
 def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: Progress = null_progress) -> dict:
@@ -49,7 +54,8 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
         ckpt = store.get(name)
         progress("phase", name="verify", checkpoint=name)
         t0 = time.monotonic()
-        ckpt.verify()
+        if not target.verified:
+            ckpt.verify()
         store.check_images_dir(ckpt)
         timings["verify_s"] = round(time.monotonic() - t0, 3)
         progress("done", name="verify", seconds=timings["verify_s"])
@@ -79,6 +85,8 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
                     work_path=work, pid_file=target.pid_file or os.path.join(work, "init.pid"), console_socket=target.console_socket,
                     no_pivot=target.no_pivot, options=options, extra=target.extra,
                 )
+                if target.before_restore:
+                    target.before_restore(view, work)
                 progress("phase", name="restore", checkpoint=name)
                 t0 = time.monotonic()
                 try:
