@@ -139,6 +139,9 @@ def make_bundle(path: str, *, args: list[str], data_dir: str, needed: list[str],
     cfg["mounts"].append({"destination": "/data", "type": "bind", "source": data_dir, "options": ["bind", "rw"]})
     devices = nvidia_devices(gpu_minors) if gpu_minors is not None else []
     linux = cfg.setdefault("linux", {})
+    # The host's network namespace: CRIU locks a container's own netns with iptables, and the GPU
+    # machine's kernel lacks xt_mark ("Locking network failed: iptables-restore returned -1").
+    linux["namespaces"] = [ns for ns in linux.get("namespaces", []) if ns.get("type") != "network"]
     linux["devices"] = devices
     rules = linux.setdefault("resources", {}).setdefault("devices", [{"allow": False, "access": "rwm"}])
     rules += [{"allow": True, "type": "c", "major": d["major"], "minor": d["minor"], "access": "rwm"} for d in devices]
