@@ -51,6 +51,7 @@ def cli(config_path: str | None) -> None:
 
 def main() -> None:
     from migrt.cli import commands  # noqa: F401 - registers the commands
+    from migrt.cli import migrate  # noqa: F401 - registers `migrt migrate` and `migrt receive`
     from migrt.cli import install  # noqa: F401 - registers `migrt install`
 
     cli(prog_name="migrt")

@@ -1,0 +1,115 @@
+"""`migrt migrate` (source node) and `migrt receive` (target node). The work is in migrt.ops.migrate
+and migrt.ops.receive; this file parses options and renders progress and results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import click
+
+from migrt.cli.main import cli, handle_errors, load_config
+from migrt.cli.render import ConsoleProgress, emit_json, human_size
+
+JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+
+
+def _rate(nbytes: int, seconds: float | None) -> str:
+    return f"{human_size(nbytes / seconds)}/s" if seconds else "-"
+
+
+@cli.command()
+@click.argument("container_id")
+@click.option("--to", "to", required=True, metavar="HOST:PORT", help="Address of the target's 'migrt receive'.")
+@click.option("--root", help="runc state root (default: searched in /run/containerd/runc/<ns>, /run/runc).")
+@click.option("--pre-dump", "pre_dump", default="auto", show_default=True, metavar="auto|N",
+              help="Pre-dump rounds while the container runs (needs soft-dirty tracking; skipped, and said so, "
+                   "where the kernel lacks it). 0 turns them off.")
+@click.option("--lazy", is_flag=True, help="Post-copy: the target runs before the memory has arrived; pages "
+                                           "follow on demand from a CRIU page server here.")
+@click.option("--name", help="Checkpoint name on the target (default: <container>-<UTC timestamp>).")
+@click.option("--free-source-early", is_flag=True,
+              help="Destroy the frozen source as soon as the target has committed the checkpoint, before it "
+                   "restores (halves peak memory when both ends share one machine; a failed restore on the "
+                   "target can then no longer fall back to the source).")
+@JSON
+@handle_errors
+def migrate(container_id, to, root, pre_dump, lazy, name, free_source_early, as_json):
+    """Move a running container to another node's 'migrt receive'.
+
+    Until the target holds the container's state, any failure resumes the container here.
+    """
+    from migrt.ops.migrate import MigrateRequest
+    from migrt.ops.migrate import migrate as do_migrate
+
+    cfg = load_config()
+    progress = ConsoleProgress(enabled=None if not as_json else False)
+    if progress.enabled:
+        click.echo(f"migrating {container_id} to {to}", err=True)
+    res = do_migrate(cfg, MigrateRequest(container_id=container_id, to=to, root=root, name=name, pre_dump=pre_dump,
+                                         lazy=lazy, free_source_early=free_source_early), progress=progress)
+    if as_json:
+        emit_json(res)
+        return
+    pd = res["pre_dump"]
+    if pd["requested"] not in (0, "0") and not pd["available"]:
+        click.echo(f"pre-dump: {pd['note']}", err=True)
+    where = (f"running there as {res['target']['container_id']} (pid {res['target']['pid']})" if res["restored"]
+             else f"stored there as checkpoint {res['name']}")
+    transfer = res["phases"].get("transfer_s")
+    down = f"downtime {res['downtime_s']:.3f} s" if res["downtime_s"] is not None else \
+        f"frozen {res['frozen_s']:.3f} s until committed"
+    click.echo(f"migrated {container_id} to {to} ({res['mode']}): {where}; {down}; "
+               f"{human_size(res['bytes'])} sent at {_rate(res['bytes'], transfer)}; total {res['total_s']:.3f} s",
+               err=True)
+    click.echo(res["name"])
+
+
+@cli.command()
+@click.option("--listen", required=True, metavar="ADDR:PORT", help="Address to accept migrations on.")
+@click.option("--once", is_flag=True, help="Handle one connection, then exit with its status.")
+@click.option("--restore", "restore_bundle", type=click.Path(exists=True, file_okay=False), metavar="BUNDLE",
+              help="Restore each received container at once from this OCI bundle (needed for --lazy senders).")
+@click.option("--root", help="runc state root for restored containers (default /run/runc).")
+@click.option("--container-id", help="Id of the restored container (default: the source container's id).")
+@click.option("--output", type=click.Path(dir_okay=False), default=os.devnull, show_default=True,
+              help="File receiving restored containers' stdout and stderr.")
+@JSON
+@handle_errors
+def receive(listen, once, restore_bundle, root, container_id, output, as_json):
+    """Receive migrations from other nodes into this node's store (a long-running server).
+
+    Peers must hold the same migration key (config 'migration_key_file'). Each verified checkpoint is
+    committed atomically (ready for MIGRT_RESTORE), and restored at once with --restore.
+    """
+    from migrt.ops.receive import ReceiveOptions, Receiver
+
+    cfg = load_config()
+
+    def report(r: dict) -> None:
+        if as_json:
+            click.echo(json.dumps(r, sort_keys=True, default=str))
+            sys.stdout.flush()
+        if r.get("error"):
+            click.echo(f"migrt receive: from {r['peer']}: {'refused' if r.get('refused') else 'failed'}: "
+                       f"{r['error']}", err=True)
+            return
+        t = r["timings"]
+        what = (f"restored as {r['container_id']} (pid {r['pid']})" if r.get("restored")
+                else f"committed as checkpoint {r['name']}")
+        click.echo(f"migrt receive: {r['name']} from {r['peer']} ({r['mode']}): {human_size(r['bytes'])} "
+                   f"received in {t.get('receive_s', 0):.3f} s; {what}; total {t.get('total_s', 0):.3f} s", err=True)
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    receiver = Receiver(cfg, ReceiveOptions(listen=listen, once=once, restore_bundle=restore_bundle, root=root,
+                                            container_id=container_id, output=output), report)
+    server = receiver.bind()
+    click.echo(f"migrt receive: listening on {listen} (store {cfg.store})", err=True)
+    try:
+        res = receiver.serve(server)
+    finally:
+        server.close()
+    if res and res.get("error"):
+        sys.exit(res.get("exit_code") or 1)

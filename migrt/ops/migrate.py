@@ -1,0 +1,342 @@
+"""Live migration, source side: move a running container to another node's receiver.
+
+    connect + authenticate + offer   (nothing touched yet: any refusal leaves the container as it was)
+    [pre-dump rounds]                 only where the kernel tracks dirty pages (soft-dirty)
+    pause                             the freeze starts here (downtime_s counts from this instant)
+    dump --leave-running              the container stays frozen, resumable
+      stop-and-copy: every image -> target (sha256 on the fly), target verifies and commits
+      lazy:          memory stays here; CRIU serves it from a page server, the rest -> target
+    target restores                   (if the receiver was started with --restore)
+    destroy the frozen source         only once the target holds the state
+
+Until the target holds the state, any failure resumes the source container: it keeps running with
+its state intact and the target keeps nothing. (If even the resume fails, the error says so and how to
+resume by hand.) The source's images live in a staging directory of the local store that is removed
+at the end; sent ranges are released at once, so a tmpfs store does not double the memory footprint.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from migrt import names
+from migrt.config import Config
+from migrt.criu import lazy as lazy_mod
+from migrt.criu.options import CriuOptions
+from migrt.criu.version import versions
+from migrt.errors import Conflict, MigrtError, UsageError
+from migrt.oci.bundle import Bundle
+from migrt.ops import rootfs
+from migrt.ops.checkpoint import default_name
+from migrt.ops.progress import Progress, null_progress
+from migrt.runtime import control
+from migrt.runtime.runc import LowerRuntime, find_root
+from migrt.store import Store
+from migrt.store import manifest as mf
+from migrt.transfer import Channel, TransferError, connect, load_key
+
+MODES = ("stop-and-copy", "lazy")
+MAX_PRE_DUMPS = 8
+LAZY_READY_TIMEOUT = 120.0
+
+
+@dataclass
+class MigrateRequest:
+    container_id: str
+    to: str
+    root: str | None = None
+    name: str | None = None
+    pre_dump: str = "auto"  # "auto", "0" (off) or a number of rounds
+    lazy: bool = False
+    free_source_early: bool = False  # destroy the source before the target restores (one-machine tests)
+
+
+class MigrationFailed(MigrtError):
+    """Wraps the cause with what happened to the container; keeps the cause's exit code."""
+
+    def __init__(self, message: str, cause: MigrtError) -> None:
+        super().__init__(message, details=cause.details)
+        self.exit_code = cause.exit_code
+
+
+def parse_pre_dump(value: str | None) -> int | None:
+    """None for auto, else the number of rounds (0 = off)."""
+    if value in (None, "", "auto"):
+        return None
+    if not str(value).isdigit() or int(value) > MAX_PRE_DUMPS:
+        raise UsageError(f"--pre-dump must be 'auto' or a number of rounds from 0 to {MAX_PRE_DUMPS}, got {value!r}")
+    return int(value)
+
+
+def pre_dump_plan(value: str | None) -> dict:
+    """What pre-dumping will do here, and why. Pre-dump rounds only help when the kernel tracks dirty
+    pages: without soft-dirty each round would copy all memory again, so they are skipped (never an
+    error)."""
+    rounds = parse_pre_dump(value)
+    plan = {"requested": "auto" if rounds is None else rounds, "available": False, "rounds": 0, "note": ""}
+    if rounds == 0:
+        plan["note"] = "off"
+        return plan
+    if not lazy_mod.soft_dirty():
+        plan["note"] = ("skipped: the kernel does not track dirty pages (criu check --feature mem_dirty_track "
+                        "fails; CONFIG_MEM_SOFT_DIRTY unset), so rounds could not be incremental")
+        return plan
+    plan["available"] = True
+    plan["note"] = ("available; rounds are not run yet: a final dump on top of pre-dump images needs the parent "
+                    "images on the target (see docs/migration.md)")
+    return plan
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _payload(path: str) -> list[tuple[str, str]]:
+    """(relpath, full path) of every file to send, small ones first, the pages last."""
+    rels = mf.list_payload(path)
+    rels.sort(key=lambda r: (os.path.getsize(os.path.join(path, r)), r))
+    return [(r, os.path.join(path, r)) for r in rels]
+
+
+class _Source:
+    """The container on this node and what may be done to it."""
+
+    def __init__(self, runtime: str, root: str, cid: str, was_paused: bool) -> None:
+        self.runtime, self.root, self.cid = runtime, root, cid
+        self.was_paused = was_paused
+        self.frozen = False
+
+    def freeze(self) -> None:
+        if not self.was_paused:
+            control.pause(self.runtime, self.root, self.cid)
+        self.frozen = True
+
+    def rollback(self, target_kept: bool = False) -> str:
+        """Resume after a failure; returns a sentence for the error message."""
+        kept = "" if target_kept else "; the target kept nothing"
+        if not self.frozen:
+            return f"container {self.cid} was not touched and keeps running{kept}"
+        if self.was_paused:
+            return f"container {self.cid} was left paused, as it was{kept}"
+        try:
+            control.resume(self.runtime, self.root, self.cid)
+        except MigrtError as exc:
+            return (f"container {self.cid} could NOT be resumed ({exc}); it is frozen with its state intact: "
+                    f"run 'runc --root {self.root} resume {self.cid}'")
+        self.frozen = False
+        return f"container {self.cid} was resumed on this node{kept}"
+
+    def destroy(self) -> None:
+        control.destroy(self.runtime, self.root, self.cid)
+        self.frozen = False
+
+
+def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress) -> dict:
+    t_start = time.monotonic()
+    key = load_key(cfg.migration_key_file)
+    runtime = LowerRuntime(cfg.runtime_path())
+    root = req.root or find_root(req.container_id, cfg.runtime_roots)
+    state = runtime.state(root, req.container_id)
+    if state.get("status") not in ("running", "paused"):
+        raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be migrated")
+    name = names.validate(req.name) if req.name else default_name(req.container_id)
+    mode = "lazy" if req.lazy else "stop-and-copy"
+    plan = pre_dump_plan(req.pre_dump)
+    if req.lazy:
+        lazy_mod.lazy_preflight("source")
+    bundle_dir = state.get("bundle") or ""
+    try:
+        bundle = Bundle.load(bundle_dir)
+    except MigrtError:
+        bundle = Bundle(bundle_dir, {})
+    opts = CriuOptions.from_dict(cfg.criu_options).merged(shell_job=bundle.terminal)
+    store = Store(cfg.store)
+    store.ensure()
+    store.gc()
+    phases: dict[str, float] = {}
+    result = {"name": name, "container_id": req.container_id, "to": req.to, "mode": mode, "pre_dump": plan,
+              "phases": phases, "bytes": 0, "files": 0, "restored": False, "target": None,
+              "downtime_s": None, "frozen_s": None, "total_s": None}
+
+    progress("phase", name="connect", to=req.to)
+    t0 = time.monotonic()
+    ch = connect(req.to, key)
+    try:
+        ch.send({"type": "offer", "name": name, "mode": mode, "container_id": req.container_id,
+                 "schema": mf.SCHEMA})
+        ready = ch.recv("ready")
+        phases["connect_s"] = round(time.monotonic() - t0, 3)
+        progress("done", name="connect", seconds=phases["connect_s"], peer=ch.peer)
+        source = _Source(runtime.path, root, req.container_id, state.get("status") == "paused")
+        upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle_dir else None
+        with store.writer(name) as staging:
+            fields = {
+                "created": _utc(time.time()),
+                "source": {"container_id": req.container_id, "runtime_root": root, "bundle": bundle_dir,
+                           "pid": state.get("pid"), "status": state.get("status"), "cri": bundle.cri_metadata(),
+                           "annotations": bundle.annotations, "node": socket.gethostname()},
+                "versions": versions(runtime.path),
+                "options": {**opts.to_dict(), "leave_running": False},
+                "mounts": [{"destination": m.get("destination"), "type": m.get("type"), "source": m.get("source")}
+                           for m in bundle.mounts],
+                "timings": phases,
+            }
+            run = _lazy if req.lazy else _stop_and_copy
+            run(ch, ready, source, staging, runtime, opts, fields, upper, bundle, req, result, progress)
+    finally:
+        ch.close()
+    result["total_s"] = round(time.monotonic() - t_start, 3)
+    return result
+
+
+def _dump_extras(staging, upper, bundle, fields: dict, phases: dict) -> None:
+    dump_log = os.path.join(staging.work, "dump.log")
+    if os.path.isfile(dump_log):
+        os.makedirs(os.path.join(staging.path, "logs"), mode=0o700, exist_ok=True)
+        os.replace(dump_log, os.path.join(staging.path, "logs", "dump.log"))
+    t0 = time.monotonic()
+    fields["rootfs"] = rootfs.capture(upper, staging.path, [m.get("destination", "") for m in bundle.mounts])
+    phases["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
+
+
+def _send_all(ch: Channel, staging, result: dict, progress: Progress, *, release: bool) -> dict:
+    files = _payload(staging.path)
+    total = sum(os.path.getsize(full) for _, full in files)
+    progress("phase", name="transfer", total_bytes=total)
+    meta = {}
+    for rel, full in files:
+        meta[rel] = ch.send_file(full, rel, release=release,
+                                 progress=lambda n: progress("bytes", name="transfer", bytes=n))
+    result["bytes"] = total
+    result["files"] = len(files)
+    return meta
+
+
+def _stop_and_copy(ch, ready, source, staging, runtime, opts, fields, upper, bundle, req, result, progress):
+    phases = result["phases"]
+    progress("phase", name="dump", container=req.container_id)
+    t_freeze = time.monotonic()
+    try:
+        source.freeze()
+        runtime.checkpoint(source.root, req.container_id, image_path=staging.images, work_path=staging.work,
+                           options=opts, leave_running=True)
+        phases["dump_s"] = round(time.monotonic() - t_freeze, 3)
+        progress("done", name="dump", seconds=phases["dump_s"])
+        _dump_extras(staging, upper, bundle, fields, phases)
+        t0 = time.monotonic()
+        files = _send_all(ch, staging, result, progress, release=True)
+        phases["transfer_s"] = round(time.monotonic() - t0, 3)
+        progress("done", name="transfer", seconds=phases["transfer_s"], bytes=result["bytes"])
+        progress("phase", name="commit")
+        t0 = time.monotonic()
+        ch.send({"type": "commit", "manifest": {**fields, "files": files}})
+        committed = ch.recv("committed")
+        phases["commit_s"] = round(time.monotonic() - t0, 3)
+        progress("done", name="commit", seconds=phases["commit_s"])
+    except MigrtError as exc:
+        ch.error(f"source aborted: {exc}")
+        raise MigrationFailed(f"migration of {req.container_id} to {req.to} failed: {exc}; {source.rollback()}",
+                              exc) from exc
+    except BaseException:
+        ch.error("source aborted")
+        source.rollback()
+        raise
+    result["committed"] = committed.get("name")
+    # The target holds a verified, durable copy from here on: the source may go.
+    if not ready.get("restore") or req.free_source_early:
+        source.destroy()
+    if not ready.get("restore"):
+        result["frozen_s"] = round(time.monotonic() - t_freeze, 3)
+        ch.send({"type": "bye"})
+        return
+    progress("phase", name="restore", target=ready.get("container_id"))
+    t0 = time.monotonic()
+    try:
+        ch.send({"type": "restore"})
+        restored = ch.recv("restored")
+    except MigrtError as exc:
+        where = (f"the checkpoint {result['name']} is committed in the target's store; restore it there "
+                 f"('migrt restore {result['name']} ...' or MIGRT_RESTORE={result['name']})")
+        if source.frozen:
+            where += "; " + source.rollback(target_kept=True)
+        raise MigrationFailed(f"restore on the target failed: {exc}; {where}", exc) from exc
+    t_running = time.monotonic()
+    phases["restore_s"] = round(t_running - t0, 3)
+    progress("done", name="restore", seconds=phases["restore_s"])
+    if source.frozen:
+        source.destroy()
+    result.update(restored=True, target={"container_id": restored.get("container_id"), "pid": restored.get("pid")},
+                  downtime_s=round(t_running - t_freeze, 3), frozen_s=round(t_running - t_freeze, 3))
+    ch.send({"type": "bye"})
+
+
+def _lazy(ch, ready, source, staging, runtime, opts, fields, upper, bundle, req, result, progress):
+    phases = result["phases"]
+    if not ready.get("restore"):
+        raise UsageError(f"lazy migration needs a target that restores at once; start 'migrt receive' on "
+                         f"{req.to} with --restore BUNDLE")
+    host = ch.local_host
+    port = _free_port(host)
+    progress("phase", name="dump", container=req.container_id)
+    t_freeze = time.monotonic()
+    dump = None
+    try:
+        source.freeze()
+        dump = control.LazyCheckpoint(runtime.path, source.root, req.container_id, image_path=staging.images,
+                                      work_path=staging.work, options=opts, page_server=(host, port))
+        dump.wait_ready(LAZY_READY_TIMEOUT)
+        phases["dump_s"] = round(time.monotonic() - t_freeze, 3)
+        progress("done", name="dump", seconds=phases["dump_s"])
+        _dump_extras(staging, upper, bundle, fields, phases)
+        t0 = time.monotonic()
+        files = _send_all(ch, staging, result, progress, release=False)
+        phases["transfer_s"] = round(time.monotonic() - t0, 3)
+        progress("done", name="transfer", seconds=phases["transfer_s"], bytes=result["bytes"])
+        progress("phase", name="restore", target=ready.get("container_id"))
+        t0 = time.monotonic()
+        ch.send({"type": "commit", "manifest": {**fields, "files": files},
+                 "page_server": {"address": host, "port": port}})
+        restored = ch.recv("restored")
+    except MigrtError as exc:
+        ch.error(f"source aborted: {exc}")
+        if dump:
+            dump.abort()
+        raise MigrationFailed(f"lazy migration of {req.container_id} to {req.to} failed: {exc}; {source.rollback()}",
+                              exc) from exc
+    except BaseException:
+        ch.error("source aborted")
+        if dump:
+            dump.abort()
+        source.rollback()
+        raise
+    t_running = time.monotonic()
+    phases["restore_s"] = round(t_running - t0, 3)
+    progress("done", name="restore", seconds=phases["restore_s"])
+    result.update(restored=True, target={"container_id": restored.get("container_id"), "pid": restored.get("pid")},
+                  downtime_s=round(t_running - t_freeze, 3), frozen_s=round(t_running - t_freeze, 3))
+    # The target runs; its memory still arrives from here. Wait until every page is across.
+    progress("phase", name="pages")
+    t0 = time.monotonic()
+    try:
+        dump.wait()
+        done = ch.recv("done")
+    except MigrtError as exc:
+        dump.abort()
+        raise MigrationFailed(
+            f"lazy migration of {req.container_id}: the target already runs but its memory pages did not all "
+            f"arrive: {exc}; {source.rollback()} (the target copy is broken: delete it there)", exc) from exc
+    phases["pages_s"] = round(time.monotonic() - t0, 3)
+    result["lazy_pages_s"] = done.get("pages_s")
+    progress("done", name="pages", seconds=phases["pages_s"])
+    source.destroy()
+    ch.send({"type": "bye"})

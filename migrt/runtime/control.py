@@ -1,0 +1,137 @@
+"""Lifecycle calls on the lower runtime that a migration needs besides LowerRuntime's: pause, resume,
+destroy, and a lazy-pages checkpoint that keeps running in the background as CRIU's page server.
+Failures become RuntimeFailed here, quoting runc's last error and CRIU's error lines."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import subprocess
+import time
+
+from migrt.criu.logs import error_lines
+from migrt.criu.options import CriuOptions
+from migrt.errors import RuntimeFailed
+from migrt.runtime.runc import _last_runc_error
+
+
+def _run(runtime: str, root: str, args: list[str], what: str, timeout: float = 60) -> None:
+    try:
+        out = subprocess.run([runtime, "--root", root, *args], stdin=subprocess.DEVNULL, capture_output=True,
+                             text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeFailed(f"{what}: {exc}") from exc
+    if out.returncode != 0:
+        msg = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit status {out.returncode}"
+        raise RuntimeFailed(f"{what}: {msg}")
+
+
+def pause(runtime: str, root: str, cid: str) -> None:
+    _run(runtime, root, ["pause", cid], f"pausing container {cid}")
+
+
+def resume(runtime: str, root: str, cid: str) -> None:
+    _run(runtime, root, ["resume", cid], f"resuming container {cid}")
+
+
+def destroy(runtime: str, root: str, cid: str) -> None:
+    """Kill and delete (works on a paused container: runc thaws it to let SIGKILL through)."""
+    _run(runtime, root, ["delete", "--force", cid], f"deleting container {cid}")
+
+
+class LazyCheckpoint:
+    """`runc checkpoint --lazy-pages --page-server ADDR:PORT --status-fd FD --leave-running`.
+
+    CRIU dumps everything but the memory pages, says "ready" on the status fd, then serves the pages
+    to the target's `criu lazy-pages` daemon and exits once the last page has gone. With a paused
+    container and --leave-running the container stays frozen afterwards (never two running copies),
+    so the caller decides: destroy it on success, resume it on failure."""
+
+    def __init__(self, runtime: str, root: str, cid: str, *, image_path: str, work_path: str,
+                 options: CriuOptions, page_server: tuple[str, int]) -> None:
+        self.cid = cid
+        self.work_path = work_path
+        self.log = os.path.join(work_path, "runc.log")
+        host, port = page_server
+        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.page_server = (host, port)
+        r, w = os.pipe()
+        self._status = r
+        self._ready = False
+        argv = [runtime, "--root", root, "--log", self.log, "--log-format", "json", "checkpoint", "--lazy-pages",
+                "--page-server", addr, "--status-fd", str(w), "--leave-running", "--image-path", image_path,
+                "--work-path", work_path, *options.runc_flags(), cid]
+        self.stderr_path = os.path.join(work_path, "runc.stderr")
+        try:
+            with open(self.stderr_path, "wb") as err:
+                self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                             stderr=err, pass_fds=(w,))
+        except OSError as exc:
+            os.close(r)
+            raise RuntimeFailed(f"cannot run {runtime}: {exc}") from exc
+        finally:
+            os.close(w)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until CRIU serves pages. A NUL byte means ready; EOF means the dump failed (CRIU then
+        leaves the container as it was)."""
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.abort()
+                    raise RuntimeFailed(f"lazy checkpoint of {self.cid}: CRIU was not ready after {timeout:.0f} s")
+                ready, _, _ = select.select([self._status], [], [], left)
+                if ready:
+                    data = os.read(self._status, 1)
+                    if data == b"\0":
+                        self._ready = True
+                        return
+                    self.proc.wait()
+                    raise self._failure("lazy checkpoint")
+        finally:
+            os.close(self._status)
+            self._status = -1
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every page has been served (CRIU exits)."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeFailed(f"lazy checkpoint of {self.cid}: pages still being served after {timeout:.0f} s") from exc
+        if self.proc.returncode != 0:
+            raise self._failure("serving memory pages")
+
+    def abort(self) -> None:
+        """Stop CRIU before the target took the pages, so that it puts the tasks back as they were.
+        While it serves pages, the clean way is a bogus request on the page-server socket: CRIU
+        fails the transfer and unwinds (a connection closed without a request would count as a
+        finished transfer). Signals are the last resort."""
+        if self.proc.poll() is not None:
+            return
+        if self._ready:
+            try:
+                with socket.create_connection(self.page_server, timeout=5) as sk:
+                    sk.sendall(b"\xff" * 64)
+                self.proc.wait(20)
+                return
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _failure(self, what: str) -> RuntimeFailed:
+        try:
+            with open(self.stderr_path, encoding="utf-8", errors="replace") as fh:
+                err = fh.read().strip()
+        except OSError:
+            err = ""
+        msg = _last_runc_error(self.log) or (err.splitlines()[-1] if err else f"exit status {self.proc.returncode}")
+        return RuntimeFailed(f"{what} of container {self.cid} failed: {msg}",
+                             details=error_lines(os.path.join(self.work_path, "dump.log")))

@@ -1,0 +1,158 @@
+"""Import a checkpoint that arrives file by file (a migration from another node) into the store.
+
+The files land in a staging directory (`<root>/.staging/<name>.<pid>.<n>`, like a local checkpoint),
+each file's sha256 is computed while it is written (by the caller, on the fly), and the sender's
+manifest is checked against what arrived: the same set of files, sizes and sha256. Only then does the
+usual atomic commit run: permissions, fsync, manifest written atomically, directory renamed into
+place, root fsynced. Nothing is visible under the name before that rename; a broken import leaves
+only a staging directory, removed on the way out (or by `Store.gc` after a crash, once the name's
+lock is free).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+
+from migrt.errors import CheckpointInvalid, Conflict, PreconditionFailed
+from migrt.store import manifest as mf
+from migrt.store.fsutil import fsync_dir
+from migrt.store.store import Store
+
+MAX_DEPTH = 5
+MAX_FILES = 100_000
+_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")
+# Manifest fields the importer writes itself; every other field comes from the sender's manifest.
+OWN_FIELDS = ("schema", "name", "files", "size_bytes")
+SPACE_MARGIN = 64 << 20
+
+
+def check_relpath(rel: object) -> str:
+    """A relative path of plain components (images/pages-1.img, rootfs-diff.tar): no '..', no
+    absolute path, no empty or hidden component, not the manifest. Refused before a file is created."""
+    if not isinstance(rel, str) or not rel:
+        raise CheckpointInvalid("received a file without a path")
+    parts = rel.split("/")
+    if len(parts) > MAX_DEPTH or rel == mf.MANIFEST or not all(_PART.fullmatch(x) for x in parts):
+        raise CheckpointInvalid(f"refusing received file {rel!r}: a path inside the checkpoint made of plain names "
+                                "is expected")
+    return rel
+
+
+class Import:
+    """One checkpoint being received. Use through `importing()`."""
+
+    def __init__(self, store: Store, name: str, path: str) -> None:
+        self.store = store
+        self.name = name
+        self.path = path
+        self.images = os.path.join(path, "images")
+        self.received: dict[str, dict] = {}
+        self.committed = False
+        os.makedirs(os.path.join(store.root, ".staging"), mode=0o700, exist_ok=True)
+        os.mkdir(path, 0o700)
+        os.mkdir(self.images, 0o700)
+
+    def ensure_space(self, nbytes: int) -> None:
+        st = os.statvfs(self.path)
+        free = st.f_bavail * st.f_frsize
+        if nbytes + SPACE_MARGIN > free:
+            raise PreconditionFailed(f"store {self.store.root} has {free >> 20} MiB free; checkpoint {self.name} "
+                                     f"needs {nbytes >> 20} MiB")
+
+    @contextlib.contextmanager
+    def open(self, rel: str) -> Iterator[int]:
+        """A new file's descriptor (0600, exclusive create); fsynced and closed on the way out."""
+        check_relpath(rel)
+        if rel in self.received or len(self.received) >= MAX_FILES:
+            raise CheckpointInvalid(f"received file {rel} twice (or too many files)")
+        full = os.path.join(self.path, rel)
+        parent = os.path.dirname(full)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o700)
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            yield fd
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def record(self, rel: str, size: int, sha256: str) -> None:
+        actual = os.path.getsize(os.path.join(self.path, rel))
+        if actual != size:
+            raise CheckpointInvalid(f"received file {rel}: {actual} bytes written, {size} announced")
+        self.received[rel] = {"size": size, "sha256": sha256}
+
+    def verify(self, files: object) -> None:
+        """The sender's file list must match what arrived exactly (names, sizes, sha256)."""
+        if not isinstance(files, dict):
+            raise CheckpointInvalid(f"checkpoint {self.name}: the sender's manifest has no file list")
+        missing = sorted(set(files) - set(self.received))
+        if missing:
+            raise CheckpointInvalid(f"checkpoint {self.name}: file {missing[0]} is in the sender's manifest "
+                                    "but never arrived")
+        extra = sorted(set(self.received) - set(files))
+        if extra:
+            raise CheckpointInvalid(f"checkpoint {self.name}: received file {extra[0]} is not in the sender's manifest")
+        for rel in sorted(files):
+            want, got = files[rel] or {}, self.received[rel]
+            if want.get("size") != got["size"]:
+                raise CheckpointInvalid(f"checkpoint {self.name}: size mismatch in {rel} (received {got['size']}, "
+                                        f"manifest says {want.get('size')})")
+            if want.get("sha256") != got["sha256"]:
+                raise CheckpointInvalid(f"checkpoint {self.name}: sha256 mismatch in {rel} (corrupted in transit)")
+
+    def commit(self, fields: dict, files: dict) -> dict:
+        """Verify against the sender's manifest, then publish atomically. Returns the manifest."""
+        self.verify(files)
+        root_owned = os.geteuid() == 0
+        for dirpath, dirnames, filenames in os.walk(self.path):
+            for d in dirnames:
+                os.chmod(os.path.join(dirpath, d), 0o700)
+            for f in filenames:
+                full = os.path.join(dirpath, f)
+                os.chmod(full, 0o600)
+                if root_owned:
+                    os.chown(full, 0, 0)
+        data = {k: v for k, v in fields.items() if k not in OWN_FIELDS}
+        data.update(schema=mf.SCHEMA, name=self.name, files=dict(sorted(self.received.items())),
+                    size_bytes=sum(f["size"] for f in self.received.values()))
+        mf.write(self.path, data)
+        for dirpath, dirnames, _ in os.walk(self.path):
+            for d in dirnames:
+                fsync_dir(os.path.join(dirpath, d))
+        fsync_dir(self.path)
+        final = os.path.join(self.store.root, self.name)
+        try:
+            os.rename(self.path, final)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise Conflict(f"checkpoint {self.name} already exists") from exc
+            raise
+        self.committed = True
+        fsync_dir(self.store.root)
+        return data
+
+    def discard(self) -> None:
+        if not self.committed:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def importing(store: Store, name: str) -> Iterator[Import]:
+    """Lock `name`, give an Import in a fresh staging directory, discard it unless committed."""
+    with store.lock(name):
+        if store.exists(name):
+            raise Conflict(f"checkpoint {name} already exists in the target store {store.root} "
+                           f"(choose another --name, or 'migrt rm {name}' there)")
+        path = os.path.join(store.root, ".staging", f"{name}.{os.getpid()}.{time.monotonic_ns()}")
+        imp = Import(store, name, path)
+        try:
+            yield imp
+        finally:
+            imp.discard()

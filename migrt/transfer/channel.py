@@ -1,0 +1,282 @@
+"""An authenticated connection between two migrt nodes: sealed JSON messages and raw file streams.
+
+OSError and socket timeouts become TransferError here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from migrt.errors import UsageError
+from migrt.transfer import protocol as p
+from migrt.transfer.protocol import AuthError, TransferError
+
+CHUNK = 8 << 20
+CONNECT_TIMEOUT = 15.0
+HANDSHAKE_TIMEOUT = 15.0
+IDLE_TIMEOUT = 600.0  # a peer may spend minutes dumping or restoring GBs between two messages
+
+Progress = Callable[[int], None]
+
+
+class RemoteError(TransferError):
+    """The peer reported a failure; carries the peer's exit code (e.g. 5 when its restore failed)."""
+
+    def __init__(self, message: str, exit_code: object = None) -> None:
+        super().__init__(message)
+        if isinstance(exit_code, int) and not isinstance(exit_code, bool) and 0 < exit_code < 128:
+            self.exit_code = exit_code
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """HOST:PORT or [IPv6]:PORT."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"invalid address {text!r}: expected HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+@contextlib.contextmanager
+def _io(what: str) -> Iterator[None]:
+    try:
+        yield
+    except TransferError:
+        raise
+    except socket.timeout as exc:
+        raise TransferError(f"{what}: timed out waiting for the peer") from exc
+    except OSError as exc:
+        raise TransferError(f"{what}: {exc.strerror or exc}") from exc
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Notice a vanished peer within about 30 s even while we wait on it for minutes."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, val in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+_libc = None
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give the pages of a sent range back to the system (tmpfs stores: keeps memory flat while a
+    checkpoint as large as the container is streamed). Best effort."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    _libc.fallocate(fd, 0x01 | 0x02, offset, length)  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+
+class Channel:
+    """One authenticated connection. `peer` is "host:port" of the other side."""
+
+    def __init__(self, sock: socket.socket, session: bytes, *, is_server: bool) -> None:
+        self.sock = sock
+        self.peer = "%s:%s" % sock.getpeername()[:2]
+        self.local_host = sock.getsockname()[0]
+        mine, theirs = (b"S", b"C") if is_server else (b"C", b"S")
+        self._out = p.Sealer(session, mine)
+        self._in = p.Sealer(session, theirs)
+        self._buf = bytearray(CHUNK)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="migrt-hash")
+        sock.settimeout(IDLE_TIMEOUT)
+
+    # -- messages ----------------------------------------------------------------------------
+    def send(self, msg: dict) -> None:
+        body = self._out.seal(p.encode(msg))
+        with _io(f"sending {msg.get('type')} to {self.peer}"):
+            self.sock.sendall(p.HEADER.pack(p.SEALED, len(body)) + body)
+
+    def recv(self, *expected: str) -> dict:
+        """The next message; an `error` message from the peer is raised as TransferError."""
+        kind, payload = _recv_frame(self.sock, self.peer)
+        if kind != p.SEALED:
+            raise TransferError(f"{self.peer} sent an unsealed message after authentication")
+        msg = p.decode(self._in.open(payload))
+        if msg["type"] == "error":
+            raise RemoteError(f"{self.peer}: {msg.get('error', 'unknown error')}", msg.get("exit_code"))
+        if expected and msg["type"] not in expected:
+            raise TransferError(f"{self.peer} sent {msg['type']!r}, expected {' or '.join(expected)}")
+        return msg
+
+    def error(self, text: str, exit_code: int | None = None) -> None:
+        """Tell the peer why we give up (best effort: the connection may already be gone)."""
+        with contextlib.suppress(TransferError):
+            self.send({"type": "error", "error": text, "exit_code": exit_code})
+
+    # -- files -------------------------------------------------------------------------------
+    def send_file(self, path: str, rel: str, *, progress: Progress | None = None, release: bool = False) -> dict:
+        """Announce and stream one file; return {"size", "sha256"} of what was sent. The hash runs in
+        a second thread alongside the send. release=True punches out each range once sent."""
+        with _io(f"reading {path}"):
+            fd = os.open(path, (os.O_RDWR if release else os.O_RDONLY) | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            self.send({"type": "file", "path": rel, "size": size})
+            h = hashlib.sha256()
+            mv = memoryview(self._buf)
+            off = 0
+            while off < size:
+                with _io(f"reading {path}"):
+                    n = os.preadv(fd, [mv[: min(CHUNK, size - off)]], off)
+                if n <= 0:
+                    raise TransferError(f"{path} shrank while being sent ({off} of {size} bytes)")
+                chunk = mv[:n]
+                hashing = self._pool.submit(h.update, chunk)
+                try:
+                    with _io(f"sending {rel} to {self.peer}"):
+                        self.sock.sendall(chunk)
+                finally:
+                    hashing.result()
+                if release:
+                    _punch_hole(fd, off, n)
+                off += n
+                if progress:
+                    progress(n)
+            return {"size": size, "sha256": h.hexdigest()}
+        finally:
+            os.close(fd)
+
+    def recv_file(self, fd: int, size: int, *, progress: Progress | None = None) -> str:
+        """Receive exactly `size` raw bytes into fd; return their sha256."""
+        h = hashlib.sha256()
+        mv = memoryview(self._buf)
+        left = size
+        while left:
+            want = min(CHUNK, left)
+            got = 0
+            with _io(f"receiving from {self.peer}"):
+                while got < want:
+                    n = self.sock.recv_into(mv[got:want])
+                    if not n:
+                        raise TransferError(f"{self.peer} closed the connection in the middle of a file "
+                                            f"({size - left + got} of {size} bytes)")
+                    got += n
+            chunk = mv[:got]
+            hashing = self._pool.submit(h.update, chunk)
+            try:
+                with _io("writing a received file"):
+                    done = 0
+                    while done < got:
+                        done += os.write(fd, chunk[done:])
+            finally:
+                hashing.result()
+            left -= got
+            if progress:
+                progress(got)
+        return h.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
+    buf = bytearray(n)
+    mv = memoryview(buf)
+    got = 0
+    with _io(f"receiving from {peer}"):
+        while got < n:
+            k = sock.recv_into(mv[got:])
+            if not k:
+                raise TransferError(f"{peer} closed the connection")
+            got += k
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket, peer: str) -> tuple[int, bytes]:
+    kind, length = p.HEADER.unpack(_recv_exact(sock, p.HEADER.size, peer))
+    if kind not in (p.PLAIN, p.SEALED) or length > p.MAX_JSON:
+        raise TransferError(f"{peer} does not speak the migrt protocol (frame type {kind}, length {length})")
+    return kind, _recv_exact(sock, length, peer)
+
+
+def _send_plain(sock: socket.socket, msg: dict, peer: str) -> None:
+    body = p.encode(msg)
+    with _io(f"sending to {peer}"):
+        sock.sendall(p.HEADER.pack(p.PLAIN, len(body)) + body)
+
+
+def _recv_plain(sock: socket.socket, peer: str, expected: str) -> dict:
+    kind, payload = _recv_frame(sock, peer)
+    if kind != p.PLAIN:
+        raise TransferError(f"{peer} sent a sealed message during the handshake")
+    msg = p.decode(payload)
+    if msg["type"] == "error":
+        cls = AuthError if msg.get("auth") else TransferError
+        raise cls(f"{peer} refused the connection: {msg.get('error')}")
+    if msg["type"] != expected:
+        raise TransferError(f"{peer} sent {msg['type']!r} during the handshake, expected {expected!r}")
+    return msg
+
+
+def _hex(msg: dict, field: str, peer: str) -> bytes:
+    try:
+        val = bytes.fromhex(msg.get(field) or "")
+    except ValueError:
+        val = b""
+    if len(val) != 32:
+        raise TransferError(f"{peer} sent a malformed {field}")
+    return val
+
+
+def connect(address: str, key: bytes, *, timeout: float = CONNECT_TIMEOUT) -> Channel:
+    """Connect to a receiver and authenticate both ways (client side)."""
+    host, port = parse_address(address)
+    peer = f"{host}:{port}"
+    with _io(f"connecting to {peer}"):
+        sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        _keepalive(sock)
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        hello = _recv_plain(sock, peer, "hello")
+        if hello.get("proto") != p.PROTOCOL:
+            raise TransferError(f"{peer} speaks migrt protocol {hello.get('proto')}, this node {p.PROTOCOL}; "
+                                "upgrade the older node")
+        cs = _hex(hello, "challenge", peer)
+        cc = secrets.token_bytes(32)
+        _send_plain(sock, {"type": "auth", "proto": p.PROTOCOL, "challenge": cc.hex(),
+                           "mac": p.client_proof(key, cs, cc).hex()}, peer)
+        welcome = _recv_plain(sock, peer, "welcome")
+        if not hmac.compare_digest(_hex(welcome, "mac", peer), p.server_proof(key, cs, cc)):
+            raise AuthError(f"{peer} does not hold the migration key (its proof is wrong); refusing to send to it")
+        return Channel(sock, p.session_key(key, cs, cc), is_server=False)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def accept(sock: socket.socket, key: bytes) -> Channel:
+    """Authenticate a freshly accepted connection (server side). Raises AuthError for a wrong key."""
+    peer = "%s:%s" % sock.getpeername()[:2]
+    _keepalive(sock)
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    cs = secrets.token_bytes(32)
+    _send_plain(sock, {"type": "hello", "proto": p.PROTOCOL, "challenge": cs.hex()}, peer)
+    auth = _recv_plain(sock, peer, "auth")
+    if auth.get("proto") != p.PROTOCOL:
+        _send_plain(sock, {"type": "error", "error": f"protocol {auth.get('proto')} is not supported "
+                                                      f"(this node speaks {p.PROTOCOL})"}, peer)
+        raise TransferError(f"{peer} speaks migrt protocol {auth.get('proto')}")
+    cc = _hex(auth, "challenge", peer)
+    if not hmac.compare_digest(_hex(auth, "mac", peer), p.client_proof(key, cs, cc)):
+        _send_plain(sock, {"type": "error", "auth": True,
+                           "error": "authentication failed: the migration keys of the two nodes differ"}, peer)
+        raise AuthError(f"{peer} failed authentication (wrong migration key); connection refused")
+    _send_plain(sock, {"type": "welcome", "mac": p.server_proof(key, cs, cc).hex()}, peer)
+    return Channel(sock, p.session_key(key, cs, cc), is_server=True)
