@@ -3,8 +3,7 @@
 runs in host B's network namespace, `migrt migrate` in host A's; the source container is a busybox
 counter holding random data in memory (its hash is printed with every tick).
 
-Processes enter the namespaces with `nsenter --net` rather than `ip netns exec`: the latter also
-remounts /sys, which hides /sys/fs/cgroup from runc (pause, restore) and breaks them.
+Processes enter the namespaces with `nsenter --net` (tests/helpers/twohosts.py says why).
 """
 
 from __future__ import annotations
@@ -20,43 +19,17 @@ import uuid
 import pytest
 
 from tests.helpers.bundles import make_bundle
+from tests.helpers.twohosts import ADDR_A, ADDR_B, in_ns, lazy_pipe_limit, two_hosts
 from tests.integration.conftest import CLI
 from tests.integration.workloads import COUNTER, parse_ticks
 
 pytestmark = pytest.mark.integration
 
-ADDR_A, ADDR_B = "198.51.100.1", "198.51.100.2"
-PIPE_MAX = "/proc/sys/fs/pipe-max-size"
-
-
-def _sh(*argv: str) -> None:
-    subprocess.run(argv, check=True, capture_output=True, timeout=30)
-
 
 @pytest.fixture(scope="module")
 def hosts(stack):
-    """Two network namespaces and a veth pair, removed by name at the end."""
-    tag = uuid.uuid4().hex[:6]
-    ns_a, ns_b, veth_a, veth_b = f"migrt-a-{tag}", f"migrt-b-{tag}", f"mva{tag}", f"mvb{tag}"
-    try:
-        _sh("ip", "netns", "add", ns_a)
-        _sh("ip", "netns", "add", ns_b)
-        _sh("ip", "link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
-        _sh("ip", "link", "set", veth_a, "netns", ns_a)
-        _sh("ip", "link", "set", veth_b, "netns", ns_b)
-        for ns, dev, addr in ((ns_a, veth_a, ADDR_A), (ns_b, veth_b, ADDR_B)):
-            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")  # CRIU's feature probes bind 127.0.0.1
-        yield {"a": ns_a, "b": ns_b, "veth_a": veth_a}
-    finally:
-        for ns in (ns_a, ns_b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its veth end along
-        subprocess.run(["ip", "link", "del", veth_a], capture_output=True)
-
-
-def in_ns(ns: str, *argv: str) -> list[str]:
-    return ["nsenter", f"--net=/run/netns/{ns}", *argv]
+    with two_hosts() as h:
+        yield h
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +58,8 @@ def nodes(stack, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lazy_capable():
-    """CRIU's page server needs a 3.2 MiB pipe; above fs.pipe-max-size that takes CAP_SYS_RESOURCE, which
-    root lacks in some sandboxes (see docs/migration.md). Raise the limit for this module, then put it back."""
-    with open(PIPE_MAX) as fh:
-        old = fh.read().strip()
-    if int(old) < 4 << 20:
-        with open(PIPE_MAX, "w") as fh:
-            fh.write(str(4 << 20))
-    yield
-    with open(PIPE_MAX, "w") as fh:
-        fh.write(old)
+    with lazy_pipe_limit():
+        yield
 
 
 def _env(node: dict) -> dict:
@@ -346,8 +311,8 @@ def test_receiver_killed_during_transfer_source_keeps_running(nodes, hosts):
     middle of it. The source container is resumed with its state; the target shows nothing, and its
     next start sweeps the orphaned staging directory."""
     src, cid = _source(nodes, "cut")
-    _sh(*in_ns(hosts["a"], "tc", "qdisc", "add", "dev", hosts["veth_a"], "root", "tbf", "rate", "1mbit",
-               "burst", "32kbit", "latency", "400ms"))
+    subprocess.run(in_ns(hosts["a"], "tc", "qdisc", "add", "dev", hosts["veth_a"], "root", "tbf", "rate", "1mbit",
+               "burst", "32kbit", "latency", "400ms"), check=True)
     recv = Receiver(nodes, hosts, 7906)
     try:
         proc = subprocess.Popen(in_ns(hosts["a"], CLI, "migrate", cid, "--to", f"{ADDR_B}:7906", "--root",
