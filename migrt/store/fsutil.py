@@ -62,19 +62,107 @@ def walk_files(top: str) -> list[str]:
     return out
 
 
+# Files larger than one TREE_CHUNK are digested as a tree: sha256 over the sha256 digests of their
+# 64 MiB chunks, so one large image (CRIU writes one pages file per process) hashes on every core.
+# A file of at most one chunk keeps its plain sha256 (its tree digest is the same value).
+TREE_CHUNK = 64 << 20
+
+
+def digest_key(size: int) -> str:
+    return "sha256" if size <= TREE_CHUNK else "sha256_tree"
+
+
+def digest_of(entry: dict) -> str | None:
+    """The digest a manifest entry records (plain sha256 or 64 MiB tree)."""
+    return entry.get("sha256_tree") or entry.get("sha256")
+
+
+def make_entry(size: int, digest: str) -> dict:
+    return {"size": size, digest_key(size): digest}
+
+
+class TreeHasher:
+    """Streaming form of the manifest digest (for data that arrives in order, e.g. over the network)."""
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] = []
+        self._cur = hashlib.sha256()
+        self._cur_len = 0
+
+    def update(self, data) -> None:
+        mv = memoryview(data)
+        while len(mv):
+            take = min(len(mv), TREE_CHUNK - self._cur_len)
+            self._cur.update(mv[:take])
+            self._cur_len += take
+            mv = mv[take:]
+            if self._cur_len == TREE_CHUNK:
+                self._chunks.append(self._cur.digest())
+                self._cur = hashlib.sha256()
+                self._cur_len = 0
+
+    def hexdigest(self) -> str:
+        chunks = list(self._chunks)
+        if self._cur_len or not chunks:
+            chunks.append(self._cur.digest())
+        if len(chunks) == 1:
+            return chunks[0].hex()
+        return hashlib.sha256(b"".join(chunks)).hexdigest()
+
+
+def _hash_range(path: str, offset: int, length: int) -> bytes:
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < length:
+            buf = os.pread(fd, min(CHUNK, length - done), offset + done)
+            if not buf:
+                raise OSError(f"{path}: file shrank while being hashed")
+            h.update(buf)
+            done += len(buf)
+    finally:
+        os.close(fd)
+    return h.digest()
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def hash_tree(top: str, rel_paths: list[str], *, fsync: bool = False, workers: int | None = None,
               progress=None) -> dict[str, dict]:
-    """{rel: {"size", "sha256"}}; hashlib releases the GIL, so threads hash files in parallel."""
-    workers = workers or min(8, (os.cpu_count() or 2))
-    out: dict[str, dict] = {}
+    """{rel: {"size", "sha256" | "sha256_tree"}}, every 64 MiB chunk of every file hashed in parallel
+    (hashlib and pread release the GIL)."""
+    workers = workers or max(2, min(32, os.cpu_count() or 2))
+    sizes = {rel: os.path.getsize(os.path.join(top, rel)) for rel in rel_paths}
+    tasks = []
+    for rel in rel_paths:
+        size = sizes[rel]
+        offsets = range(0, size, TREE_CHUNK) if size else [0]
+        for off in offsets:
+            tasks.append((rel, off, min(TREE_CHUNK, size - off)))
 
-    def one(rel: str) -> tuple[str, int, str]:
-        size, digest = sha256_file(os.path.join(top, rel), fsync=fsync)
-        return rel, size, digest
+    def one(task: tuple[str, int, int]) -> tuple[str, int, bytes, int]:
+        rel, off, length = task
+        digest = _hash_range(os.path.join(top, rel), off, length)
+        return rel, off, digest, length
 
+    parts: dict[str, dict[int, bytes]] = {rel: {} for rel in rel_paths}
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for rel, size, digest in pool.map(one, rel_paths):
-            out[rel] = {"size": size, "sha256": digest}
+        for rel, off, digest, length in pool.map(one, tasks):
+            parts[rel][off] = digest
             if progress:
-                progress(size)
+                progress(length)
+        if fsync:
+            list(pool.map(lambda rel: _fsync_path(os.path.join(top, rel)), rel_paths))
+    out: dict[str, dict] = {}
+    for rel in rel_paths:
+        chunks = [parts[rel][off] for off in sorted(parts[rel])]
+        digest = chunks[0].hex() if len(chunks) == 1 else hashlib.sha256(b"".join(chunks)).hexdigest()
+        out[rel] = make_entry(sizes[rel], digest)
     return out

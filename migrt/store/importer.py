@@ -19,6 +19,7 @@ import shutil
 import time
 from collections.abc import Iterator
 
+from migrt.store.fsutil import digest_of, make_entry
 from migrt.errors import CheckpointInvalid, Conflict, PreconditionFailed
 from migrt.store import manifest as mf
 from migrt.store.fsutil import fsync_dir
@@ -86,7 +87,7 @@ class Import:
         actual = os.path.getsize(os.path.join(self.path, rel))
         if actual != size:
             raise CheckpointInvalid(f"received file {rel}: {actual} bytes written, {size} announced")
-        self.received[rel] = {"size": size, "sha256": sha256}
+        self.received[rel] = make_entry(size, sha256)
 
     def verify(self, files: object) -> None:
         """The sender's file list must match what arrived exactly (names, sizes, sha256)."""
@@ -104,7 +105,7 @@ class Import:
             if want.get("size") != got["size"]:
                 raise CheckpointInvalid(f"checkpoint {self.name}: size mismatch in {rel} (received {got['size']}, "
                                         f"manifest says {want.get('size')})")
-            if want.get("sha256") != got["sha256"]:
+            if digest_of(want) != digest_of(got):
                 raise CheckpointInvalid(f"checkpoint {self.name}: sha256 mismatch in {rel} (corrupted in transit)")
 
     def commit(self, fields: dict, files: dict) -> dict:

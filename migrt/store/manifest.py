@@ -4,7 +4,8 @@ Schema 1:
   schema, name, created (ISO 8601 UTC), source {container_id, runtime_root, bundle, pid, status,
   cri {pod_namespace, pod_name, container_name, ...}}, versions {migrt, runc, criu, kernel},
   options {leave_running, tcp_established, ext_unix_sk, shell_job, file_locks, ...},
-  size_bytes, files {relpath: {size, sha256}}, timings {phase: seconds}, gpu (GPU issue; optional).
+  size_bytes, files {relpath: {size, sha256 (files up to 64 MiB) or sha256_tree (sha256 over the
+  sha256 of each 64 MiB chunk)}}, timings {phase: seconds}, gpu (GPU issue; optional).
 A manifest from a newer schema is refused rather than misread.
 """
 
@@ -14,7 +15,7 @@ import json
 import os
 
 from migrt.errors import CheckpointInvalid
-from migrt.store.fsutil import hash_tree, walk_files, write_json_atomic
+from migrt.store.fsutil import digest_of, hash_tree, walk_files, write_json_atomic
 
 SCHEMA = 1
 MANIFEST = "manifest.json"
@@ -82,5 +83,5 @@ def verify(path: str, data: dict, name: str, *, progress=None) -> None:
             )
     hashed = hash_tree(path, sorted(listed), progress=progress)
     for rel in sorted(listed):
-        if hashed[rel]["sha256"] != listed[rel].get("sha256"):
+        if digest_of(hashed[rel]) != digest_of(listed[rel]):
             raise CheckpointInvalid(f"checkpoint {name}: sha256 mismatch in {rel}{hint}")

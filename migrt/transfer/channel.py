@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import hashlib
 import hmac
 import os
 import secrets
@@ -16,6 +15,7 @@ import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+from migrt.store.fsutil import TreeHasher, make_entry
 from migrt.errors import UsageError
 from migrt.transfer import protocol as p
 from migrt.transfer.protocol import AuthError, TransferError
@@ -127,7 +127,7 @@ class Channel:
         try:
             size = os.fstat(fd).st_size
             self.send({"type": "file", "path": rel, "size": size})
-            h = hashlib.sha256()
+            h = TreeHasher()
             mv = memoryview(self._buf)
             off = 0
             while off < size:
@@ -147,13 +147,13 @@ class Channel:
                 off += n
                 if progress:
                     progress(n)
-            return {"size": size, "sha256": h.hexdigest()}
+            return make_entry(size, h.hexdigest())
         finally:
             os.close(fd)
 
     def recv_file(self, fd: int, size: int, *, progress: Progress | None = None) -> str:
-        """Receive exactly `size` raw bytes into fd; return their sha256."""
-        h = hashlib.sha256()
+        """Receive exactly `size` raw bytes into fd; return their manifest digest (see store.fsutil)."""
+        h = TreeHasher()
         mv = memoryview(self._buf)
         left = size
         while left:
