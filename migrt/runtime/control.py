@@ -5,6 +5,7 @@ Failures become RuntimeFailed here, quoting runc's last error and CRIU's error l
 from __future__ import annotations
 
 import os
+import resource
 import select
 import socket
 import subprocess
@@ -40,6 +41,15 @@ def destroy(runtime: str, root: str, cid: str) -> None:
     _run(runtime, root, ["delete", "--force", cid], f"deleting container {cid}")
 
 
+def _raise_nofile() -> None:
+    """A lazy dump keeps every page pipe open until the target has fetched its pages (two fds per
+    pipe of at most fs.pipe-max-size): give runc and CRIU the hard limit as their soft limit. CRIU
+    tries this itself, but only up to fs.nr_open, which fails without CAP_SYS_RESOURCE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 class LazyCheckpoint:
     """`runc checkpoint --lazy-pages --page-server ADDR:PORT --status-fd FD --leave-running`.
 
@@ -62,6 +72,7 @@ class LazyCheckpoint:
         argv = [runtime, "--root", root, "--log", self.log, "--log-format", "json", "checkpoint", "--lazy-pages",
                 "--page-server", addr, "--status-fd", str(w), "--leave-running", "--image-path", image_path,
                 "--work-path", work_path, *options.runc_flags(), cid]
+        _raise_nofile()
         self.stderr_path = os.path.join(work_path, "runc.stderr")
         try:
             with open(self.stderr_path, "wb") as err:
