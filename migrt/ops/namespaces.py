@@ -10,7 +10,7 @@ import ctypes
 import glob
 import os
 
-from migrt.errors import RuntimeFailed
+from migrt.ops.forked import run_forked
 from migrt.oci.bundle import Bundle
 
 CLONE_NEWUTS = 0x04000000
@@ -19,28 +19,17 @@ CLONE_NEWUTS = 0x04000000
 def ns_uname(ns_path: str) -> tuple[str, str]:
     """(nodename, domainname) seen inside the UTS namespace at ns_path (forked child + setns)."""
     fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.setns(fd, CLONE_NEWUTS) == 0:
-                u = os.uname()
-                os.write(w, f"{u.nodename}\n{_domainname()}".encode())
-                code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    os.close(fd)
-    data = b""
-    while chunk := os.read(r, 4096):
-        data += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeFailed(f"cannot read the hostname of UTS namespace {ns_path}")
+
+    def child() -> bytes:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWUTS) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({ns_path})")
+        return f"{os.uname().nodename}\n{_domainname()}".encode()
+
+    try:
+        data = run_forked(child, f"reading the hostname of UTS namespace {ns_path}")
+    finally:
+        os.close(fd)
     node, _, domain = data.decode().partition("\n")
     return node, domain
 

@@ -16,7 +16,7 @@ import shutil
 import stat
 import tarfile
 
-from migrt.errors import RuntimeFailed
+from migrt.ops.forked import run_forked
 
 DIFF_TAR = "rootfs-diff.tar"
 DIFF_META = "rootfs-diff.json"
@@ -152,28 +152,17 @@ def apply(diff_dir: str, rootfs: str) -> int:
     with open(meta_path) as fh:
         meta = json.load(fh)
     tar_file = open(tar_path, "rb")  # opened before the chroot
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: no Python-level cleanup, report through the pipe
-        code = 0
-        try:
-            os.close(r)
-            os.chroot(rootfs)
-            os.chdir("/")
-            _apply_in_chroot(tar_file, meta)
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            os.write(w, repr(exc).encode()[:2000])
-            code = 1
-        os._exit(code)
-    os.close(w)
-    tar_file.close()
-    err = b""
-    while chunk := os.read(r, 4096):
-        err += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeFailed(f"re-applying the container's writable-layer changes into {rootfs} failed: {err.decode(errors='replace')}")
+
+    def child() -> bytes:
+        os.chroot(rootfs)
+        os.chdir("/")
+        _apply_in_chroot(tar_file, meta)
+        return b""
+
+    try:
+        run_forked(child, f"re-applying the container's writable-layer changes into {rootfs}")
+    finally:
+        tar_file.close()
     with tarfile.open(tar_path) as tar:
         return len(tar.getmembers()) + len(meta.get("deleted", []))
 
