@@ -55,6 +55,11 @@ def run_checks() -> list[dict]:
         out.append(_check("lazy pages (userfaultfd)", "ok" if uffd else "warn",
                           "available" if uffd else "not available",
                           "" if uffd else "kernel needs CONFIG_USERFAULTFD; lazy migration is disabled"))
+        from migrt.criu.lazy import lazy_problem
+
+        problem = lazy_problem("source")
+        out.append(_check("lazy migration page server", "warn" if problem else "ok", problem or "can serve pages",
+                          "see docs/migration.md, 'Lazy pages: what hung, and why'" if problem else ""))
         sd = _criu_feature(crit, "mem_dirty_track")
         out.append(_check("pre-dump (soft-dirty)", "ok" if sd else "warn",
                           "available" if sd else "not available (CONFIG_MEM_SOFT_DIRTY unset)",
