@@ -171,7 +171,7 @@ class Receiver:
                 page_server = self._page_server(msg, ch)
                 fields["lazy"] = {"pages": "on the source's page server", **page_server}
             t1 = time.monotonic()
-            imp.commit(fields, manifest.get("files"))
+            imp.commit(fields, manifest.get("files"), durable=mode != "lazy")
             out["timings"]["commit_s"] = round(time.monotonic() - t1, 3)
         out["committed"] = True
         if mode == "lazy":

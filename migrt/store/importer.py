@@ -18,6 +18,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from migrt.store.fsutil import digest_of, make_entry
 from migrt.errors import CheckpointInvalid, Conflict, PreconditionFailed
@@ -68,7 +69,7 @@ class Import:
 
     @contextlib.contextmanager
     def open(self, rel: str) -> Iterator[int]:
-        """A new file's descriptor (0600, exclusive create); fsynced and closed on the way out."""
+        """A new file's descriptor (0600, exclusive create); closed on the way out (fsynced at commit)."""
         check_relpath(rel)
         if rel in self.received or len(self.received) >= MAX_FILES:
             raise CheckpointInvalid(f"received file {rel} twice (or too many files)")
@@ -79,7 +80,6 @@ class Import:
         fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             yield fd
-            os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -108,9 +108,13 @@ class Import:
             if digest_of(want) != digest_of(got):
                 raise CheckpointInvalid(f"checkpoint {self.name}: sha256 mismatch in {rel} (corrupted in transit)")
 
-    def commit(self, fields: dict, files: dict) -> dict:
-        """Verify against the sender's manifest, then publish atomically. Returns the manifest."""
+    def commit(self, fields: dict, files: dict, *, durable: bool = True) -> dict:
+        """Verify against the sender's manifest, then publish atomically. Returns the manifest.
+        durable=False skips the fsyncs (a lazy migration's pageless checkpoint lives for seconds)."""
         self.verify(files)
+        if durable:  # all files at once: the file system merges concurrent syncs into few commits
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                list(pool.map(_fsync_file, [os.path.join(self.path, rel) for rel in self.received]))
         root_owned = os.geteuid() == 0
         for dirpath, dirnames, filenames in os.walk(self.path):
             for d in dirnames:
@@ -124,10 +128,11 @@ class Import:
         data.update(schema=mf.SCHEMA, name=self.name, files=dict(sorted(self.received.items())),
                     size_bytes=sum(f["size"] for f in self.received.values()))
         mf.write(self.path, data)
-        for dirpath, dirnames, _ in os.walk(self.path):
-            for d in dirnames:
-                fsync_dir(os.path.join(dirpath, d))
-        fsync_dir(self.path)
+        if durable:
+            for dirpath, dirnames, _ in os.walk(self.path):
+                for d in dirnames:
+                    fsync_dir(os.path.join(dirpath, d))
+            fsync_dir(self.path)
         final = os.path.join(self.store.root, self.name)
         try:
             os.rename(self.path, final)
@@ -136,12 +141,21 @@ class Import:
                 raise Conflict(f"checkpoint {self.name} already exists") from exc
             raise
         self.committed = True
-        fsync_dir(self.store.root)
+        if durable:
+            fsync_dir(self.store.root)
         return data
 
     def discard(self) -> None:
         if not self.committed:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
