@@ -217,6 +217,8 @@ def one_run(lab: Lab, hosts: dict, mode: str, mib: int, port: int) -> dict:
             raise RuntimeError(f"tick sequence broken: {before[-1:]} then {after[:1]}")
         seq = before + after
         gap = max(b[1] - a[1] for a, b in zip(seq, seq[1:])) - TICK
+        if data.get("committed"):  # the target's copy: remove it, or tmpfs fills up run after run
+            subprocess.run([CLI, "rm", data["committed"]], capture_output=True, env=lab.nodes["b"]["env"], check=True)
         return {"mode": mode, "mib": mib, "downtime_s": data["downtime_s"], "total_s": data["total_s"],
                 "app_gap_s": round(gap, 3), "bytes": data["bytes"], "phases": data["phases"],
                 "lazy_pages_s": data.get("lazy_pages_s"), "hash_ok": True}
@@ -234,6 +236,14 @@ def with_suppress_remove(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def wait_for_memory(need: int, patience: float = 900) -> None:
+    """The machine may be shared: wait (a while) until `need` bytes are available again."""
+    deadline = time.monotonic() + patience
+    while meminfo("MemAvailable") < need and time.monotonic() < deadline:
+        log(f"    waiting for memory: {meminfo('MemAvailable') >> 20} MiB available, {need >> 20} MiB wanted")
+        time.sleep(15)
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -292,26 +302,38 @@ def main() -> int:
                     results["points"].append({"gib": gib, "skipped": "not enough memory"})
                     continue
                 for mode in modes:
-                    samples = []
+                    samples, failures = [], []
                     for _ in range(runs):
                         port += 1
-                        samples.append(one_run(lab, hosts, mode, mib, port))
+                        wait_for_memory(need)
+                        try:
+                            samples.append(one_run(lab, hosts, mode, mib, port))
+                        except Exception as exc:  # reported, not hidden: the point shows its failures
+                            log(f"    FAILED: {exc}")
+                            failures.append(str(exc))
+                            continue
                         s = samples[-1]
                         log(f"    downtime {s['downtime_s']:.3f} s, app gap {s['app_gap_s']:.3f} s, "
                             f"total {s['total_s']:.3f} s")
-                    results["points"].append({"gib": gib, "mode": mode, **summarize(samples), "samples": samples})
+                    point = {"gib": gib, "mode": mode, "failures": failures}
+                    if samples:
+                        point.update(summarize(samples), samples=samples)
+                    results["points"].append(point)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
     os.makedirs(os.path.dirname(args.json_out), exist_ok=True)
     with open(args.json_out, "w") as fh:
         json.dump(results, fh, indent=2)
-    points = [p for p in results["points"] if "mode" in p]
+    points = [p for p in results["points"] if "downtime_s" in p]
     print(f"{'GiB':>5} {'mode':<14} {'downtime s':>10} {'app gap s':>9} {'total s':>8} {'dump s':>7} "
           f"{'xfer s':>7} {'restore s':>9} {'sent MiB':>9}")
     for p in points:
         print(f"{p['gib']:>5g} {p['mode']:<14} {p['downtime_s']:>10.3f} {p['app_gap_s']:>9.3f} {p['total_s']:>8.3f} "
               f"{p['dump_s']:>7.3f} {p['transfer_s']:>7.3f} {p['restore_s']:>9.3f} {p['bytes'] / 2**20:>9.1f}")
+    for p in results["points"]:
+        if p.get("failures"):
+            print(f"{p['gib']:g} GiB {p['mode']}: {len(p['failures'])} failed run(s): {p['failures'][0][:200]}")
     for mode, note in notes.items():
         print(f"{mode}: {note}")
     for gib, target in TARGETS.items():

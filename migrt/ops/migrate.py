@@ -36,7 +36,7 @@ from migrt.runtime import control
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
-from migrt.transfer import Channel, TransferError, connect, load_key
+from migrt.transfer import Channel, connect, load_key
 
 MODES = ("stop-and-copy", "lazy")
 MAX_PRE_DUMPS = 8
@@ -163,9 +163,8 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
     store = Store(cfg.store)
     store.ensure()
     store.gc()
-    phases: dict[str, float] = {}
     result = {"name": name, "container_id": req.container_id, "to": req.to, "mode": mode, "pre_dump": plan,
-              "phases": phases, "bytes": 0, "files": 0, "restored": False, "target": None,
+              "phases": {}, "bytes": 0, "files": 0, "restored": False, "target": None,
               "downtime_s": None, "frozen_s": None, "total_s": None}
 
     progress("phase", name="connect", to=req.to)
@@ -175,10 +174,8 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
         ch.send({"type": "offer", "name": name, "mode": mode, "container_id": req.container_id,
                  "schema": mf.SCHEMA})
         ready = ch.recv("ready")
-        phases["connect_s"] = round(time.monotonic() - t0, 3)
-        progress("done", name="connect", seconds=phases["connect_s"], peer=ch.peer)
-        source = _Source(runtime.path, root, req.container_id, state.get("status") == "paused")
-        upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle_dir else None
+        result["phases"]["connect_s"] = round(time.monotonic() - t0, 3)
+        progress("done", name="connect", seconds=result["phases"]["connect_s"], peer=ch.peer)
         with store.writer(name) as staging:
             fields = {
                 "created": _utc(time.time()),
@@ -189,154 +186,167 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
                 "options": {**opts.to_dict(), "leave_running": False},
                 "mounts": [{"destination": m.get("destination"), "type": m.get("type"), "source": m.get("source")}
                            for m in bundle.mounts],
-                "timings": phases,
+                "timings": result["phases"],
             }
-            run = _lazy if req.lazy else _stop_and_copy
-            run(ch, ready, source, staging, runtime, opts, fields, upper, bundle, req, result, progress)
+            run = _Run(ch, ready, _Source(runtime.path, root, req.container_id, state.get("status") == "paused"),
+                       staging, opts, fields, bundle, req, result, progress)
+            run.lazy() if req.lazy else run.stop_and_copy()
     finally:
         ch.close()
     result["total_s"] = round(time.monotonic() - t_start, 3)
     return result
 
 
-def _dump_extras(staging, upper, bundle, fields: dict, phases: dict) -> None:
-    dump_log = os.path.join(staging.work, "dump.log")
-    if os.path.isfile(dump_log):
-        os.makedirs(os.path.join(staging.path, "logs"), mode=0o700, exist_ok=True)
-        os.replace(dump_log, os.path.join(staging.path, "logs", "dump.log"))
-    t0 = time.monotonic()
-    fields["rootfs"] = rootfs.capture(upper, staging.path, [m.get("destination", "") for m in bundle.mounts])
-    phases["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
+class _Run:
+    """One migration after the target said ready: the source container, its staging directory, the
+    channel, and the result being filled in."""
 
+    def __init__(self, ch: Channel, ready: dict, source: _Source, staging, opts: CriuOptions, fields: dict,
+                 bundle: Bundle, req: MigrateRequest, result: dict, progress: Progress) -> None:
+        self.ch, self.ready, self.source, self.staging = ch, ready, source, staging
+        self.opts, self.fields, self.bundle, self.req = opts, fields, bundle, req
+        self.result, self.phases, self.progress = result, result["phases"], progress
+        self.upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle.path else None
+        self.t_freeze = 0.0
 
-def _send_all(ch: Channel, staging, result: dict, progress: Progress, *, release: bool) -> dict:
-    files = _payload(staging.path)
-    total = sum(os.path.getsize(full) for _, full in files)
-    progress("phase", name="transfer", total_bytes=total)
-    meta = {}
-    for rel, full in files:
-        meta[rel] = ch.send_file(full, rel, release=release,
-                                 progress=lambda n: progress("bytes", name="transfer", bytes=n))
-    result["bytes"] = total
-    result["files"] = len(files)
-    return meta
+    def _timed(self, phase: str, t0: float, **extra) -> None:
+        self.phases[f"{phase}_s"] = round(time.monotonic() - t0, 3)
+        self.progress("done", name=phase, seconds=self.phases[f"{phase}_s"], **extra)
 
-
-def _stop_and_copy(ch, ready, source, staging, runtime, opts, fields, upper, bundle, req, result, progress):
-    phases = result["phases"]
-    progress("phase", name="dump", container=req.container_id)
-    t_freeze = time.monotonic()
-    try:
-        source.freeze()
-        runtime.checkpoint(source.root, req.container_id, image_path=staging.images, work_path=staging.work,
-                           options=opts, leave_running=True)
-        phases["dump_s"] = round(time.monotonic() - t_freeze, 3)
-        progress("done", name="dump", seconds=phases["dump_s"])
-        _dump_extras(staging, upper, bundle, fields, phases)
+    def _dump_extras(self) -> None:
+        """CRIU's dump log and the rootfs diff go along with the images."""
+        dump_log = os.path.join(self.staging.work, "dump.log")
+        if os.path.isfile(dump_log):
+            os.makedirs(os.path.join(self.staging.path, "logs"), mode=0o700, exist_ok=True)
+            os.replace(dump_log, os.path.join(self.staging.path, "logs", "dump.log"))
         t0 = time.monotonic()
-        files = _send_all(ch, staging, result, progress, release=True)
-        phases["transfer_s"] = round(time.monotonic() - t0, 3)
-        progress("done", name="transfer", seconds=phases["transfer_s"], bytes=result["bytes"])
-        progress("phase", name="commit")
+        self.fields["rootfs"] = rootfs.capture(self.upper, self.staging.path,
+                                               [m.get("destination", "") for m in self.bundle.mounts])
+        self.phases["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
+
+    def _send_all(self, *, release: bool) -> dict:
+        files = _payload(self.staging.path)
+        total = sum(os.path.getsize(full) for _, full in files)
+        self.progress("phase", name="transfer", total_bytes=total)
         t0 = time.monotonic()
-        ch.send({"type": "commit", "manifest": {**fields, "files": files}})
-        committed = ch.recv("committed")
-        phases["commit_s"] = round(time.monotonic() - t0, 3)
-        progress("done", name="commit", seconds=phases["commit_s"])
-    except MigrtError as exc:
-        ch.error(f"source aborted: {exc}")
-        raise MigrationFailed(f"migration of {req.container_id} to {req.to} failed: {exc}; {source.rollback()}",
-                              exc) from exc
-    except BaseException:
-        ch.error("source aborted")
-        source.rollback()
-        raise
-    result["committed"] = committed.get("name")
-    # The target holds a verified, durable copy from here on: the source may go.
-    if not ready.get("restore") or req.free_source_early:
-        source.destroy()
-    if not ready.get("restore"):
-        result["frozen_s"] = round(time.monotonic() - t_freeze, 3)
-        ch.send({"type": "bye"})
-        return
-    progress("phase", name="restore", target=ready.get("container_id"))
-    t0 = time.monotonic()
-    try:
-        ch.send({"type": "restore"})
-        restored = ch.recv("restored")
-    except MigrtError as exc:
-        where = (f"the checkpoint {result['name']} is committed in the target's store; restore it there "
-                 f"('migrt restore {result['name']} ...' or MIGRT_RESTORE={result['name']})")
+        meta = {rel: self.ch.send_file(full, rel, release=release,
+                                       progress=lambda n: self.progress("bytes", name="transfer", bytes=n))
+                for rel, full in files}
+        self.result.update(bytes=total, files=len(files))
+        self._timed("transfer", t0, bytes=total)
+        return meta
+
+    def _failed(self, exc: MigrtError, what: str, *, target_kept: bool = False) -> MigrationFailed:
+        return MigrationFailed(f"{what}: {exc}; {self.source.rollback(target_kept)}", exc)
+
+    def _running(self, restored: dict, t_running: float) -> None:
+        self.result.update(restored=True,
+                           target={"container_id": restored.get("container_id"), "pid": restored.get("pid")},
+                           downtime_s=round(t_running - self.t_freeze, 3), frozen_s=round(t_running - self.t_freeze, 3))
+
+    def stop_and_copy(self) -> None:
+        req, ch, source = self.req, self.ch, self.source
+        failed = f"migration of {req.container_id} to {req.to} failed"
+        self.progress("phase", name="dump", container=req.container_id)
+        self.t_freeze = time.monotonic()
+        try:
+            source.freeze()
+            LowerRuntime(source.runtime).checkpoint(source.root, req.container_id, image_path=self.staging.images,
+                                                    work_path=self.staging.work, options=self.opts,
+                                                    leave_running=True)
+            self._timed("dump", self.t_freeze)
+            self._dump_extras()
+            files = self._send_all(release=True)
+            self.progress("phase", name="commit")
+            t0 = time.monotonic()
+            ch.send({"type": "commit", "manifest": {**self.fields, "files": files}})
+            committed = ch.recv("committed")
+            self._timed("commit", t0)
+        except MigrtError as exc:
+            ch.error(f"source aborted: {exc}", exc.exit_code)
+            raise self._failed(exc, failed) from exc
+        except BaseException:
+            ch.error("source aborted")
+            source.rollback()
+            raise
+        self.result["committed"] = committed.get("name")
+        # The target holds a verified, durable copy from here on: the source may go.
+        if not self.ready.get("restore") or req.free_source_early:
+            source.destroy()
+        if not self.ready.get("restore"):
+            self.result["frozen_s"] = round(time.monotonic() - self.t_freeze, 3)
+            ch.send({"type": "bye"})
+            return
+        self.progress("phase", name="restore", target=self.ready.get("container_id"))
+        t0 = time.monotonic()
+        try:
+            ch.send({"type": "restore"})
+            restored = ch.recv("restored")
+        except MigrtError as exc:
+            name = self.result["name"]
+            where = (f"the checkpoint {name} is committed in the target's store; restore it there "
+                     f"('migrt restore {name} ...' or MIGRT_RESTORE={name})")
+            if source.frozen:
+                where += "; " + source.rollback(target_kept=True)
+            raise MigrationFailed(f"restore on the target failed: {exc}; {where}", exc) from exc
+        t_running = time.monotonic()
+        self._timed("restore", t0)
         if source.frozen:
-            where += "; " + source.rollback(target_kept=True)
-        raise MigrationFailed(f"restore on the target failed: {exc}; {where}", exc) from exc
-    t_running = time.monotonic()
-    phases["restore_s"] = round(t_running - t0, 3)
-    progress("done", name="restore", seconds=phases["restore_s"])
-    if source.frozen:
+            source.destroy()
+        self._running(restored, t_running)
+        ch.send({"type": "bye"})
+
+    def lazy(self) -> None:
+        req, ch, source = self.req, self.ch, self.source
+        failed = f"lazy migration of {req.container_id} to {req.to} failed"
+        if not self.ready.get("restore"):
+            raise UsageError(f"lazy migration needs a target that restores at once; start 'migrt receive' on "
+                             f"{req.to} with --restore BUNDLE")
+        host = ch.local_host
+        port = _free_port(host)
+        self.progress("phase", name="dump", container=req.container_id)
+        self.t_freeze = time.monotonic()
+        dump = None
+        try:
+            source.freeze()
+            dump = control.LazyCheckpoint(source.runtime, source.root, req.container_id,
+                                          image_path=self.staging.images, work_path=self.staging.work,
+                                          options=self.opts, page_server=(host, port))
+            dump.wait_ready(LAZY_READY_TIMEOUT)
+            self._timed("dump", self.t_freeze)
+            self._dump_extras()
+            files = self._send_all(release=False)
+            self.progress("phase", name="restore", target=self.ready.get("container_id"))
+            t0 = time.monotonic()
+            ch.send({"type": "commit", "manifest": {**self.fields, "files": files},
+                     "page_server": {"address": host, "port": port}})
+            restored = ch.recv("restored")
+        except MigrtError as exc:
+            ch.error(f"source aborted: {exc}", exc.exit_code)
+            if dump:
+                dump.abort()
+            raise self._failed(exc, failed) from exc
+        except BaseException:
+            ch.error("source aborted")
+            if dump:
+                dump.abort()
+            source.rollback()
+            raise
+        t_running = time.monotonic()
+        self._timed("restore", t0)
+        self._running(restored, t_running)
+        # The target runs; its memory still arrives from here. Wait until every page is across.
+        self.progress("phase", name="pages")
+        t0 = time.monotonic()
+        try:
+            dump.wait()
+            done = ch.recv("done")
+        except MigrtError as exc:
+            dump.abort()
+            raise MigrationFailed(
+                f"lazy migration of {req.container_id}: the target already runs but its memory pages did not all "
+                f"arrive: {exc}; {source.rollback(target_kept=True)} (the target copy is broken: delete it there)", exc) from exc
+        self._timed("pages", t0)
+        self.result["lazy_pages_s"] = done.get("pages_s")
         source.destroy()
-    result.update(restored=True, target={"container_id": restored.get("container_id"), "pid": restored.get("pid")},
-                  downtime_s=round(t_running - t_freeze, 3), frozen_s=round(t_running - t_freeze, 3))
-    ch.send({"type": "bye"})
-
-
-def _lazy(ch, ready, source, staging, runtime, opts, fields, upper, bundle, req, result, progress):
-    phases = result["phases"]
-    if not ready.get("restore"):
-        raise UsageError(f"lazy migration needs a target that restores at once; start 'migrt receive' on "
-                         f"{req.to} with --restore BUNDLE")
-    host = ch.local_host
-    port = _free_port(host)
-    progress("phase", name="dump", container=req.container_id)
-    t_freeze = time.monotonic()
-    dump = None
-    try:
-        source.freeze()
-        dump = control.LazyCheckpoint(runtime.path, source.root, req.container_id, image_path=staging.images,
-                                      work_path=staging.work, options=opts, page_server=(host, port))
-        dump.wait_ready(LAZY_READY_TIMEOUT)
-        phases["dump_s"] = round(time.monotonic() - t_freeze, 3)
-        progress("done", name="dump", seconds=phases["dump_s"])
-        _dump_extras(staging, upper, bundle, fields, phases)
-        t0 = time.monotonic()
-        files = _send_all(ch, staging, result, progress, release=False)
-        phases["transfer_s"] = round(time.monotonic() - t0, 3)
-        progress("done", name="transfer", seconds=phases["transfer_s"], bytes=result["bytes"])
-        progress("phase", name="restore", target=ready.get("container_id"))
-        t0 = time.monotonic()
-        ch.send({"type": "commit", "manifest": {**fields, "files": files},
-                 "page_server": {"address": host, "port": port}})
-        restored = ch.recv("restored")
-    except MigrtError as exc:
-        ch.error(f"source aborted: {exc}")
-        if dump:
-            dump.abort()
-        raise MigrationFailed(f"lazy migration of {req.container_id} to {req.to} failed: {exc}; {source.rollback()}",
-                              exc) from exc
-    except BaseException:
-        ch.error("source aborted")
-        if dump:
-            dump.abort()
-        source.rollback()
-        raise
-    t_running = time.monotonic()
-    phases["restore_s"] = round(t_running - t0, 3)
-    progress("done", name="restore", seconds=phases["restore_s"])
-    result.update(restored=True, target={"container_id": restored.get("container_id"), "pid": restored.get("pid")},
-                  downtime_s=round(t_running - t_freeze, 3), frozen_s=round(t_running - t_freeze, 3))
-    # The target runs; its memory still arrives from here. Wait until every page is across.
-    progress("phase", name="pages")
-    t0 = time.monotonic()
-    try:
-        dump.wait()
-        done = ch.recv("done")
-    except MigrtError as exc:
-        dump.abort()
-        raise MigrationFailed(
-            f"lazy migration of {req.container_id}: the target already runs but its memory pages did not all "
-            f"arrive: {exc}; {source.rollback()} (the target copy is broken: delete it there)", exc) from exc
-    phases["pages_s"] = round(time.monotonic() - t0, 3)
-    result["lazy_pages_s"] = done.get("pages_s")
-    progress("done", name="pages", seconds=phases["pages_s"])
-    source.destroy()
-    ch.send({"type": "bye"})
+        ch.send({"type": "bye"})
