@@ -53,5 +53,6 @@ def main() -> None:
     from migrt.cli import commands  # noqa: F401 - registers the commands
     from migrt.cli import migrate  # noqa: F401 - registers `migrt migrate` and `migrt receive`
     from migrt.cli import install  # noqa: F401 - registers `migrt install`
+    from migrt.cli import import_cmd  # noqa: F401 - registers `migrt import`
 
     cli(prog_name="migrt")
