@@ -297,6 +297,7 @@ def main() -> int:
             for gib in sizes:
                 mib = int(gib * 1024)
                 need = mib * (2 << 20) + (1 << 30)  # one copy on each "node", plus slack
+                wait_for_memory(need)
                 if meminfo("MemAvailable") < need:
                     log(f"skipping {gib} GiB: needs about {need >> 30} GiB available")
                     results["points"].append({"gib": gib, "skipped": "not enough memory"})

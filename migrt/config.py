@@ -12,6 +12,7 @@ Keys (all optional):
   gpu_lock_timeout_ms: 30000         how long a CUDA process may take to reach a lockable point
   allow_cross_namespace_restore: false  restore a pod's checkpoint into another Kubernetes namespace
   migration_key_file: (none)         file with the secret shared by nodes that migrate to each other
+  migration_tls: (none)              {cert, key, ca}: TLS for migrations (docs/migration.md)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Config:
     runtime_roots: list[str] = field(default_factory=list)
     criu_options: dict[str, bool] = field(default_factory=dict)
     migration_key_file: str | None = None
+    migration_tls: dict[str, str] | None = None
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
     allow_cross_namespace_restore: bool = False
@@ -76,7 +78,7 @@ def load(path: str | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
-             "allow_cross_namespace_restore", "migration_key_file"}
+             "allow_cross_namespace_restore", "migration_key_file", "migration_tls"}
     known |= set(GPU_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
@@ -113,6 +115,11 @@ def load(path: str | None = None) -> Config:
     if key_file is not None and (not isinstance(key_file, str) or not os.path.isabs(key_file)):
         raise ConfigError(f"config {path}: 'migration_key_file' must be an absolute path")
     cfg.migration_key_file = key_file
+    tls = data.get("migration_tls")
+    if tls is not None and (not isinstance(tls, dict) or sorted(tls) != ["ca", "cert", "key"]
+                            or not all(isinstance(v, str) and os.path.isabs(v) for v in tls.values())):
+        raise ConfigError(f"config {path}: 'migration_tls' must map cert, key and ca to absolute paths")
+    cfg.migration_tls = tls
     return cfg
 
 

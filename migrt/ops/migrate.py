@@ -37,6 +37,7 @@ from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
 from migrt.transfer import Channel, connect, load_key
+from migrt.transfer.tls import TLSFiles
 
 MODES = ("stop-and-copy", "lazy")
 MAX_PRE_DUMPS = 8
@@ -169,7 +170,7 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
 
     progress("phase", name="connect", to=req.to)
     t0 = time.monotonic()
-    ch = connect(req.to, key)
+    ch = connect(req.to, key, tls=TLSFiles(**cfg.migration_tls) if cfg.migration_tls else None)
     try:
         ch.send({"type": "offer", "name": name, "mode": mode, "container_id": req.container_id,
                  "schema": mf.SCHEMA})

@@ -35,6 +35,7 @@ from migrt.store import manifest as mf
 from migrt.store.importer import importing
 from migrt.transfer import Channel, TransferError, accept, load_key, parse_address
 from migrt.transfer.protocol import AuthError
+from migrt.transfer.tls import TLSFiles
 
 MODES = ("stop-and-copy", "lazy")
 LAZY_PAGES_TIMEOUT = 3600.0
@@ -62,6 +63,7 @@ class Receiver:
         self.opts = opts
         self.report = report
         self.key = load_key(cfg.migration_key_file)
+        self.tls = TLSFiles(**cfg.migration_tls) if cfg.migration_tls else None
         self.store = Store(cfg.store)
         self.store.ensure()
         self.store.gc()
@@ -104,7 +106,7 @@ class Receiver:
                      "bytes": 0, "timings": {}, "error": None}
         ch: Channel | None = None
         try:
-            ch = accept(conn, self.key)
+            ch = accept(conn, self.key, tls=self.tls)
             self._migration(ch, out)
         except AuthError as exc:
             out.update(error=str(exc), exit_code=exc.exit_code, refused=True)

@@ -19,8 +19,10 @@ from migrt.store.fsutil import TreeHasher, make_entry
 from migrt.errors import UsageError
 from migrt.transfer import protocol as p
 from migrt.transfer.protocol import AuthError, TransferError
+from migrt.transfer.tls import TLSFiles, wrap_client, wrap_server
 
 CHUNK = 8 << 20
+TLS_HANDSHAKE = b"\x16"  # first byte of a TLS ClientHello record
 CONNECT_TIMEOUT = 15.0
 HANDSHAKE_TIMEOUT = 15.0
 IDLE_TIMEOUT = 600.0  # a peer may spend minutes dumping or restoring GBs between two messages
@@ -235,8 +237,8 @@ def _hex(msg: dict, field: str, peer: str) -> bytes:
     return val
 
 
-def connect(address: str, key: bytes, *, timeout: float = CONNECT_TIMEOUT) -> Channel:
-    """Connect to a receiver and authenticate both ways (client side)."""
+def connect(address: str, key: bytes, *, timeout: float = CONNECT_TIMEOUT, tls: TLSFiles | None = None) -> Channel:
+    """Connect to a receiver and authenticate both ways (client side), inside TLS when `tls` is given."""
     host, port = parse_address(address)
     peer = f"{host}:{port}"
     with _io(f"connecting to {peer}"):
@@ -244,6 +246,10 @@ def connect(address: str, key: bytes, *, timeout: float = CONNECT_TIMEOUT) -> Ch
     try:
         _keepalive(sock)
         sock.settimeout(HANDSHAKE_TIMEOUT)
+        if tls:
+            sock = wrap_client(sock, tls, peer)
+        else:  # the client speaks first either way, so a TLS receiver can tell us it wants TLS
+            _send_plain(sock, {"type": "hi", "proto": p.PROTOCOL}, peer)
         hello = _recv_plain(sock, peer, "hello")
         if hello.get("proto") != p.PROTOCOL:
             raise TransferError(f"{peer} speaks migrt protocol {hello.get('proto')}, this node {p.PROTOCOL}; "
@@ -261,11 +267,23 @@ def connect(address: str, key: bytes, *, timeout: float = CONNECT_TIMEOUT) -> Ch
         raise
 
 
-def accept(sock: socket.socket, key: bytes) -> Channel:
+def accept(sock: socket.socket, key: bytes, *, tls: TLSFiles | None = None) -> Channel:
     """Authenticate a freshly accepted connection (server side). Raises AuthError for a wrong key."""
     peer = "%s:%s" % sock.getpeername()[:2]
     _keepalive(sock)
     sock.settimeout(HANDSHAKE_TIMEOUT)
+    with _io(f"receiving from {peer}"):
+        first = sock.recv(1, socket.MSG_PEEK)
+    if first == TLS_HANDSHAKE and not tls:
+        raise TransferError(f"{peer} speaks TLS; this node has no 'migration_tls' configured")
+    if first != TLS_HANDSHAKE and tls:
+        _send_plain(sock, {"type": "error", "error": "this receiver requires TLS: configure 'migration_tls' "
+                                                     "(certificates from the same CA) on the sending node"}, peer)
+        raise TransferError(f"{peer} connected without TLS; refused")
+    if tls:
+        sock = wrap_server(sock, tls, peer)
+    else:
+        _recv_plain(sock, peer, "hi")
     cs = secrets.token_bytes(32)
     _send_plain(sock, {"type": "hello", "proto": p.PROTOCOL, "challenge": cs.hex()}, peer)
     auth = _recv_plain(sock, peer, "auth")

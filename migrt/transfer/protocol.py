@@ -8,6 +8,7 @@ A connection carries frames and, after a `file` message, that file's raw bytes:
 
 Handshake (the receiver is the server, the sender the client; key = the shared secret):
 
+    C -> S  {"type": "hi", "proto": 1}      (without TLS; with TLS the client's first bytes are its ClientHello)
     S -> C  {"type": "hello", "proto": 1, "challenge": cs}
     C -> S  {"type": "auth", "proto": 1, "challenge": cc, "mac": HMAC(key, "migrt-client" | cs | cc)}
     S -> C  {"type": "welcome", "mac": HMAC(key, "migrt-server" | cs | cc)}     (or an error, then close)

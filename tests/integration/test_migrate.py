@@ -352,3 +352,43 @@ def _staged_bytes(nodes) -> int:
             except OSError:
                 pass
     return total
+
+
+def test_tls_migration(nodes, hosts, tmp_path):
+    """With migration_tls on both nodes the same migration runs inside mutual TLS."""
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1",
+            "-subj", "/CN=migrt-test-ca", "-keyout", "ca.key", "-out", "ca.crt")
+    for node in ("a", "b"):
+        openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN=node-{node}",
+                "-keyout", f"{node}.key", "-out", f"{node}.csr")
+        openssl("x509", "-req", "-in", f"{node}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-days", "1", "-out", f"{node}.crt")
+        cfg = tmp_path / f"{node}.yaml"
+        cfg.write_text(open(nodes[node]["config"]).read() + f"migration_tls:\n  cert: {tmp_path}/{node}.crt\n"
+                       f"  key: {tmp_path}/{node}.key\n  ca: {tmp_path}/ca.crt\n")
+    tls = {n: {**nodes[n], "config": str(tmp_path / f"{n}.yaml")} for n in ("a", "b")}
+    tls["base"] = nodes["base"]
+    src, cid = _source(nodes, "tls")
+    recv = Receiver(tls, hosts, 7908)
+    try:
+        res = migrate(tls, hosts, 7908, cid, "--name", f"{cid}-ck")
+        assert res.returncode == 0, res.stderr
+        assert recv.wait() == 0
+    finally:
+        recv.stop()
+    src.close()
+    assert f"{cid}-ck" in visible(nodes)
+    # a node without TLS cannot talk to it
+    recv = Receiver(tls, hosts, 7909)
+    try:
+        src2, cid2 = _source(nodes, "notls")
+        res = migrate(nodes, hosts, 7909, cid2)
+        assert res.returncode == 9 and "requires TLS" in res.stderr
+        assert src2.status() == "running"
+    finally:
+        recv.stop()
+        subprocess.run(["runc", "--root", nodes["a"]["root"], "delete", "--force", cid2], capture_output=True)
+        src2.close()
