@@ -168,16 +168,23 @@ class Receiver:
             fields = dict(manifest)
             fields["migration"] = {"from": ch.peer, "mode": mode, "received_at": _utc(time.time()),
                                    "source_container": offer.get("container_id")}
-            page_server = None
+            lazy = None
             if mode == "lazy":
                 page_server = self._page_server(msg, ch)
                 fields["lazy"] = {"pages": "on the source's page server", **page_server}
+                imp.verify(manifest.get("files"))  # CRIU never reads an unverified image
+                lazy = self._start_lazy_daemon(name, imp.images, page_server)
             t1 = time.monotonic()
-            imp.commit(fields, manifest.get("files"), durable=mode != "lazy")
+            try:
+                imp.commit(fields, manifest.get("files"), durable=mode != "lazy")
+            except BaseException:
+                if lazy:
+                    lazy.close()
+                raise
             out["timings"]["commit_s"] = round(time.monotonic() - t1, 3)
         out["committed"] = True
-        if mode == "lazy":
-            self._restore_lazy(ch, name, restore_id, page_server, out)
+        if lazy:
+            self._restore_lazy(ch, name, restore_id, lazy, out)
             return
         ch.send({"type": "committed", "name": name})
         try:
@@ -209,21 +216,32 @@ class Receiver:
                 container_id=restore_id, bundle=Bundle.load(os.path.abspath(self.opts.restore_bundle)),
                 root=self.root, stdio=(devnull, sink, sink), verified=True, **seams))
 
-    def _restore_lazy(self, ch: Channel, name: str, restore_id: str, page_server: dict, out: dict) -> None:
+    def _start_lazy_daemon(self, name: str, images: str, page_server: dict) -> "_LazyDaemon":
+        """`criu lazy-pages` for the images just verified: started before the commit and the restore's
+        preparations, so that its start-up (~50 ms here) overlaps them. It keeps the images directory
+        open, so the commit's rename does not disturb it; its socket lives in a directory of ours and
+        is linked into runc's work directory right before the restore."""
+        workdir = os.path.join(self.store.root, ".tmp", f"lazy.{name}.{os.getpid()}.{time.monotonic_ns()}")
+        os.makedirs(workdir, mode=0o700)
+        try:
+            daemon = lazy_mod.LazyPagesDaemon(images, workdir, page_server["address"], page_server["port"],
+                                              os.path.join(workdir, "lazy-pages.log"))
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        return _LazyDaemon(daemon, workdir)
+
+    def _restore_lazy(self, ch: Channel, name: str, restore_id: str, lazy: "_LazyDaemon", out: dict) -> None:
         """Restore at once from a checkpoint without memory pages; `criu lazy-pages` fetches them from
         the source while the container already runs. The pageless checkpoint is removed afterwards."""
-        daemon: lazy_mod.LazyPagesDaemon | None = None
-        logdir = os.path.join(self.store.root, ".tmp", f"lazy.{name}.{os.getpid()}.{time.monotonic_ns()}")
-        os.makedirs(logdir, mode=0o700)
+        daemon = lazy.daemon
 
-        def start_daemon(view: str, work: str) -> None:
-            nonlocal daemon
-            daemon = lazy_mod.LazyPagesDaemon(view, work, page_server["address"], page_server["port"],
-                                              os.path.join(logdir, "lazy-pages.log"))
+        def link_daemon(view: str, work: str) -> None:
             daemon.wait_listening()
+            os.symlink(daemon.socket, os.path.join(work, "lazy-pages.socket"))
 
         try:
-            res = self._restore(name, restore_id, extra=["--lazy-pages"], before_restore=start_daemon)
+            res = self._restore(name, restore_id, extra=["--lazy-pages"], before_restore=link_daemon)
             out.update(restored=True, container_id=restore_id, pid=res["pid"])
             out["timings"]["restore_s"] = res["timings"].get("total_s")
             out["timings"]["restore"] = res["timings"]
@@ -235,9 +253,16 @@ class Receiver:
             with contextlib.suppress(TransferError):
                 ch.recv("bye")
         finally:
-            if daemon:
-                daemon.stop()
+            lazy.close()
             with contextlib.suppress(MigrtError, OSError):
                 self.store.remove(name)
             out["committed"] = False  # a checkpoint without its pages is not kept
-            shutil.rmtree(logdir, ignore_errors=True)
+
+
+class _LazyDaemon:
+    def __init__(self, daemon: lazy_mod.LazyPagesDaemon, workdir: str) -> None:
+        self.daemon, self.workdir = daemon, workdir
+
+    def close(self) -> None:
+        self.daemon.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
