@@ -91,13 +91,20 @@ class LazyPagesDaemon:
         self.work = work
         self.log = log
         self.socket = os.path.join(work, "lazy-pages.socket")
+        # The images directory is handed over as an open descriptor: the caller may rename it (commit)
+        # while CRIU is still starting up.
+        dirfd = os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         argv = [crit, "lazy-pages", "--page-server", "--address", address, "--port", str(port),
-                "-D", images, "-W", work, "-o", self.log, "-v2"]
+                "-D", f"/proc/self/fd/{dirfd}", "-W", work, "-o", self.log, "-v2"]
+        self.stderr = os.path.join(work, "lazy-pages.stderr")
         try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, start_new_session=True)
+            with open(self.stderr, "wb") as err:
+                self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                             start_new_session=True, pass_fds=(dirfd,))
         except OSError as exc:
             raise RuntimeFailed(f"cannot run {crit}: {exc}") from exc
+        finally:
+            os.close(dirfd)
 
     def wait_listening(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -128,4 +135,11 @@ class LazyPagesDaemon:
                 self.proc.wait()
 
     def _failure(self, msg: str) -> RuntimeFailed:
-        return RuntimeFailed(msg, details=error_lines(self.log))
+        details = error_lines(self.log)
+        if not details:
+            try:
+                with open(self.stderr, encoding="utf-8", errors="replace") as fh:
+                    details = [ln.strip() for ln in fh.read().splitlines() if ln.strip()][-4:]
+            except OSError:
+                pass
+        return RuntimeFailed(msg, details=details)

@@ -18,6 +18,7 @@ import contextlib
 import os
 import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -219,10 +220,10 @@ class Receiver:
     def _start_lazy_daemon(self, name: str, images: str, page_server: dict) -> "_LazyDaemon":
         """`criu lazy-pages` for the images just verified: started before the commit and the restore's
         preparations, so that its start-up (~50 ms here) overlaps them. It keeps the images directory
-        open, so the commit's rename does not disturb it; its socket lives in a directory of ours and
-        is linked into runc's work directory right before the restore."""
-        workdir = os.path.join(self.store.root, ".tmp", f"lazy.{name}.{os.getpid()}.{time.monotonic_ns()}")
-        os.makedirs(workdir, mode=0o700)
+        open, so the commit's rename does not disturb it; its socket lives in a directory of ours (short:
+        a unix socket path has at most 107 bytes) and is linked into runc's work directory right before
+        the restore."""
+        workdir = tempfile.mkdtemp(prefix="migrt-lazy-")
         try:
             daemon = lazy_mod.LazyPagesDaemon(images, workdir, page_server["address"], page_server["port"],
                                               os.path.join(workdir, "lazy-pages.log"))
