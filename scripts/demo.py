@@ -1,9 +1,11 @@
 """The migrt demo: private containerd -> counter container through migrt-runc -> `migrt checkpoint`
--> container removed -> new container with MIGRT_RESTORE -> the counter resumes where it stopped."""
+-> container removed -> new container with MIGRT_RESTORE -> the counter resumes where it stopped.
+Everything lives in a temporary directory, removed at the end (--keep keeps it)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,6 +80,8 @@ def main() -> int:
         return 0 if ok else 1
     finally:
         ctd.stop()
+        if "--keep" not in sys.argv:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":
