@@ -12,7 +12,6 @@ lock is free).
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import shutil
@@ -20,11 +19,10 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from migrt.store.fsutil import digest_of, make_entry
 from migrt.errors import CheckpointInvalid, Conflict, PreconditionFailed
 from migrt.store import manifest as mf
-from migrt.store.fsutil import fsync_dir
-from migrt.store.store import Store
+from migrt.store.fsutil import digest_of, fsync_dir, make_entry
+from migrt.store.store import Store, fsync_tree_dirs, publish, secure_tree
 
 MAX_DEPTH = 5
 MAX_FILES = 100_000
@@ -115,31 +113,14 @@ class Import:
         if durable:  # all files at once: the file system merges concurrent syncs into few commits
             with ThreadPoolExecutor(max_workers=8) as pool:
                 list(pool.map(_fsync_file, [os.path.join(self.path, rel) for rel in self.received]))
-        root_owned = os.geteuid() == 0
-        for dirpath, dirnames, filenames in os.walk(self.path):
-            for d in dirnames:
-                os.chmod(os.path.join(dirpath, d), 0o700)
-            for f in filenames:
-                full = os.path.join(dirpath, f)
-                os.chmod(full, 0o600)
-                if root_owned:
-                    os.chown(full, 0, 0)
+        secure_tree(self.path)
         data = {k: v for k, v in fields.items() if k not in OWN_FIELDS}
         data.update(schema=mf.SCHEMA, name=self.name, files=dict(sorted(self.received.items())),
                     size_bytes=sum(f["size"] for f in self.received.values()))
         mf.write(self.path, data)
         if durable:
-            for dirpath, dirnames, _ in os.walk(self.path):
-                for d in dirnames:
-                    fsync_dir(os.path.join(dirpath, d))
-            fsync_dir(self.path)
-        final = os.path.join(self.store.root, self.name)
-        try:
-            os.rename(self.path, final)
-        except OSError as exc:
-            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                raise Conflict(f"checkpoint {self.name} already exists") from exc
-            raise
+            fsync_tree_dirs(self.path)
+        publish(self.path, self.store.root, self.name)
         self.committed = True
         if durable:
             fsync_dir(self.store.root)

@@ -37,6 +37,36 @@ def _mkdir(path: str) -> None:
     os.chmod(path, 0o700)
 
 
+def secure_tree(path: str) -> None:
+    """Directories 0700, files 0600, owned by root (when we are root)."""
+    root_owned = os.geteuid() == 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), 0o700)
+        for f in filenames:
+            full = os.path.join(dirpath, f)
+            os.chmod(full, 0o600)
+            if root_owned:
+                os.chown(full, 0, 0)
+
+
+def fsync_tree_dirs(path: str) -> None:
+    for dirpath, dirnames, _ in os.walk(path):
+        for d in dirnames:
+            fsync_dir(os.path.join(dirpath, d))
+    fsync_dir(path)
+
+
+def publish(staging: str, root: str, name: str) -> None:
+    """Rename a complete staging directory to <root>/<name>: the checkpoint becomes visible whole."""
+    try:
+        os.rename(staging, os.path.join(root, name))
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise Conflict(f"checkpoint {name} already exists") from exc
+        raise
+
+
 class Checkpoint:
     def __init__(self, store: "Store", name: str) -> None:
         self.store = store
@@ -75,14 +105,7 @@ class Staging:
         step = fault or (lambda _s: None)
         shutil.rmtree(self.work, ignore_errors=True)
         rels = mf.list_payload(self.path)
-        for rel in rels:
-            full = os.path.join(self.path, rel)
-            os.chmod(full, 0o600)
-            if os.geteuid() == 0:
-                os.chown(full, 0, 0)
-        for dirpath, dirnames, _ in os.walk(self.path):
-            for d in dirnames:
-                os.chmod(os.path.join(dirpath, d), 0o700)
+        secure_tree(self.path)
         t0 = time.monotonic()
         files = hash_tree(self.path, rels, fsync=True, progress=progress)
         step("hashed")
@@ -92,18 +115,9 @@ class Staging:
         data.setdefault("timings", {})["checksum_s"] = round(time.monotonic() - t0, 3)
         mf.write(self.path, data)
         step("manifest-written")
-        fsync_dir(self.path)
-        for dirpath, dirnames, _ in os.walk(self.path):
-            for d in dirnames:
-                fsync_dir(os.path.join(dirpath, d))
+        fsync_tree_dirs(self.path)
         step("synced")
-        final = os.path.join(self.store.root, self.name)
-        try:
-            os.rename(self.path, final)
-        except OSError as exc:
-            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                raise Conflict(f"checkpoint {self.name} already exists") from exc
-            raise
+        publish(self.path, self.store.root, self.name)
         self.committed = True
         step("renamed")
         fsync_dir(self.store.root)
