@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import select
 import shutil
 import signal
@@ -49,6 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from migrt.criu.lazy import lazy_problem, soft_dirty  # noqa: E402
+from bench.common import log, machine, meminfo  # noqa: E402
 from tests.helpers.bundles import make_bundle  # noqa: E402
 from tests.helpers.twohosts import ADDR_B, in_ns, lazy_pipe_limit, two_hosts  # noqa: E402
 
@@ -57,31 +57,6 @@ DEFAULT_JSON = os.path.join(REPO, "bench", "results", "migration.json")
 TICK = 0.010
 MODES = ("stop-and-copy", "pre-dump", "lazy")
 TARGETS = {1: 0.5, 8: 1.0}
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def meminfo(field: str) -> int:
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def versions() -> dict:
-    def first(argv):
-        try:
-            return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
-        except (OSError, IndexError, subprocess.TimeoutExpired):
-            return None
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {"kernel": platform.release(), "cpus": os.cpu_count(), "cpu": cpu, "mem_gib": round(meminfo("MemTotal") / 2**30, 1),
-            "runc": first(["runc", "--version"]), "criu": first(["criu", "--version"]),
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
 
 
 class Lab:
@@ -274,7 +249,7 @@ def main() -> int:
     if unknown:
         log(f"unknown mode(s) {sorted(unknown)}; known: {MODES}")
         return 2
-    info = versions()
+    info = machine()
     log(f"machine: {info['cpus']} CPUs ({info['cpu']}), {info['mem_gib']} GiB, kernel {info['kernel']}; "
         f"{info['runc']}; CRIU {info['criu']}")
     notes: dict[str, str] = {}

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -49,6 +48,7 @@ import uuid
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.common import log, machine, meminfo  # noqa: E402
 from tests.helpers.bundles import make_bundle  # noqa: E402
 
 CLI = shutil.which("migrt") or "/usr/local/bin/migrt"
@@ -60,37 +60,9 @@ FULL_SIZES = (0.25, 1, 2, 4)
 QUICK_SIZES = (0.125, 0.25)
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def meminfo(field: str) -> int:
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def free_bytes(path: str) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def first_line(argv: list[str]) -> str | None:
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=20)
-        return (out.stdout or out.stderr).strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        return None
-
-
-def machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {"kernel": platform.release(), "cpus": os.cpu_count(), "cpu": cpu,
-            "mem_gib": round(meminfo("MemTotal") / GIB, 1), "runc": first_line(["runc", "--version"]),
-            "criu": first_line(["criu", "--version"]), "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d"), "loadavg_start": os.getloadavg()[0]}
 
 
 def choose_store(size_gib: float, base: str, forced: str | None) -> tuple[str | None, str]:
