@@ -17,15 +17,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MIGRT_GPU_TEST_GBS=${MIGRT_GPU_TEST_GBS:-"2 8"}
 export MIGRT_GPU_RESULTS="$OUT"
 PY=${MIGRT_GPU_PYTHON:-python3}
-# CRIU locks a container's own network namespace with iptables-restore. Debian's iptables package
-# names it only through update-alternatives (not run by dpkg -x): point the names at the nft build.
-for t in iptables ip6tables; do
-    for d in /opt/migrt-deps/usr/sbin; do
-        if ! command -v $t-restore >/dev/null 2>&1 && [ -x $d/xtables-nft-multi ]; then
-            ln -sf xtables-nft-multi $d/$t-restore; ln -sf xtables-nft-multi $d/$t-save; ln -sf xtables-nft-multi $d/$t
-        fi
-    done
-done
+. tests/gpu/iptables_names.sh
 export MIGRT_GPU_PYTHON=$PY
 
 {
