@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 
 from migrt.errors import ConfigError
-from migrt.shim.lower import config_path, resolve
+from migrt.runtime.lower import config_path, resolve
 
 POLICIES = ("fail", "fresh")
 LEVELS = ("debug", "info", "warning", "error")

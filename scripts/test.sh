@@ -4,4 +4,4 @@
 set -eu
 cd "$(dirname "$0")/.."
 MIGRT_DEV=1 sh packaging/setup-host.sh
-exec /opt/migrt/venv/bin/python -m pytest "$@"
+exec "${MIGRT_PREFIX:-/opt/migrt}/venv/bin/python" -m pytest "$@"

@@ -8,7 +8,7 @@ import sys
 import click
 
 from migrt import __version__
-from migrt.cli.main import cli, handle_errors, load_config
+from migrt.cli.group import cli, handle_errors, load_config
 from migrt.cli.render import ConsoleProgress, emit_json, human_size, table
 
 JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
@@ -159,7 +159,7 @@ def restore(name, container_id, bundle, root, output, as_json):
     """Restore checkpoint NAME as container CONTAINER_ID from an OCI bundle (outside containerd)."""
     from migrt.oci.bundle import Bundle
     from migrt.ops.restore import RestoreTarget, restore_checkpoint
-    from migrt.shim.lower import default_root
+    from migrt.runtime.lower import default_root
 
     cfg = load_config()
     runtime = cfg.runtime_path()
@@ -180,7 +180,7 @@ def restore(name, container_id, bundle, root, output, as_json):
 @handle_errors
 def doctor(as_json):
     """Check this node: CRIU, runc, kernel features, containerd, store. Exit 1 if a check fails."""
-    from migrt.ops.doctor import run_checks
+    from migrt.node.doctor import run_checks
 
     checks = run_checks()
     failed = [c for c in checks if c["status"] == "fail"]

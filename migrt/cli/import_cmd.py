@@ -1,11 +1,11 @@
 """`migrt import`: a Kubernetes checkpoint archive (kubelet's checkpoint API, CRI CheckpointContainer)
-into the store. The work is in migrt.ops.import_cri."""
+into the store. The work is in migrt.pods.import_cri."""
 
 from __future__ import annotations
 
 import click
 
-from migrt.cli.main import cli, handle_errors, load_config
+from migrt.cli.group import cli, handle_errors, load_config
 from migrt.cli.render import ConsoleProgress, emit_json, human_size
 
 
@@ -17,7 +17,7 @@ from migrt.cli.render import ConsoleProgress, emit_json, human_size
 def import_cmd(archive, name, as_json):
     """Import a checkpoint archive written by kubelet's checkpoint API (CRI CheckpointContainer,
     e.g. containerd 2.1+) into the store; prints the checkpoint name, ready for MIGRT_RESTORE."""
-    from migrt.ops.import_cri import import_archive
+    from migrt.pods.import_cri import import_archive
 
     cfg = load_config()
     progress = ConsoleProgress(enabled=None if not as_json else False)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from migrt.cli.main import cli, handle_errors
+from migrt.cli.group import cli, handle_errors
 from migrt.cli.render import emit_json
-from migrt.ops.containerd_config import DEFAULT_CONFIG, MIGRT_RUNC
+from migrt.node.containerd_config import DEFAULT_CONFIG, MIGRT_RUNC
 
 
 @cli.group()
@@ -26,7 +26,7 @@ def install() -> None:
 def install_containerd(config_path, root, binary, dry_run, as_json):
     """Declare runtime handler `migrt` (BinaryName migrt-runc) in a drop-in imported by containerd's
     config. Idempotent; changed files are backed up first. containerd is NOT restarted."""
-    from migrt.ops.install import apply, plan_containerd
+    from migrt.node.install import apply, plan_containerd
 
     plan = plan_containerd(config_path, root=root, binary=binary)
     if not dry_run:

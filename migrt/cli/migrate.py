@@ -1,5 +1,5 @@
-"""`migrt migrate` (source node) and `migrt receive` (target node). The work is in migrt.ops.migrate
-and migrt.ops.receive; this file parses options and renders progress and results."""
+"""`migrt migrate` (source node) and `migrt receive` (target node). The work is in migrt.migration.migrate
+and migrt.migration.receive; this file parses options and renders progress and results."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from migrt.cli.main import cli, handle_errors, load_config
+from migrt.cli.group import cli, handle_errors, load_config
 from migrt.cli.render import ConsoleProgress, emit_json, human_size
 
 JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
@@ -41,8 +41,8 @@ def migrate(container_id, to, root, pre_dump, lazy, name, free_source_early, as_
 
     Until the target holds the container's state, any failure resumes the container here.
     """
-    from migrt.ops.migrate import MigrateRequest
-    from migrt.ops.migrate import migrate as do_migrate
+    from migrt.migration.migrate import MigrateRequest
+    from migrt.migration.migrate import migrate as do_migrate
 
     cfg = load_config()
     progress = ConsoleProgress(enabled=None if not as_json else False)
@@ -84,7 +84,7 @@ def receive(listen, once, restore_bundle, root, container_id, output, as_json):
     Peers must hold the same migration key (config 'migration_key_file'). Each verified checkpoint is
     committed atomically (ready for MIGRT_RESTORE), and restored at once with --restore.
     """
-    from migrt.ops.receive import ReceiveOptions, Receiver
+    from migrt.migration.receive import ReceiveOptions, Receiver
 
     cfg = load_config()
 

@@ -13,8 +13,8 @@ from migrt.criu.version import versions
 from migrt.errors import Conflict, MigrtError
 from migrt.oci.bundle import Bundle
 from migrt.ops import gpu_steps
-from migrt.ops import rootfs
-from migrt.ops.progress import Progress, null_progress
+from migrt.pods import rootfs
+from migrt.progress import Progress, null_progress
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf

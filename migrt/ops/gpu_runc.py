@@ -23,8 +23,8 @@ from migrt.errors import MigrtError, UsageError
 from migrt.gpu import procs, records
 from migrt.oci.bundle import Bundle
 from migrt.ops import gpu_steps
-from migrt.shim import lower as lower_mod
-from migrt.shim import runclog
+from migrt.runtime import lower as lower_mod
+from migrt.runtime import runclog
 
 
 def _setup(parsed):

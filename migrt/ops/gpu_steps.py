@@ -24,7 +24,7 @@ from migrt import log as log_mod
 from migrt.errors import MigrtError, PreconditionFailed
 from migrt.gpu import devnodes, inventory, preflight, procs, records, select, session, visible
 from migrt.gpu.backend import CHECKPOINTED, GpuBackend, GpuError
-from migrt.ops.progress import Progress, null_progress
+from migrt.progress import Progress, null_progress
 
 HANDLED_ENV = records.HANDLED_ENV
 

@@ -19,8 +19,8 @@ from migrt.criu.options import CriuOptions
 from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
 from migrt.ops import gpu_steps
-from migrt.ops import namespaces, rootfs
-from migrt.ops.progress import Progress, null_progress
+from migrt.pods import namespaces, rootfs
+from migrt.progress import Progress, null_progress
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
 from migrt.store import Store
@@ -151,8 +151,8 @@ def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, l
     """The shim's create -> restore swap. Returns the exit code; may exec the original create."""
     from migrt import config as config_mod
     from migrt import log as log_mod
-    from migrt.shim import lower as lower_mod
-    from migrt.shim import runclog
+    from migrt.runtime import lower as lower_mod
+    from migrt.runtime import runclog
 
     args = parsed.render()
 

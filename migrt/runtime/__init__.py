@@ -1,1 +1,3 @@
-"""The lower runtime (runc, crun, nvidia-container-runtime)."""
+"""The lower runtime (runc, crun, nvidia-container-runtime): finding it and its state root (lower,
+stdlib only: the hot path), running it as a child (runc, control), its log format (runclog) and
+migrt's restore marker in its state directory (markers)."""

@@ -13,8 +13,8 @@ import os
 import sys
 
 from migrt.runtime.markers import is_restored
-from migrt.shim import lower as _lower
-from migrt.shim import runclog
+from migrt.runtime import lower as _lower
+from migrt.runtime import runclog
 from migrt.shim.argv import RuncArgv
 
 

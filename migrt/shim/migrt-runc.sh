@@ -16,7 +16,7 @@ PYSHIM='@MIGRT_PY_SHIM@'
 py() { exec "$PYSHIM" "$@"; }
 
 # Lower runtime: the top-level `runtime:` line of the config (plain scalar), else runc on PATH.
-# A missing or broken config never breaks pass-through (same rule as migrt/shim/lower.py).
+# A missing or broken config never breaks pass-through (same rule as migrt/runtime/lower.py).
 lower=
 cfg=${MIGRT_CONFIG:-/etc/migrt/config.yaml}
 if [ -r "$cfg" ]; then

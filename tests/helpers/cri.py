@@ -39,7 +39,7 @@ CRI_MODULE = "k8s.io.cri_api.pkg.apis.runtime.v1"
 CNI_BIN_DIR = "/usr/lib/cni"
 SUBNET = "192.0.2.0/24"
 CRI_NAMESPACE = "k8s.io"  # containerd's CRI always uses this containerd namespace
-MIGRT_RUNC = "/usr/local/bin/migrt-runc"
+MIGRT_RUNC = os.environ.get("MIGRT_BINDIR", "/usr/local/bin") + "/migrt-runc"
 
 CRI_CONFIG = """version = 3
 root = '{root}'

@@ -14,8 +14,9 @@ import pytest
 
 from tests.helpers.containerd import Containerd
 
-SHIM = "/usr/local/bin/migrt-runc"
-CLI = "/usr/local/bin/migrt"
+BINDIR = os.environ.get("MIGRT_BINDIR", "/usr/local/bin")  # setup-host.sh MIGRT_BINDIR: a private install
+SHIM = f"{BINDIR}/migrt-runc"
+CLI = f"{BINDIR}/migrt"
 
 
 def _missing() -> list[str]:

@@ -283,7 +283,7 @@ def test_wrong_key_is_refused_and_receiver_keeps_serving(nodes, hosts):
 def test_sender_closing_midway_leaves_target_clean(nodes, hosts):
     recv = Receiver(nodes, hosts, 7905)
     script = (
-        "import sys; from migrt.transfer import connect, load_key\n"
+        "import sys; from migrt.migration.wire import connect, load_key\n"
         "ch = connect(sys.argv[1], load_key(sys.argv[2]))\n"
         "ch.send({'type': 'offer', 'name': 'half-sent', 'mode': 'stop-and-copy', 'container_id': 'x', 'schema': 1})\n"
         "ch.recv('ready')\n"

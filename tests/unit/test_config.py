@@ -1,4 +1,4 @@
-"""migrt.config.load (full YAML) and migrt.shim.lower (the hot path's one-line reader)."""
+"""migrt.config.load (full YAML) and migrt.runtime.lower (the hot path's one-line reader)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from migrt import config
 from migrt.errors import ConfigError
-from migrt.shim import lower
+from migrt.runtime import lower
 from tests.unit.support import REPO, make_executable
 
 SHIPPED = REPO / "configs" / "config.yaml"

@@ -344,7 +344,7 @@ def test_inspect_renders_the_gpu_section():
 
 
 def test_doctor_without_gpu_is_one_warning():
-    from migrt.ops.doctor_gpu import gpu_checks
+    from migrt.node.doctor_gpu import gpu_checks
 
     checks = gpu_checks("/usr/sbin/runc", inv=Inventory(source="none", error="no driver"))
     assert [(c["name"], c["status"]) for c in checks] == [("gpu", "warn")]
@@ -352,7 +352,7 @@ def test_doctor_without_gpu_is_one_warning():
 
 
 def test_doctor_on_a_gpu_node(monkeypatch, tmp_path):
-    from migrt.ops import doctor_gpu
+    from migrt.node import doctor_gpu
 
     class Api:
         def available(self):

@@ -18,7 +18,7 @@ import migrt.cli.import_cmd  # noqa: F401 - registers `migrt import`
 from migrt import config as config_mod
 from migrt.cli.main import cli
 from migrt.errors import CheckpointInvalid
-from migrt.ops import import_cri, rootfs
+from migrt.pods import import_cri, rootfs
 from migrt.store import Store
 
 SPEC = {

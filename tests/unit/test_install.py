@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 from migrt.cli.main import cli
 from migrt.errors import ConfigError
-from migrt.ops import containerd_config as cc
-from migrt.ops.doctor_containerd import containerd_handler_check
-from migrt.ops.install import apply, plan_containerd, set_imports
+from migrt.node import containerd_config as cc
+from migrt.node.doctor_containerd import containerd_handler_check
+from migrt.node.install import apply, plan_containerd, set_imports
 
 import migrt.cli.install  # noqa: F401,E402 - registers `migrt install`
 

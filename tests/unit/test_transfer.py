@@ -1,4 +1,4 @@
-"""migrt.transfer: addresses, keys, the authenticated handshake, sealed messages, file streams."""
+"""migrt.migration.wire: addresses, keys, the authenticated handshake, sealed messages, file streams."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import threading
 import pytest
 
 from migrt.errors import ConfigError, UsageError
-from migrt.transfer import TransferError, accept, connect, load_key, parse_address
-from migrt.transfer import channel as chmod
-from migrt.transfer import protocol as p
-from migrt.transfer.protocol import AuthError
+from migrt.migration.wire import TransferError, accept, connect, load_key, parse_address
+from migrt.migration import channel as chmod
+from migrt.migration import protocol as p
+from migrt.migration.protocol import AuthError
 
 KEY = b"k" * 32
 

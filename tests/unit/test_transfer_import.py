@@ -15,11 +15,11 @@ import pytest
 from migrt import config
 from migrt.criu import lazy as lazy_mod
 from migrt.errors import CheckpointInvalid, Conflict, PreconditionFailed, UsageError
-from migrt.ops import migrate as migrate_mod
-from migrt.ops.receive import ReceiveOptions, Receiver
+from migrt.migration import migrate as migrate_mod
+from migrt.migration.receive import ReceiveOptions, Receiver
 from migrt.store import Store
 from migrt.store.importer import check_relpath, importing
-from migrt.transfer import TransferError, connect
+from migrt.migration.wire import TransferError, connect
 from tests.unit.support import is_private_dir
 
 KEY = "unit-test-shared-secret-0123456789"

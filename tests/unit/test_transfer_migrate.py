@@ -16,10 +16,10 @@ import pytest
 from migrt import config
 from migrt.criu import lazy as lazy_mod
 from migrt.errors import MigrtError
-from migrt.ops.migrate import MigrateRequest, MigrationFailed, migrate
-from migrt.ops.receive import ReceiveOptions, Receiver
+from migrt.migration.migrate import MigrateRequest, MigrationFailed, migrate
+from migrt.migration.receive import ReceiveOptions, Receiver
 from migrt.store import Store
-from migrt.transfer import accept, load_key
+from migrt.migration.wire import accept, load_key
 from tests.unit.support import make_executable, write_bundle
 
 FAKE_RUNC = """\

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from migrt.transfer import TransferError, accept, connect
-from migrt.transfer.tls import TLSFiles
+from migrt.migration.wire import TransferError, accept, connect
+from migrt.migration.tls import TLSFiles
 
 KEY = b"k" * 32
 

@@ -29,15 +29,15 @@ from migrt.criu.options import CriuOptions
 from migrt.criu.version import versions
 from migrt.errors import Conflict, MigrtError, UsageError
 from migrt.oci.bundle import Bundle
-from migrt.ops import rootfs
+from migrt.pods import rootfs
 from migrt.ops.checkpoint import default_name
-from migrt.ops.progress import Progress, null_progress
+from migrt.progress import Progress, null_progress
 from migrt.runtime import control
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
-from migrt.transfer import Channel, connect, load_key
-from migrt.transfer.tls import TLSFiles
+from migrt.migration.wire import Channel, connect, load_key
+from migrt.migration.tls import TLSFiles
 
 MODES = ("stop-and-copy", "lazy")
 MAX_PRE_DUMPS = 8

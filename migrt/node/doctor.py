@@ -9,8 +9,8 @@ import subprocess
 
 from migrt.criu.version import MIN_CRIU, criu_binary, criu_version, kernel_version, parse_version, runtime_version
 from migrt.errors import MigrtError
-from migrt.ops.doctor_containerd import containerd_handler_check
-from migrt.ops.doctor_gpu import gpu_checks
+from migrt.node.doctor_containerd import containerd_handler_check
+from migrt.node.doctor_gpu import gpu_checks
 
 
 def _check(name: str, status: str, detail: str, fix: str = "") -> dict:

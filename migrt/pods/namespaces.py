@@ -10,7 +10,7 @@ import ctypes
 import glob
 import os
 
-from migrt.ops.forked import run_forked
+from migrt.pods.forked import run_forked
 from migrt.oci.bundle import Bundle
 
 CLONE_NEWUTS = 0x04000000

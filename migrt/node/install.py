@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from migrt import __version__
 from migrt.errors import ConfigError
-from migrt.ops import containerd_config as cc
+from migrt.node import containerd_config as cc
 
 DROPIN_NAME = "migrt.toml"
 

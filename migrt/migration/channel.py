@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from migrt.store.fsutil import TreeHasher, make_entry
 from migrt.errors import UsageError
-from migrt.transfer import protocol as p
-from migrt.transfer.protocol import AuthError, TransferError
-from migrt.transfer.tls import TLSFiles, wrap_client, wrap_server
+from migrt.migration import protocol as p
+from migrt.migration.protocol import AuthError, TransferError
+from migrt.migration.tls import TLSFiles, wrap_client, wrap_server
 
 CHUNK = 8 << 20
 TLS_HANDSHAKE = b"\x16"  # first byte of a TLS ClientHello record

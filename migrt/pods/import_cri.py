@@ -22,7 +22,7 @@ they arrive. Files land in a store staging directory (Store.writer) and are publ
 Staging.commit (hashed, fsynced, renamed into place), so an import is all or nothing.
 
 The store checkpoint gets: images/ (from checkpoint/, plus stats-dump), migrt's own writable-layer
-format (rootfs-diff.tar + rootfs-diff.json with deleted/opaque lists, see migrt.ops.rootfs)
+format (rootfs-diff.tar + rootfs-diff.json with deleted/opaque lists, see migrt.pods.rootfs)
 converted from the archive's, logs/dump.log, cri/ (config.dump, spec.dump, status, status.dump as
 they were) and a manifest whose source section comes from spec.dump/config.dump. The CRIU options
 are not written in the archive; the ones a restore needs are read from the images: established
@@ -50,8 +50,8 @@ from migrt.config import Config
 from migrt.errors import CheckpointInvalid, NotFound, PreconditionFailed
 from migrt.gpu import records
 from migrt.oci.bundle import Bundle
-from migrt.ops import rootfs
-from migrt.ops.progress import Progress, null_progress
+from migrt.pods import rootfs
+from migrt.progress import Progress, null_progress
 from migrt.store import Store
 from migrt.store import manifest as mf
 

@@ -16,7 +16,7 @@ import shutil
 import stat
 import tarfile
 
-from migrt.ops.forked import run_forked
+from migrt.pods.forked import run_forked
 
 DIFF_TAR = "rootfs-diff.tar"
 DIFF_META = "rootfs-diff.json"

@@ -18,7 +18,7 @@ import ssl
 from dataclasses import dataclass
 
 from migrt.errors import ConfigError
-from migrt.transfer.protocol import TransferError
+from migrt.migration.protocol import TransferError
 
 FIELDS = ("cert", "key", "ca")
 

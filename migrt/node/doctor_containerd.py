@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from migrt.errors import MigrtError
-from migrt.ops import containerd_config as cc
+from migrt.node import containerd_config as cc
 
 
 def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
@@ -15,7 +15,7 @@ def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
 
 def containerd_handler_check(config: str | None = None, root: str = "/") -> dict:
     """Runtime handler `migrt` in containerd's config (main file + imports, merged as containerd does)."""
-    from migrt.ops.install import plan_containerd
+    from migrt.node.install import plan_containerd
 
     config = config or cc.DEFAULT_CONFIG
     name, fix = "containerd handler migrt", "run 'migrt install containerd', then restart containerd"

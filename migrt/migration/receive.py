@@ -30,13 +30,13 @@ from migrt.criu import lazy as lazy_mod
 from migrt.errors import Conflict, MigrtError, UsageError
 from migrt.oci.bundle import Bundle
 from migrt.ops.restore import RestoreTarget, restore_checkpoint
-from migrt.shim.lower import default_root
+from migrt.runtime.lower import default_root
 from migrt.store import Store
 from migrt.store import manifest as mf
 from migrt.store.importer import importing
-from migrt.transfer import Channel, TransferError, accept, load_key, parse_address
-from migrt.transfer.protocol import AuthError
-from migrt.transfer.tls import TLSFiles
+from migrt.migration.wire import Channel, TransferError, accept, load_key, parse_address
+from migrt.migration.protocol import AuthError
+from migrt.migration.tls import TLSFiles
 
 MODES = ("stop-and-copy", "lazy")
 LAZY_PAGES_TIMEOUT = 3600.0

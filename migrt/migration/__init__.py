@@ -1,0 +1,1 @@
+"""Node-to-node migration: `migrt migrate` (sender), `migrt receive` (receiver) and the wire between them."""

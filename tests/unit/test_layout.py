@@ -1,0 +1,73 @@
+"""The rooms of migrt/ and the direction of imports between them (README "Development").
+
+Each room may import only the rooms listed for it: entry points on top, capabilities in the middle,
+mechanisms and foundations below. A new room must be added here with its place, so the layering is
+a decision, not an accident.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import migrt
+
+PKG = pathlib.Path(migrt.__file__).parent
+FOUNDATION = {"errors", "log", "names", "progress", "__init__"}
+MECHANISMS = {"runtime", "criu", "gpu", "store", "oci"}
+ALLOWED = {
+    # entry points
+    "cli": {"migration", "node", "ops", "pods", "config"} | MECHANISMS | FOUNDATION,
+    "shim": {"ops", "config"} | MECHANISMS | FOUNDATION,
+    # capabilities
+    "migration": {"ops", "pods", "config"} | MECHANISMS | FOUNDATION,
+    "node": {"config"} | MECHANISMS | FOUNDATION,
+    "ops": {"pods", "config"} | MECHANISMS | FOUNDATION,
+    "pods": {"config"} | MECHANISMS | FOUNDATION,
+    # configuration, then the mechanisms (runtime quotes CRIU's logs), then the foundation
+    "config": {"runtime"} | FOUNDATION,
+    "runtime": {"criu"} | FOUNDATION,
+    "criu": FOUNDATION,
+    "gpu": FOUNDATION,
+    "store": FOUNDATION,
+    "oci": FOUNDATION,
+    "errors": set(), "log": set(), "names": {"errors"}, "progress": set(), "__init__": set(),
+}
+
+
+def _room(parts: list[str]) -> str:
+    return parts[0] if parts else "__init__"
+
+
+def _edges():
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).with_suffix("").parts
+        src = _room(list(rel))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "migrt":
+                targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.split(".")[0] == "migrt"]
+            else:
+                continue
+            for t in targets:
+                dst = _room(t.split(".")[1:])
+                if dst != src:
+                    yield str(path.relative_to(PKG)), src, dst
+
+
+def test_every_room_is_placed():
+    rooms = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    rooms |= {p.stem for p in PKG.glob("*.py")}
+    assert rooms <= set(ALLOWED), f"rooms without a place in ALLOWED: {sorted(rooms - set(ALLOWED))}"
+
+
+def test_imports_point_down_only():
+    bad = sorted({f"{f}: {s} -> {d}" for f, s, d in _edges() if d not in ALLOWED.get(s, set())})
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_every_room_has_a_docstring():
+    for init in PKG.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 20, f"{init.parent.name}/ has no one-line purpose"
