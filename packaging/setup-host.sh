@@ -2,7 +2,8 @@
 # Idempotent host set-up for migrt (Debian 12/13 or sid; run as root).
 #  - system packages: CRIU 4.2, runc, containerd and python3-pycriu from Debian sid (pinned low,
 #    trixie pinned a bit higher for the libraries they need), iptables, busybox-static;
-#  - a virtual environment with the project under $MIGRT_PREFIX (default /opt/migrt);
+#  - a virtual environment with the project under $MIGRT_PREFIX (default /opt/migrt), made with a
+#    pinned interpreter (recorded in $MIGRT_PREFIX/interpreter) that survives python3 upgrades;
 #  - /usr/local/bin/migrt and /usr/local/bin/migrt-runc.
 # Options (environment): MIGRT_PREFIX, MIGRT_SKIP_APT=1 (packages already there), MIGRT_DEV=1
 # (install the test extras too, editable install of this checkout).
@@ -50,24 +51,79 @@ fi
 
 criu --version | grep -q 'Version: 4\.[2-9]' || { log "CRIU 4.2 or newer is required; found: $(criu --version | head -1)"; exit 1; }
 
-# The venv uses the system Python so that pycriu (a Debian package, not on PyPI) is importable.
-py=/usr/bin/python3
-if [ ! -x "$prefix/venv/bin/python" ] || ! "$prefix/venv/bin/python" -c 'import pycriu' 2>/dev/null; then
-    log "creating $prefix/venv"
+# The venv: made with a versioned interpreter resolved once (/usr/bin/python3 -> /usr/bin/python3.11),
+# recorded in $prefix/interpreter, and self-contained (no system site-packages): an apt upgrade that
+# moves /usr/bin/python3 to a newer Python, or rebuilds Debian's python3-* modules for it, leaves the
+# venv alone. pycriu is not on PyPI: Debian's python3-pycriu is copied in, and protobuf (its runtime)
+# comes from PyPI (pyproject.toml). A venv whose interpreter vanished or changed, or that cannot import
+# pycriu, is made again: re-running this script repairs an installation broken by an upgrade.
+# MIGRT_PYTHON=/usr/bin/python3.X picks the interpreter; MIGRT_PYCRIU_DIR where pycriu is copied from.
+venv=$prefix/venv
+pycriu_src=${MIGRT_PYCRIU_DIR:-/usr/lib/python3/dist-packages/pycriu}
+die() { log "error: $*"; exit 1; }
+# The versioned path of a usable interpreter (>= 3.11, venv and ensurepip there), else nothing.
+usable_python() {
+    [ -n "$1" ] && [ -x "$1" ] || return 0
+    "$1" -c 'import ensurepip, os, sys, venv
+if sys.version_info >= (3, 11): print(os.path.realpath(sys.executable))' 2>/dev/null || true
+}
+venv_problem() {  # why the venv cannot stay (empty: it can)
+    [ -f "$venv/pyvenv.cfg" ] || { echo "there is none"; return; }
+    [ -n "$recorded" ] || { echo "no $prefix/interpreter: made by an older setup-host.sh"; return; }
+    [ -x "$recorded" ] || { echo "its interpreter $recorded is gone"; return; }
+    [ "$(readlink -f "$venv/bin/python")" = "$recorded" ] || {
+        echo "$venv/bin/python is $(readlink -f "$venv/bin/python"), not $recorded"; return; }
+    made=$(sed -n 's/^version *= *\([0-9]*\.[0-9]*\).*/\1/p' "$venv/pyvenv.cfg")
+    now=$("$recorded" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo "?")
+    [ "$made" = "$now" ] || { echo "its interpreter $recorded is now Python $now, the venv was made for $made"; return; }
+    [ -z "$want" ] || [ "$want" = "$recorded" ] || { echo "MIGRT_PYTHON asks for $want"; return; }
+    grep -qs '^include-system-site-packages *= *false' "$venv/pyvenv.cfg" ||
+        { echo "it sees the system site-packages: made by an older setup-host.sh"; return; }
+    "$venv/bin/python" -c 'import pycriu' 2>/dev/null || echo "pycriu does not import in it"
+}
+[ -f "$pycriu_src/__init__.py" ] ||
+    die "pycriu not found in $pycriu_src: install Debian's python3-pycriu (run without MIGRT_SKIP_APT=1) or set MIGRT_PYCRIU_DIR"
+recorded=$(cat "$prefix/interpreter" 2>/dev/null || true)
+want=
+if [ -n "${MIGRT_PYTHON:-}" ]; then
+    want=$(usable_python "$MIGRT_PYTHON")
+    [ -n "$want" ] || die "MIGRT_PYTHON=$MIGRT_PYTHON is not a Python >= 3.11 with the venv module and ensurepip"
+fi
+problem=$(venv_problem)
+if [ -n "$problem" ]; then
+    py=$want
+    [ -n "$py" ] || py=$(usable_python "$recorded")
+    [ -n "$py" ] || py=$(usable_python /usr/bin/python3)
+    [ -n "$py" ] || die "no Python >= 3.11 with the venv module here (tried ${recorded:+$recorded and }/usr/bin/python3):" \
+        "install python3-venv, or set MIGRT_PYTHON=/usr/bin/python3.X"
+    log "creating $venv with $py ($problem)"
     mkdir -p "$prefix"
-    rm -rf "$prefix/venv"
-    "$py" -m venv --system-site-packages "$prefix/venv"
+    rm -rf "$venv" "$prefix/interpreter"
+    "$py" -m venv "$venv" || die "$py -m venv $venv failed"
+    printf '%s\n' "$py" > "$prefix/interpreter.new"
+    mv -f "$prefix/interpreter.new" "$prefix/interpreter"
+fi
+py=$(cat "$prefix/interpreter")
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+if ! diff -rq -x __pycache__ "$pycriu_src" "$site/pycriu" >/dev/null 2>&1; then
+    rm -rf "$site/.pycriu.new"
+    cp -r "$pycriu_src" "$site/.pycriu.new"
+    find "$site/.pycriu.new" -name __pycache__ -prune -exec rm -rf {} +
+    rm -rf "$site/pycriu"
+    mv "$site/.pycriu.new" "$site/pycriu"
 fi
 if [ "${MIGRT_DEV:-0}" = 1 ]; then
-    "$prefix/venv/bin/pip" install -q -e "$here[test]"
+    "$venv/bin/pip" install -q -e "$here[test]"
 else
-    "$prefix/venv/bin/pip" install -q "$here"
+    "$venv/bin/pip" install -q "$here"
 fi
+err=$("$venv/bin/python" -c 'import pycriu, migrt' 2>&1) ||
+    die "the venv ($py) cannot import pycriu (copied from $pycriu_src) and migrt: $(printf '%s' "$err" | tail -1)"
 
 # /usr/local/bin/migrt: the CLI. /usr/local/bin/migrt-runc: the POSIX-sh fast path, which hands
 # every call that needs a decision to the Python runtime shim in the venv.
-ln -sf "$prefix/venv/bin/migrt" "$bindir/migrt"
-sed "s|@MIGRT_PY_SHIM@|$prefix/venv/bin/migrt-runc-py|" "$here/migrt/shim/migrt-runc.sh" > "$bindir/.migrt-runc.new"
+ln -sf "$venv/bin/migrt" "$bindir/migrt"
+sed "s|@MIGRT_PY_SHIM@|$venv/bin/migrt-runc-py|" "$here/migrt/shim/migrt-runc.sh" > "$bindir/.migrt-runc.new"
 chmod 0755 "$bindir/.migrt-runc.new"
 mv -f "$bindir/.migrt-runc.new" "$bindir/migrt-runc"
 
@@ -81,4 +137,4 @@ fi
 mkdir -p /etc/migrt
 [ -f /etc/migrt/config.yaml ] || install -m 0644 "$here/configs/config.yaml" /etc/migrt/config.yaml
 install -d -m 0700 /var/lib/migrt
-log "done: $(criu --version | head -1 | tr -s ' '), $(runc --version | head -1), $(containerd --version | cut -d' ' -f3)"
+log "done: Python $py, $(criu --version | head -1 | tr -s ' '), $(runc --version | head -1), $(containerd --version | cut -d' ' -f3)"
