@@ -2,6 +2,10 @@
 # Idempotent host set-up for migrt (Debian 12/13 or sid; run as root).
 #  - system packages: CRIU 4.2, runc, containerd and python3-pycriu from Debian sid (pinned low,
 #    trixie pinned a bit higher for the libraries they need), iptables, busybox-static;
+#  - podman (sid) for the neighbour tests, its libraries pinned one by one so that nothing else
+#    (python3 above all: the venvs are built on it) moves to sid;
+#  - containerd 1.7 (trixie's) unpacked beside the system's containerd 2.x, in $MIGRT_DEPS/containerd-1.7
+#    (the tests run it with MIGRT_TEST_CONTAINERD=1.7); the system containerd is left alone;
 #  - a virtual environment with the project under $MIGRT_PREFIX (default /opt/migrt), made with a
 #    pinned interpreter (recorded in $MIGRT_PREFIX/interpreter) that survives python3 upgrades;
 #  - /usr/local/bin/migrt and /usr/local/bin/migrt-runc.
@@ -10,6 +14,7 @@
 set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
 prefix=${MIGRT_PREFIX:-/opt/migrt}
+deps=${MIGRT_DEPS:-/opt/migrt-deps}
 bindir=${MIGRT_BINDIR:-/usr/local/bin}
 
 log() { printf 'setup-host: %s\n' "$*" >&2; }
@@ -19,7 +24,7 @@ log() { printf 'setup-host: %s\n' "$*" >&2; }
 need_apt() {
     command -v criu >/dev/null 2>&1 || return 0
     criu --version 2>/dev/null | grep -q 'Version: 4\.[2-9]' || return 0
-    for b in runc containerd ctr iptables busybox; do command -v $b >/dev/null 2>&1 || return 0; done
+    for b in runc containerd ctr iptables busybox podman; do command -v $b >/dev/null 2>&1 || return 0; done
     [ -f /usr/lib/python3/dist-packages/pycriu/__init__.py ] || return 0
     for p in $MIGRT_EXTRA_DEBS; do dpkg -s "$p" >/dev/null 2>&1 || return 0; done
     return 1
@@ -47,6 +52,27 @@ SRC
     log "installing CRIU 4.2, runc, containerd, pycriu (sid) and helpers"
     apt-get install -y -qq -o Dpkg::Options::=--force-confold -t sid criu python3-pycriu runc containerd >/dev/null
     apt-get install -y -qq -o Dpkg::Options::=--force-confold iptables busybox-static $MIGRT_EXTRA_DEBS >/dev/null
+    # podman 5 from sid: only it and the libraries it needs newer than the base has (`-t sid podman`
+    # would also move python3 and every python3-* module to sid's).
+    printf '%s\n' \
+        'Package: podman libgpgme45 libseccomp2 libseccomp-dev libsubid6 golang-github-containers-common golang-github-containers-image netavark' \
+        'Pin: release n=sid' 'Pin-Priority: 600' '' \
+        'Package: libgpg-error0 libgpg-error-dev libgpg-error-l10n libassuan9' \
+        'Pin: release n=trixie' 'Pin-Priority: 600' > /etc/apt/preferences.d/migrt-podman
+    log "installing podman (sid, pinned)"
+    apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confold podman >/dev/null
+fi
+
+# containerd 1.7 beside 2.x: the .deb unpacked, not installed (the tests start it with a private config).
+ctd17=$deps/containerd-1.7
+if [ "${MIGRT_SKIP_APT:-0}" != 1 ] && [ ! -x "$ctd17/usr/bin/containerd" ]; then
+    log "unpacking containerd 1.7 (trixie) into $ctd17"
+    tmp=$(mktemp -d)
+    (cd "$tmp" && apt-get download -qq -o APT::Sandbox::User=root containerd/trixie >/dev/null)
+    mkdir -p "$ctd17.new"
+    dpkg -x "$tmp"/containerd_*.deb "$ctd17.new"
+    rm -rf "$tmp" "$ctd17"
+    mv "$ctd17.new" "$ctd17"
 fi
 
 criu --version | grep -q 'Version: 4\.[2-9]' || { log "CRIU 4.2 or newer is required; found: $(criu --version | head -1)"; exit 1; }

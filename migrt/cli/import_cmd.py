@@ -26,7 +26,7 @@ def import_cmd(archive, name, as_json):
     data = import_archive(cfg, archive, name=name, progress=progress)
     if as_json:
         emit_json({k: data.get(k) for k in ("name", "created", "size_bytes", "timings", "source", "options", "rootfs",
-                                            "imported", "versions")})
+                                            "imported", "versions", "devshm")})
         return
     if progress.enabled:
         click.echo(f"  total: {data['timings'].get('total_s', 0):.2f} s, {human_size(data['size_bytes'])}", err=True)

@@ -19,7 +19,7 @@ from migrt.criu.options import CriuOptions
 from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
 from migrt.ops import gpu_steps
-from migrt.pods import namespaces, rootfs
+from migrt.pods import engines, namespaces, rootfs
 from migrt.progress import Progress, null_progress
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
@@ -78,8 +78,11 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
                 t0 = time.monotonic()
                 rootfs.apply(ckpt.path, target.bundle.rootfs)
                 timings["rootfs_apply_s"] = round(time.monotonic() - t0, 3)
+            if ckpt.manifest.get("devshm"):
+                rootfs.apply_devshm(os.path.join(ckpt.path, engines.DEVSHM_TAR), target.bundle.mounts)
             with store.restore_view(ckpt) as view:
                 hostname = namespaces.retarget_uts(view, target.bundle)
+                rootfs.align_root_mode(view, target.bundle.rootfs)
                 spec = RestoreSpec(
                     container_id=target.container_id, bundle=target.bundle.path, image_path=view,
                     work_path=work, pid_file=target.pid_file or os.path.join(work, "init.pid"), console_socket=target.console_socket,

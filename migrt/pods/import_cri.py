@@ -50,7 +50,7 @@ from migrt.config import Config
 from migrt.errors import CheckpointInvalid, NotFound, PreconditionFailed
 from migrt.gpu import records
 from migrt.oci.bundle import Bundle
-from migrt.pods import rootfs
+from migrt.pods import engines, rootfs
 from migrt.progress import Progress, null_progress
 from migrt.store import Store
 from migrt.store import manifest as mf
@@ -91,6 +91,7 @@ class Extracted:
     image_bytes: int = 0
     meta: dict[str, bytes] = field(default_factory=dict)
     diff: str | None = None          # rootfs-diff.tar as extracted (in the staging work dir)
+    devshm: str | None = None        # podman's devshm-checkpoint.tar as extracted (work dir)
     dump_log: str | None = None
     ignored: list[str] = field(default_factory=list)
     written: int = 0
@@ -129,7 +130,30 @@ class _Space:
                                      f"store ({self.path}); free some space or import it on a larger store")
 
 
-_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")  # gzip, bzip2, xz
+_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")  # gzip, bzip2, xz: tarfile reads them
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # podman's default (`podman container checkpoint --export`)
+
+
+def _open_tar(raw) -> tuple[tarfile.TarFile, int | None]:
+    """The archive as a tar file, and the fd to sendfile members from (None when compressed).
+    zstd is read as a stream (python-zstandard; tarfile of Python < 3.14 does not know zstd)."""
+    head = raw.read(6)
+    raw.seek(0)
+    if head.startswith(ZSTD_MAGIC):
+        import zstandard
+
+        return tarfile.open(fileobj=zstandard.ZstdDecompressor().stream_reader(raw), mode="r|"), None
+    return tarfile.open(fileobj=raw, mode="r:*"), None if head.startswith(_MAGIC) else raw.fileno()
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean a corrupted or truncated compressed stream."""
+    errors: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError)
+    try:
+        import zstandard
+    except ImportError:
+        return errors
+    return (*errors, zstandard.ZstdError)
 
 
 def _copy_data(tar: tarfile.TarFile, member: tarfile.TarInfo, raw_fd: int | None, out_fd: int) -> int:
@@ -191,10 +215,8 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
     count = 0
     try:
         with raw:
-            raw_fd = None if raw.read(6).startswith(_MAGIC) else raw.fileno()
-            raw.seek(0)
             try:
-                tar = tarfile.open(fileobj=raw, mode="r:*")
+                tar, raw_fd = _open_tar(raw)
             except tarfile.TarError as exc:
                 raise CheckpointInvalid(f"{archive}: not a tar archive ({exc})") from exc
             with tar:
@@ -230,10 +252,14 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                         if top in out.meta:
                             raise CheckpointInvalid(f"archive member {member.name!r} appears twice")
                         out.meta[top] = _read_small(tar, member, MAX_META_BYTES)
-                    elif top == DIFF:
+                    elif top in (DIFF, engines.DEVSHM_SRC):
                         space.take(2 * member.size)  # extracted, then converted
-                        out.diff = os.path.join(work_dir, "src-" + DIFF)
-                        n = _write_member(tar, member, out.diff, raw_fd)
+                        dest = os.path.join(work_dir, "src-" + top)
+                        if top == DIFF:
+                            out.diff = dest
+                        else:
+                            out.devshm = dest
+                        n = _write_member(tar, member, dest, raw_fd)
                         out.written += n
                         progress("bytes", name="extract", bytes=n)
                     elif top in (DUMP_LOG, STATS):
@@ -247,7 +273,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                             out.dump_log = dest
                     else:
                         out.ignored.append(top)
-    except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as exc:
+    except _stream_errors() as exc:
         raise CheckpointInvalid(f"{archive}: unreadable, truncated or corrupted tar archive ({exc})") from exc
     if out.images == 0:
         raise CheckpointInvalid(f"{archive} has no {CHECKPOINT_DIR}/ directory with CRIU images: not a Kubernetes "
@@ -491,6 +517,13 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
         os.unlink(ext.diff)
     timings["rootfs_convert_s"] = round(time.monotonic() - t0, 3)
 
+    engine = engines.producer(spec.annotations)
+    dropped, kept = engines.drop_engine_mounts(staging.images, engine)
+    devshm = None
+    if ext.devshm:
+        devshm = engines.convert_devshm(ext.devshm, os.path.join(staging.path, engines.DEVSHM_TAR))
+        os.unlink(ext.devshm)
+
     options, note = criu_options(staging.images, spec.terminal)
     try:  # GPU state: migrt-runc's checkpoint left its record next to the CRIU images
         gpu = records.read_image_file(staging.images)
@@ -502,6 +535,7 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
         "created": created,
         "source": {
             "container_id": cid,
+            "container_name": config_dump.get("name") if isinstance(config_dump.get("name"), str) else None,
             "runtime_root": None,
             "bundle": None,
             "pid": status.get("Pid") if isinstance(status.get("Pid"), int) else None,
@@ -515,10 +549,13 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
         "versions": log_versions(ext.dump_log),
         "options": {**options, "leave_running": None},
         "mounts": [{"destination": m.get("destination"), "type": m.get("type"), "source": m.get("source")}
-                   for m in spec.mounts],
+                   for m in spec.mounts if m.get("destination") not in dropped],
         "rootfs": layer,
         "imported": {
             "format": FORMAT,
+            "producer": engine,
+            **({"engine_mounts_dropped": dropped} if dropped else {}),
+            **({"engine_mounts_kept": kept} if kept else {}),
             "archive": archive,
             "archive_bytes": size,
             "imported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -529,6 +566,8 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
     }
     if gpu:
         fields["gpu"] = gpu
+    if devshm:
+        fields["devshm"] = devshm
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(staging.path) for f in fs)
     progress("phase", name="commit", total_bytes=total)
     t0 = time.monotonic()

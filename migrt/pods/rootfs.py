@@ -151,23 +151,71 @@ def apply(diff_dir: str, rootfs: str) -> int:
         return 0
     with open(meta_path) as fh:
         meta = json.load(fh)
+    return _apply_tar(tar_path, meta, rootfs, f"re-applying the container's writable-layer changes into {rootfs}") \
+        + len(meta.get("deleted", []))
+
+
+def _apply_tar(tar_path: str, meta: dict, root: str, what: str) -> int:
     tar_file = open(tar_path, "rb")  # opened before the chroot
 
     def child() -> bytes:
-        os.chroot(rootfs)
+        os.chroot(root)
         os.chdir("/")
         _apply_in_chroot(tar_file, meta)
         return b""
 
     try:
-        run_forked(child, f"re-applying the container's writable-layer changes into {rootfs}")
+        run_forked(child, what)
     finally:
         tar_file.close()
     with tarfile.open(tar_path) as tar:
-        return len(tar.getmembers()) + len(meta.get("deleted", []))
+        return len(tar.getmembers())
+
+
+def apply_devshm(tar_path: str, mounts: list[dict]) -> int:
+    """Put the checkpointed /dev/shm files (podman's devshm-checkpoint.tar, see migrt.pods.engines)
+    into the new container's /dev/shm before CRIU restores: the source directory of its /dev/shm bind
+    mount (in a pod, the sandbox's). Returns entries written; 0 when the new /dev/shm is not a bind
+    mount (restore.check_target refuses that target earlier: CRIU needs the external mount)."""
+    shm = [m for m in mounts if m.get("destination") == "/dev/shm" and m.get("source")
+           and bind_destinations([m])]
+    if not shm or not os.path.isdir(shm[-1]["source"]):
+        return 0
+    src = shm[-1]["source"]
+    return _apply_tar(tar_path, {}, src, f"restoring the checkpointed /dev/shm files into {src}")
 
 
 def bind_destinations(mounts: list[dict]) -> list[str]:
     return [m.get("destination", "") for m in mounts if m.get("type") == "bind" or
             any(o in ("bind", "rbind") for o in m.get("options") or [])]
 
+
+
+def align_root_mode(view: str, rootfs: str) -> int | None:
+    """CRIU checks the mode of every directory it reopens by path, the container's root (its cwd or
+    root) included; the root directory comes from the engine, not from the image (containerd's
+    snapshots: 0755; podman's containers/storage: 0555). So the root's mode recorded in the view's
+    files.img (a copy: the checkpoint's own file is untouched) is set to the new root's. Returns the
+    mode written, None when nothing changed."""
+    path = os.path.join(view, "files.img")
+    if not os.path.isfile(path):
+        return None
+    import pycriu
+
+    mode = os.stat(rootfs).st_mode
+    with open(path, "rb") as fh:
+        img = pycriu.images.load(fh)
+    changed = False
+    for entry in img["entries"]:
+        reg = entry.get("reg") or {}
+        if entry.get("type") == "REG" and reg.get("name") == "/" and "mode" in reg \
+                and stat.S_ISDIR(reg["mode"]) and reg["mode"] != mode:
+            reg["mode"] = mode
+            changed = True
+    if not changed:
+        return None
+    tmp = path + ".new"
+    with open(tmp, "wb") as fh:
+        pycriu.images.dump(img, fh)
+    os.replace(tmp, path)  # replaces the hard link
+    return mode
