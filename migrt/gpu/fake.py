@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
-from migrt.gpu.backend import CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuBackend, GpuError, Remap
+from migrt.gpu import fakenode
+from migrt.gpu.backend import CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuBackend, GpuError, Remap, uuid_text
 
 # call -> (state required, state after)
 TRANSITIONS = {
@@ -109,3 +112,83 @@ class FakeGpuBackend(GpuBackend):
 
     def calls_of(self, call: str) -> list[int]:
         return [p for c, p, _ in self.calls if c == call]
+
+
+class FileFakeGpuBackend(GpuBackend):
+    """The same state machine over migrt.gpu.fakenode's file (MIGRT_FAKE_GPU), so that every migrt
+    process of a test (migrt-runc, the CLI, sender and receiver) sees one simulated driver."""
+
+    name = "fake-file"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _call(self, call: str, pid: int, remap: Remap | None = None) -> str:
+        with fakenode.locked(self.path) as data:
+            data["calls"].append([call, pid])
+            e = fakenode.entry(data, pid)
+            if e is None:
+                raise GpuError(f"{call} (pid {pid}) failed: CUDA_ERROR_NOT_FOUND (fake)", call=call, pid=pid, code=500)
+            for i, f in enumerate(data["fail"]):
+                if f.get("call") == call and f.get("pid") in (None, pid):
+                    del data["fail"][i]
+                    if f.get("crash"):  # the caller dies here, as a killed migrt would
+                        fakenode.save(self.path, data)
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if f.get("to_failed"):
+                        e["state"] = FAILED
+                    raise GpuError(f"{call} (pid {pid}) failed: {f.get('message', 'injected failure')}",
+                                   call=call, pid=pid, code=999)
+            if call == "state":
+                return e["state"]
+            need, after = TRANSITIONS[call]
+            if e["state"] != need:
+                raise IllegalTransition(f"{call} (pid {pid}): process is {e['state']}, needs {need}",
+                                        call=call, pid=pid, code=401)
+            if call == "restore":
+                uuids = [g["uuid"] for g in data.get("gpus") or []]
+                target = e.get("gpu") or (uuids[0] if uuids else None)
+                if remap:
+                    pairs = {uuid_text(o).lower(): uuid_text(n) for o, n in remap}
+                    target = pairs.get((e.get("gpu") or "").lower(), uuid_text(remap[0][1]))
+                if target is not None and target.lower() not in [u.lower() for u in uuids]:
+                    raise GpuError(f"restore (pid {pid}): unknown target GPU {target}", call=call, pid=pid, code=1)
+                free = _free_bytes(data, target)
+                if free is not None and free < e.get("bytes", 0):
+                    raise GpuError(f"restore (pid {pid}) failed: CUDA_ERROR_OUT_OF_MEMORY on {target} (fake)",
+                                   call=call, pid=pid, code=2)
+                e["gpu"] = target
+                e["remap"] = [[uuid_text(o), uuid_text(n)] for o, n in remap] if remap else None
+            e["state"] = after
+            return after
+
+    def available(self) -> bool:
+        return True
+
+    def state(self, pid: int) -> str:
+        return self._call("state", pid)
+
+    def lock(self, pid: int, timeout_ms: int = 0) -> None:
+        self._call("lock", pid)
+
+    def checkpoint(self, pid: int) -> None:
+        self._call("checkpoint", pid)
+
+    def restore(self, pid: int, remap: Remap | None = None) -> None:
+        self._call("restore", pid, remap)
+
+    def unlock(self, pid: int) -> None:
+        self._call("unlock", pid)
+
+    def restore_thread_id(self, pid: int) -> int:
+        return pid
+
+
+def _free_bytes(data: dict, uuid: str | None) -> int | None:
+    """A fake GPU's free memory: its total less what the processes holding it use."""
+    gpu = next((g for g in data.get("gpus") or [] if uuid and g["uuid"].lower() == uuid.lower()), None)
+    if gpu is None or gpu.get("memory_total") is None:
+        return None
+    used = sum(p.get("bytes", 0) for p in data["processes"].values()
+               if fakenode.holds_gpu(p.get("state", "")) and (p.get("gpu") or "").lower() == uuid.lower())
+    return int(gpu["memory_total"]) - used - int(gpu.get("reserved", 0))

@@ -137,7 +137,10 @@ def _procfs(root: str = PROC_NVIDIA) -> Inventory:
 
 
 def take(with_processes: bool = True, *, procfs_root: str = PROC_NVIDIA) -> Inventory:
-    """The node's GPUs, from NVML if pynvml imports and initialises, else from procfs."""
+    """The node's GPUs, from NVML if pynvml imports and initialises, else from procfs (or from a
+    simulated node's file when MIGRT_FAKE_GPU is set: migrt/gpu/fakenode.py)."""
+    if os.environ.get("MIGRT_FAKE_GPU"):
+        return _fake(os.environ["MIGRT_FAKE_GPU"])
     reason = None
     try:
         with warnings.catch_warnings():
@@ -153,6 +156,27 @@ def take(with_processes: bool = True, *, procfs_root: str = PROC_NVIDIA) -> Inve
     inv = _procfs(procfs_root)
     if inv.source == "none":
         inv.error = f"{reason}; {procfs_root} absent: no NVIDIA driver on this node"
+    return inv
+
+
+def _fake(path: str) -> Inventory:
+    from migrt.gpu import fakenode
+    from migrt.gpu.fake import _free_bytes
+
+    with fakenode.locked(path) as data:
+        fakenode.discover(data)
+        inv = Inventory(source="fake", driver_version=data.get("driver_version", "580.159"),
+                        cuda_driver_version=data.get("cuda_driver_version", 13000))
+        for i, g in enumerate(data.get("gpus") or []):
+            total = g.get("memory_total")
+            free = _free_bytes(data, g["uuid"])
+            inv.gpus.append(Gpu(index=i, uuid=g["uuid"], name=g.get("name", "Fake GPU"),
+                                pci_bus_id=g.get("pci_bus_id", f"00000000:{i + 0x10:02X}:00.0"),
+                                minor=g.get("minor", i), memory_total=total, memory_free=free,
+                                memory_used=None if free is None or total is None else total - free))
+        for pid, p in data["processes"].items():
+            if fakenode.holds_gpu(p.get("state", "")) and p.get("gpu"):
+                inv.processes[int(pid)] = [(p["gpu"], p.get("bytes"))]
     return inv
 
 

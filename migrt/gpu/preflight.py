@@ -53,7 +53,9 @@ def memory_per_gpu(section: dict) -> dict[str, int]:
     return out
 
 
-def check(section: dict, inv: Inventory, targets: list[str] | None, *, what: str) -> Placement:
+def check(section: dict, inv: Inventory, targets: list[str] | None, *, what: str, keep_order: bool = False) -> Placement:
+    """keep_order: pair the checkpoint's GPUs, in their recorded order, with targets in the order given
+    (a person naming GPUs for `migrt gpu resume --gpus`), instead of both in PCI order."""
     nproc = len(section.get("processes") or [])
     old = [g for g in section.get("gpus") or [] if isinstance(g, dict) and g.get("uuid")]
     if not inv.available:
@@ -80,8 +82,11 @@ def check(section: dict, inv: Inventory, targets: list[str] | None, *, what: str
             f"{what} ran on {len(old)} GPU(s) ({', '.join(str(g.get('name')) for g in old) or 'none recorded'}); "
             f"the new container gets {len(new)} ({', '.join(g.name for g in new) or 'none'}); "
             "give it as many GPUs as the checkpoint had")
-    old_sorted = sorted(old, key=lambda g: str(g.get("pci_bus_id") or "").lower())
-    new_sorted = sorted(new, key=lambda g: g.pci_bus_id.lower())
+    if keep_order:
+        old_sorted, new_sorted = old, new
+    else:
+        old_sorted = sorted(old, key=lambda g: str(g.get("pci_bus_id") or "").lower())
+        new_sorted = sorted(new, key=lambda g: g.pci_bus_id.lower())
     for i, (o, n) in enumerate(zip(old_sorted, new_sorted)):
         if o.get("name") and o["name"] != n.name:
             raise PreconditionFailed(f"{what}: GPU model mismatch: checkpoint GPU {i} was {o['name']} ({o['uuid']}), "

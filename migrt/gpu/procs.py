@@ -185,6 +185,10 @@ def holds_nvidia_fd(pid: int) -> bool:
 def cuda_pids(pids: list[int], *, live: bool = True) -> list[int]:
     """Those of pids that are CUDA processes. live: holding the GPU now (for a checkpoint);
     otherwise any process mapping libcuda (after a restore, before the GPU restore)."""
+    if os.environ.get("MIGRT_FAKE_GPU"):  # a simulated node (tests): migrt/gpu/fakenode.py
+        from migrt.gpu import fakenode
+
+        return fakenode.cuda_pids(pids, live=live)
     return [p for p in pids if maps_libcuda(p) and (not live or holds_nvidia_fd(p))]
 
 

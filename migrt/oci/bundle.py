@@ -14,6 +14,8 @@ FALLBACK_ENV = "MIGRT_RESTORE_FALLBACK"
 RESTORE_ANNOTATION = "migrt.io/restore"
 FALLBACK_ANNOTATION = "migrt.io/restore-fallback"
 CONTAINER_TYPE = "io.kubernetes.cri.container-type"
+GPU_RELEASE_ANNOTATION = "migrt.io/gpu-release-on-pause"
+GPU_RELEASE_ENV = "MIGRT_GPU_RELEASE_ON_PAUSE"
 
 CRI_ANNOTATIONS = {
     "pod_namespace": "io.kubernetes.cri.sandbox-namespace",
@@ -99,6 +101,12 @@ class Bundle:
     @property
     def namespaces(self) -> list[dict]:
         return [n for n in (self.config.get("linux") or {}).get("namespaces") or [] if isinstance(n, dict)]
+
+    @property
+    def gpu_release_on_pause(self) -> bool:
+        """Suspend the GPU state when paused (docs/gpu.md "Preemption in place")."""
+        return (self.annotations.get(GPU_RELEASE_ANNOTATION, "").lower() in ("true", "1", "yes")
+                or self.env.get(GPU_RELEASE_ENV, "").lower() in ("1", "true", "yes"))
 
     def cri_metadata(self) -> dict[str, str]:
         ann = self.annotations

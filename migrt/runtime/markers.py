@@ -10,6 +10,9 @@ import json
 import os
 
 MARKER = "migrt-restored"
+# Beside it, for a container created with GPU release on pause (migrt/ops/gpu_pause.py): the shim's
+# pause/resume test, one stat on the fast path.
+GPU_RELEASE_MARKER = "migrt-gpu-release-on-pause"
 
 
 def marker_path(root: str, container_id: str) -> str:

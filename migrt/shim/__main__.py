@@ -3,7 +3,9 @@
 Everything not intercepted is handed to the lower runtime with os.execv, argv byte-identical.
 Intercepted: `create` whose bundle asks for a restore (becomes `runc restore --detach`), `start`
 of a container migrt restored (a no-op: it already runs), `checkpoint` of a container with CUDA
-processes and `restore` of an image with GPU state (migrt drives the GPU around the lower runtime).
+processes and `restore` of an image with GPU state (migrt drives the GPU around the lower runtime),
+`create` of a bundle asking for GPU release on pause (marker for pause/resume), and `pause`/`resume`
+of a container carrying that marker (GPU suspend before the freeze, GPU resume after the thaw).
 Standard library only until that decision.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+from migrt.runtime.markers import GPU_RELEASE_MARKER as RELEASE_MARKER
 from migrt.runtime.markers import is_restored
 from migrt.runtime import lower as _lower
 from migrt.runtime import runclog
@@ -40,10 +43,30 @@ def _create(parsed: RuncArgv, lower: str, warning: str | None) -> int | None:
         return None  # runc reports its own error about the bundle
     request = bundle.restore_request()
     if request is None:
-        return None
+        if not bundle.gpu_release_on_pause:
+            return None
+        from migrt.ops import gpu_pause
+
+        return gpu_pause.create(parsed, lower)
     from migrt.ops.restore import restore_on_create  # heavy imports only from here on
 
-    return restore_on_create(parsed, cmd, bundle, request, lower=lower, lower_warning=warning)
+    rc = restore_on_create(parsed, cmd, bundle, request, lower=lower, lower_warning=warning)
+    if rc == 0 and bundle.gpu_release_on_pause:
+        from migrt.ops import gpu_pause
+
+        gpu_pause.mark(parsed.root or _lower.default_root(lower), cmd.container_id or "")
+    return rc
+
+
+def _pause(parsed: RuncArgv, lower: str) -> int | None:
+    """pause/resume of a container created with GPU release on pause; None to pass through."""
+    cid = parsed.command_args().container_id
+    root = parsed.root or _lower.default_root(lower)
+    if not cid or "/" in cid or cid in (".", "..") or not os.path.isfile(os.path.join(root, cid, RELEASE_MARKER)):
+        return None
+    from migrt.ops import gpu_pause
+
+    return gpu_pause.pause(parsed, lower) if parsed.command == "pause" else gpu_pause.resume(parsed, lower)
 
 
 def _gpu(parsed: RuncArgv, lower: str) -> int | None:
@@ -83,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             return rc
     elif parsed.command in ("checkpoint", "restore"):
         rc = _gpu(parsed, lower)
+        if rc is not None:
+            return rc
+    elif parsed.command in ("pause", "resume"):
+        rc = _pause(parsed, lower)
         if rc is not None:
             return rc
     elif parsed.command == "start":

@@ -5,9 +5,12 @@
 # and probes call `exec` every few seconds. So this script parses runc's global flags itself and
 # execs the lower runtime straight away for every call that needs no decision. It hands the call,
 # argv untouched, to the Python shim (migrt.shim) only when a decision is needed:
-#   - `create` whose bundle's config.json mentions MIGRT_RESTORE or migrt.io/restore (the Python
-#     shim parses the JSON and decides; the text test only ever lets ordinary containers skip it);
+#   - `create` whose bundle's config.json mentions MIGRT_RESTORE, migrt.io/restore or GPU release
+#     on pause (the Python shim parses the JSON and decides; the text test only ever lets ordinary
+#     containers skip it);
 #   - `checkpoint` and `restore` (GPU-aware in the Python shim);
+#   - `pause` and `resume` of a container whose runc state directory holds the marker written at
+#     create for GPU release on pause (one `test -f`; every other pause/resume passes straight through);
 #   - a global flag this script does not know.
 # `start` of a container carrying migrt's restore marker exits 0 here (it already runs).
 # Builtins only on the pass-through path, except one `grep` for create.
@@ -64,7 +67,7 @@ for a in "$@"; do
         --) break ;;
         -*) py "$@" ;;
         *) sub=$a
-           case $sub in create|start|checkpoint|restore) ;; *) break ;; esac ;;
+           case $sub in create|start|checkpoint|restore|pause|resume) ;; *) break ;; esac ;;
         esac
     else
         case $a in
@@ -76,12 +79,19 @@ for a in "$@"; do
     fi
 done
 
+marked() {  # $1: a marker file in the container's runc state directory
+    if [ -z "$root" ]; then case ${lower##*/} in *crun*) root=/run/crun ;; *) root=/run/runc ;; esac; fi
+    case $last in ''|*/*|.|..) return 1 ;; esac
+    [ -f "$root/$last/$1" ]
+}
 case $sub in
 create)
-    if grep -qsF -e MIGRT_RESTORE -e migrt.io/restore "${bundle:-.}/config.json"; then py "$@"; fi ;;
+    if grep -qsF -e MIGRT_RESTORE -e migrt.io/restore -e MIGRT_GPU_RELEASE_ON_PAUSE -e migrt.io/gpu-release-on-pause \
+        "${bundle:-.}/config.json"; then py "$@"; fi ;;
 start)
-    if [ -z "$root" ]; then case ${lower##*/} in *crun*) root=/run/crun ;; *) root=/run/runc ;; esac; fi
-    case $last in ''|*/*|.|..) ;; *) if [ -f "$root/$last/migrt-restored" ]; then exit 0; fi ;; esac ;;
+    if marked migrt-restored; then exit 0; fi ;;
+pause|resume)
+    if marked migrt-gpu-release-on-pause; then py "$@"; fi ;;
 checkpoint|restore) py "$@" ;;
 esac
 exec "$lower" "$@"

@@ -1,0 +1,123 @@
+"""A simulated GPU node for tests that span processes and machines without a GPU: migrt-runc's
+`pause` in one process and `migrt gpu resume` in another, the sender and the receiver of a
+migration. Never used unless MIGRT_FAKE_GPU names its state file. Standard library only (the shim
+finds CUDA processes through it).
+
+When it is set, three things come from the file instead of the driver: which processes are CUDA
+processes (those whose environment holds the `marker`, FAKE_CUDA=1 by default: the marker travels
+with the process through CRIU as a real process's GPU state does), the driver's per-process state
+(FileFakeGpuBackend in migrt/gpu/fake.py) and the inventory (GPUs, and their free memory: a process
+that is not checkpointed holds `process_bytes` on its GPU). The file:
+
+    {"driver_version": "580.159", "gpus": [{"uuid", "name", "memory_total", "pci_bus_id", "minor"}],
+     "marker": "FAKE_CUDA=1", "new_state": "running", "process_bytes": 1073741824,
+     "processes": {"<pid>": {"state", "gpu", "bytes", "start"}},       # kept by the fake itself
+     "fail": [{"call": "restore", "pid": null, "message": "..."}],     # each entry fails one call
+                                                  # ("crash": true: SIGKILLs the calling process instead)
+     "calls": [["lock", pid], ...]}                                     # every driver call, in order
+
+`new_state` is the driver state of a marked process the file has not seen yet: "running" on a
+source node, "checkpointed" on a target node (whatever arrives through a restore was checkpointed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+
+ENV = "MIGRT_FAKE_GPU"
+DEFAULT_MARKER = "FAKE_CUDA=1"
+
+
+def path() -> str | None:
+    return os.environ.get(ENV) or None
+
+
+def _read_environ(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return [e.decode(errors="replace") for e in fh.read().split(b"\0") if e]
+    except OSError:
+        return []
+
+
+def _start(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
+            return int(fh.read().rpartition(")")[2].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def locked(file: str | None = None) -> Iterator[dict]:
+    """The file's data under an exclusive lock; written back (atomically) when the block ends, however."""
+    file = file or path()
+    if not file:
+        raise RuntimeError(f"{ENV} is not set")
+    with open(file + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(file, encoding="utf-8") as fh:
+            data = json.load(fh)
+        data.setdefault("processes", {})
+        data.setdefault("calls", [])
+        data.setdefault("fail", [])
+        try:
+            yield data
+        finally:  # a failing call changes the driver's state too (and consumes its injected failure)
+            save(file, data)
+
+
+def save(file: str, data: dict) -> None:
+    tmp = f"{file}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1)
+    os.replace(tmp, file)
+
+
+def read(file: str | None = None) -> dict:
+    with locked(file) as data:
+        return json.loads(json.dumps(data))
+
+
+def entry(data: dict, pid: int) -> dict | None:
+    """The process's record (created for a marked process seen for the first time), None when pid
+    is not a CUDA process of this fake node."""
+    key = str(pid)
+    start = _start(pid)
+    known = data["processes"].get(key)
+    if known is not None and (start is None or known.get("start") in (None, start)):
+        return known
+    if start is None or data.get("marker", DEFAULT_MARKER) not in _read_environ(pid):
+        return None
+    gpus = data.get("gpus") or []
+    state = data.get("new_state", "running")
+    known = {"state": state, "gpu": gpus[0]["uuid"] if gpus and state != "checkpointed" else None,
+             "bytes": int(data.get("process_bytes", 1 << 30)), "start": start}
+    data["processes"][key] = known
+    return known
+
+
+def cuda_pids(pids: list[int], *, live: bool = True) -> list[int]:
+    """procs.cuda_pids on the fake node: marked processes; live ones are those not checkpointed."""
+    out = []
+    with locked() as data:
+        for pid in pids:
+            e = entry(data, pid)
+            if e is not None and (not live or e["state"] != "checkpointed"):
+                out.append(pid)
+    return out
+
+
+def discover(data: dict) -> None:
+    """Register every marked process of the machine, as the driver knows every CUDA process."""
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            entry(data, int(name))
+
+
+def holds_gpu(state: str) -> bool:
+    return state in ("running", "locked")

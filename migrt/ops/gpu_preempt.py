@@ -1,0 +1,315 @@
+"""GPU preemption in place: take a running container's GPU memory away and give it back later, while
+its processes stay alive (`migrt gpu suspend|resume|status`, and migrt-runc's `pause`/`resume` of
+containers that ask for it).
+
+    suspend: record "suspending" -> lock + checkpoint every CUDA process (the driver copies its GPU
+             memory into the process's host memory and releases the GPU) -> record "suspended"
+    resume:  preflight (the GPUs exist, are as many and of the same model, have the free memory)
+             -> record "resuming" -> restore (with the UUID remap when other GPUs are named) +
+             unlock -> record removed
+
+The state itself is the driver's; migrt records what it did in `<runc root>/<id>/migrt-gpu-suspended.json`
+(written atomically before every step), so that `resume` works from a new process and after a crash
+of migrt in the middle of either step: resume brings every recorded process back from wherever the
+driver says it stands. The record lives in runc's state directory, which `runc delete` removes with
+the container. A failure never leaves a container half-resumed: a suspend that fails brings every
+process back to running; a resume that fails puts every process back to checkpointed (suspended).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from migrt import log as log_mod
+from migrt.errors import Conflict, MigrtError, NotFound, PreconditionFailed
+from migrt.gpu import inventory, preflight, procs, records, select, visible
+from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuBackend, GpuError
+from migrt.gpu.session import DEFAULT_LOCK_TIMEOUT_MS, suspend_all
+from migrt.oci.bundle import Bundle
+from migrt.progress import Progress, null_progress
+from migrt.runtime import markers
+from migrt.runtime.runc import candidate_roots
+from migrt.store.fsutil import write_json_atomic
+
+RECORD = "migrt-gpu-suspended.json"
+RELEASE_MARKER = markers.GPU_RELEASE_MARKER  # in runc's state dir: the shim's pause/resume test
+SUSPENDING, SUSPENDED, RESUMING = "suspending", "suspended", "resuming"
+
+
+def record_path(root: str, cid: str) -> str:
+    return os.path.join(root, cid, RECORD)
+
+
+def read_record(root: str, cid: str) -> dict | None:
+    try:
+        with open(record_path(root, cid), encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise MigrtError(f"container {cid}: GPU suspend record {record_path(root, cid)} is unreadable: {exc}") from exc
+    return data if isinstance(data, dict) else None
+
+
+def _write(rec: dict) -> None:
+    write_json_atomic(record_path(rec["root"], rec["container_id"]), rec)
+
+
+def _remove(rec: dict) -> None:
+    try:
+        os.unlink(record_path(rec["root"], rec["container_id"]))
+    except FileNotFoundError:
+        pass
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _backend(cfg, what: str) -> GpuBackend:
+    backend = select.get_backend(getattr(cfg, "gpu_backend", "auto") or "auto")
+    if not backend.available():
+        raise PreconditionFailed(f"{what}, but the CUDA checkpoint API is not usable here: "
+                                 f"{select.unavailable_reason(backend)}")
+    return backend
+
+
+def _container(root: str, cid: str) -> tuple[dict, int]:
+    state = procs.runc_state(root, cid)
+    pid = (state or {}).get("init_process_pid")
+    if not state or not isinstance(pid, int) or pid <= 0 or not procs.alive(pid):
+        raise NotFound(f"container {cid} is not running under {root}")
+    return state, pid
+
+
+def _config(state: dict) -> dict | None:
+    for label in ((state.get("config") or {}).get("labels") or []):
+        if isinstance(label, str) and label.startswith("bundle="):
+            try:
+                return Bundle.load(label[len("bundle="):]).config
+            except MigrtError:
+                return None
+    return None
+
+
+def find_root(cid: str, extra: list[str] | None = None) -> str:
+    for root in candidate_roots(extra):
+        if os.path.isfile(os.path.join(root, cid, "state.json")):
+            return root
+    raise NotFound(f"container {cid} not found under {', '.join(candidate_roots(extra))}; give --root")
+
+
+# -- suspend -----------------------------------------------------------------------------------------
+def suspend(cfg, cid: str, root: str, *, by: str = "migrt gpu suspend", progress: Progress = null_progress) -> dict:
+    """Lock and checkpoint every CUDA process of a running container; the record says what was done."""
+    old = read_record(root, cid)
+    if old is not None:
+        if old.get("status") == SUSPENDED:
+            raise Conflict(f"container {cid} is already GPU-suspended (since {old.get('suspended_at')}); "
+                           f"'migrt gpu resume {cid}' brings it back")
+        raise Conflict(f"container {cid}: a GPU {old.get('status', '?')[:-3]} was interrupted; run "
+                       f"'migrt gpu resume {cid}' to bring its processes back first")
+    state, init = _container(root, cid)
+    if state.get("status") == "paused" or _frozen(state):
+        raise Conflict(f"container {cid} is paused; a frozen process cannot be locked: resume it first")
+    pids = procs.cuda_pids(procs.container_pids(init))
+    if not pids:
+        raise PreconditionFailed(f"container {cid} has no CUDA process holding a GPU: nothing to suspend "
+                                 "(it keeps running)")
+    what = f"container {cid} has {len(pids)} CUDA process(es) (pids {', '.join(map(str, pids))})"
+    backend = _backend(cfg, what)
+    inv = inventory.take()
+    config = _config(state)
+    try:
+        config_gpus = visible.from_config(config, inv) if config else None
+    except visible.VisibleError:
+        config_gpus = None
+    section = records.describe(pids, inv, records.visible_at_checkpoint(
+        config_gpus, visible.from_devnodes(init, inv), pids, inv))
+    rss_before = sum(_rss(p) or 0 for p in pids)
+    rec = {"schema": 1, "container_id": cid, "root": root, "status": SUSPENDING, "by": by,
+           "processes": [{"pid": p, "start": procs.start_time(p), "comm": procs.comm(p)} for p in pids],
+           "gpus": [g["uuid"] for g in section["gpus"]], "section": section,
+           "gpu_memory_bytes": sum(preflight.memory_per_gpu(section).values()) or None,
+           "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timings": {}}
+    _write(rec)
+    progress("phase", name="gpu-suspend", processes=len(pids))
+    t0 = time.monotonic()
+    try:
+        suspend_all(pids, backend, int(getattr(cfg, "gpu_lock_timeout_ms", DEFAULT_LOCK_TIMEOUT_MS)))
+    except GpuError as exc:
+        stuck = [p for p in pids if _state_or_none(backend, p) not in (RUNNING, None)]
+        if stuck:  # the undo left some suspended: keep the record, so that resume can finish it
+            rec["status"] = SUSPENDING
+            _write(rec)
+            hint = f"; 'migrt gpu resume {cid}' retries bringing pids {', '.join(map(str, stuck))} back"
+        else:
+            _remove(rec)
+            hint = ""
+        raise GpuError(f"GPU suspend of container {cid} failed: {exc}{hint}", call=exc.call, pid=exc.pid,
+                       code=exc.code) from exc
+    seconds = round(time.monotonic() - t0, 3)
+    rec.update(status=SUSPENDED, suspended_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               host_rss_bytes={"before": rss_before, "after": sum(_rss(p) or 0 for p in pids)})
+    rec["timings"]["suspend_s"] = seconds
+    _write(rec)
+    progress("done", name="gpu-suspend", seconds=seconds)
+    log_mod.get().info("gpu_suspended_in_place", container=cid, pids=pids, seconds=seconds, by=by)
+    return rec
+
+
+def _state_or_none(backend: GpuBackend, pid: int) -> str | None:
+    try:
+        return backend.state(pid)
+    except GpuError:
+        return None
+
+
+def _frozen(state: dict) -> bool:
+    paths = state.get("cgroup_paths") or {}
+    d = paths.get("") or paths.get("freezer") if isinstance(paths, dict) else None
+    for name in ("cgroup.freeze", "freezer.state"):
+        try:
+            with open(os.path.join(d or "/nonexistent", name), encoding="utf-8") as fh:
+                if fh.read().strip() in ("1", "FROZEN"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+# -- resume ------------------------------------------------------------------------------------------
+@dataclass
+class _Proc:
+    pid: int
+    state: str
+
+
+def _live_pids(rec: dict) -> tuple[list[int], list[int]]:
+    """(the recorded processes still alive as the same process (pid and start time), those gone).
+    A process that exited while suspended took its GPU state with it; none left is an error."""
+    live, gone = [], []
+    for p in rec.get("processes") or []:
+        pid = int(p["pid"])
+        same = procs.alive(pid) and (p.get("start") is None or procs.start_time(pid) == p["start"])
+        (live if same else gone).append(pid)
+    if not live:
+        raise NotFound(f"container {rec['container_id']}: every suspended process ({', '.join(map(str, gone))}) is "
+                       f"gone; nothing to resume (remove {record_path(rec['root'], rec['container_id'])})")
+    return live, gone
+
+
+def _resuspend(backend: GpuBackend, pids: list[int]) -> list[str]:
+    """Undo of a failed resume: every process back to checkpointed. Returns what could not be."""
+    left = []
+    for pid in pids:
+        try:
+            state = backend.state(pid)
+            if state == RUNNING:
+                backend.lock(pid, DEFAULT_LOCK_TIMEOUT_MS)
+                state = LOCKED
+            if state == LOCKED:
+                backend.checkpoint(pid)
+        except GpuError as exc:
+            left.append(f"pid {pid}: {exc}")
+    return left
+
+
+def plan(cfg, rec: dict, gpus: list[str] | None) -> preflight.Placement:
+    """The preflight of a resume: nothing touched when it raises."""
+    inv = inventory.take()
+    targets = gpus if gpus else (rec.get("gpus") or None)
+    return preflight.check(rec["section"], inv, targets, what=f"GPU-suspended container {rec['container_id']}",
+                           keep_order=bool(gpus))
+
+
+def resume(cfg, cid: str, root: str, *, gpus: list[str] | None = None, progress: Progress = null_progress) -> dict:
+    rec = read_record(root, cid)
+    if rec is None:
+        raise NotFound(f"container {cid} is not GPU-suspended by migrt (no {record_path(root, cid)})")
+    pids, gone = _live_pids(rec)
+    if gone:
+        log_mod.get().warning("gpu_suspended_process_gone", container=cid, pids=gone)
+        rec["section"]["processes"] = [p for p in rec["section"].get("processes") or [] if p.get("pid") not in gone]
+    backend = _backend(cfg, f"container {cid} is GPU-suspended")
+    states = {pid: _state_or_none(backend, pid) for pid in pids}
+    if CHECKPOINTED in states.values():
+        placement = plan(cfg, rec, gpus)
+    else:  # an interrupted suspend: nothing left the GPU, nothing to place
+        placement = preflight.Placement(pairs=[(u, u) for u in rec.get("gpus") or []])
+    prior = rec["status"]
+    rec["status"] = RESUMING
+    _write(rec)
+    progress("phase", name="gpu-resume", processes=len(pids))
+    t0 = time.monotonic()
+    remap = placement.remap()
+    errors: dict[int, GpuError] = {}
+    for pid in pids:  # restore all, then unlock all (as resume_all), from wherever each stands
+        try:
+            if backend.state(pid) == CHECKPOINTED:
+                backend.restore(pid, remap)
+        except GpuError as exc:
+            errors[pid] = exc
+    if not errors:
+        for pid in pids:
+            try:
+                if backend.state(pid) == LOCKED:
+                    backend.unlock(pid)
+            except GpuError as exc:
+                errors[pid] = exc
+    if errors:
+        cause = next(iter(errors.values()))
+        left = _resuspend(backend, pids)
+        rec["status"] = SUSPENDED if not left else prior
+        _write(rec)
+        tail = ("; every process stays suspended (run 'migrt gpu resume' again once the cause is fixed)" if not left
+                else f"; and {len(left)} process(es) could not be put back: {'; '.join(left)}")
+        raise GpuError(f"GPU resume of container {cid} failed: {cause}{tail}", call=cause.call, pid=cause.pid,
+                       code=cause.code, details=[f"pid {p}: {e}" for p, e in errors.items() if e is not cause])
+    seconds = round(time.monotonic() - t0, 3)
+    _remove(rec)
+    progress("done", name="gpu-resume", seconds=seconds)
+    log_mod.get().info("gpu_resumed_in_place", container=cid, pids=pids, pairs=placement.to_dict(), seconds=seconds)
+    return {"container_id": cid, "root": root, "processes": pids, "exited": gone, "gpus": [n for _, n in placement.pairs],
+            "pairs": placement.to_dict(), "moved": placement.moved,
+            "timings": {**rec.get("timings", {}), "resume_s": seconds}}
+
+
+# -- status ------------------------------------------------------------------------------------------
+def status(cfg, cid: str | None = None, root: str | None = None) -> list[dict]:
+    """The containers of this node with a GPU suspend record, with the driver's view of each process."""
+    roots = [root] if root else candidate_roots(getattr(cfg, "runtime_roots", None))
+    found = []
+    for r in roots:
+        pattern = os.path.join(r, glob.escape(cid) if cid else "*", RECORD)
+        for path in sorted(glob.glob(pattern)):
+            rec = read_record(r, os.path.basename(os.path.dirname(path)))
+            if rec:
+                found.append(rec)
+    if cid and not found:
+        raise NotFound(f"container {cid} is not GPU-suspended by migrt")
+    backend = None
+    for rec in found:
+        rec.pop("section", None)
+        for p in rec.get("processes") or []:
+            p["alive"] = procs.alive(int(p["pid"])) and procs.start_time(int(p["pid"])) == p.get("start")
+            p["rss_bytes"] = _rss(int(p["pid"])) if p["alive"] else None
+            if p["alive"]:
+                try:
+                    backend = backend or select.get_backend(getattr(cfg, "gpu_backend", "auto") or "auto")
+                    p["driver_state"] = backend.state(int(p["pid"]))
+                except GpuError as exc:
+                    p["driver_state"] = f"unknown ({exc})"
+        rec["host_memory_bytes"] = sum(p.get("rss_bytes") or 0 for p in rec.get("processes") or [])
+    return found
