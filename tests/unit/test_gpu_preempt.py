@@ -76,11 +76,17 @@ class Box:
         return procs.process_tree(self.proc.pid)
 
     def stop(self) -> None:
+        from migrt.gpu import procs
+
+        pids = self.pids()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait()
+        deadline = time.monotonic() + 20
+        while any(procs.alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 @pytest.fixture
