@@ -8,7 +8,8 @@
 #   --root DIR       where the host's / is mounted (default /; the DaemonSet uses /host)
 #   --source DIR     the self-contained migrt to copy (default /opt/migrt, the image's): python/ (a
 #                    relocatable CPython), venv/ (migrt installed, built for the prefix /opt/migrt),
-#                    bin/migrt-runc (the sh fast path, rendered for that prefix), share/config.yaml
+#                    bin/migrt-runc and bin/migrt (launchers bound to that venv's python: `migrt
+#                    install runtime`), libexec/cuda-criu-action (the CRIU GPU hook), share/config.yaml
 #   --containerd-config PATH   containerd's main config as a host path (default /etc/containerd/config.toml)
 #   --no-containerd  leave containerd's configuration alone
 #   --restart-containerd, or env MIGRT_RESTART_CONTAINERD=1: restart containerd if its config changed
@@ -17,7 +18,7 @@
 #
 # On the host (paths below are host paths, all under --root):
 #   /opt/migrt/                  the copy of --source (replaced as a whole when it differs)
-#   /usr/local/bin/migrt         -> /opt/migrt/venv/bin/migrt
+#   /usr/local/bin/migrt         -> /opt/migrt/bin/migrt
 #   /usr/local/bin/migrt-runc    -> /opt/migrt/bin/migrt-runc
 #   /etc/migrt/config.yaml       only if absent
 #   /var/lib/migrt (0700)        the checkpoint store
@@ -53,8 +54,8 @@ done
 root=${root%/}
 dest=$root$prefix
 [ -d "$root/" ] || die "--root $root is not a directory"
-for f in venv/bin/migrt venv/bin/migrt-runc-py bin/migrt-runc venv/pyvenv.cfg; do
-    [ -e "$source/$f" ] || die "$source is not a migrt payload: $f missing"
+for f in venv/bin/migrt venv/bin/python bin/migrt bin/migrt-runc venv/pyvenv.cfg; do
+    [ -e "$source/$f" ] || [ -L "$source/$f" ] || die "$source is not a migrt payload: $f missing"
 done
 # The venv's paths are absolute: it only works at the prefix it was built for.
 home=$(sed -n 's/^home *= *//p' "$source/venv/pyvenv.cfg")
@@ -88,7 +89,7 @@ link() {  # link TARGET NAME
         log "linked /usr/local/bin/$2 -> $1"
     fi
 }
-link "$prefix/venv/bin/migrt" migrt
+link "$prefix/bin/migrt" migrt
 link "$prefix/bin/migrt-runc" migrt-runc
 
 # 3. configuration and store

@@ -146,12 +146,22 @@ fi
 err=$("$venv/bin/python" -c 'import pycriu, migrt' 2>&1) ||
     die "the venv ($py) cannot import pycriu (copied from $pycriu_src) and migrt: $(printf '%s' "$err" | tail -1)"
 
-# /usr/local/bin/migrt: the CLI. /usr/local/bin/migrt-runc: the POSIX-sh fast path, which hands
-# every call that needs a decision to the Python runtime shim in the venv.
-ln -sf "$venv/bin/migrt" "$bindir/migrt"
-sed "s|@MIGRT_PY_SHIM@|$venv/bin/migrt-runc-py|" "$here/migrt/shim/migrt-runc.sh" > "$bindir/.migrt-runc.new"
-chmod 0755 "$bindir/.migrt-runc.new"
-mv -f "$bindir/.migrt-runc.new" "$bindir/migrt-runc"
+# $bindir/migrt (the CLI) and $bindir/migrt-runc (the POSIX-sh fast path, which hands every call that
+# needs a decision to Python), both bound to the venv's python; when that cannot start migrt they say
+# so and name this command (as it was run) as the repair.
+repair="sh $here/packaging/setup-host.sh"
+for v in MIGRT_DEV MIGRT_SKIP_APT MIGRT_BINDIR MIGRT_PREFIX; do
+    eval "val=\${$v:-}"
+    [ -z "$val" ] || repair="$v=$val $repair"
+done
+# $prefix/libexec/cuda-criu-action: the CRIU action script (GPU hook, docs/gpu.md) behind a wrapper bound
+# to the same python; CRIU's configuration is left alone (GPU nodes name it there).
+printf '%s\n' "$repair" > "$prefix/repair"
+install -d "$prefix/libexec"
+install -m 0644 "$here/hooks/cuda-criu-action" "$prefix/libexec/cuda-criu-action.py"
+out=$("$venv/bin/migrt" install runtime --bindir "$bindir" --python "$venv/bin/python" --repair "$repair" \
+    --criu-hook "$prefix/libexec/cuda-criu-action" --criu-hook-source "$prefix/libexec/cuda-criu-action.py" 2>&1) ||
+    die "migrt install runtime --bindir $bindir failed: $out"
 
 # Lazy migration: CRIU's page server asks for pipes of several MB; without CAP_SYS_RESOURCE that
 # needs fs.pipe-max-size >= 4 MiB (else the page server fails and the lazy restore hangs; docs/migration.md).

@@ -53,3 +53,37 @@ def install_containerd(config_path, root, binary, dry_run, as_json):
     else:
         click.echo("containerd was not restarted: restart it to load the handler (e.g. `systemctl restart "
                    "containerd`; running containers keep running)", err=True)
+
+
+@install.command("runtime")
+@click.option("--bindir", default="/usr/local/bin", show_default=True, type=click.Path(file_okay=False),
+              help="Where to write migrt-runc and migrt.")
+@click.option("--python", "python", default=None,
+              help="The interpreter they start (default: this one: a venv's python, else the versioned path "
+                   "behind python3, e.g. /usr/bin/python3.11). It must import migrt.")
+@click.option("--repair", default=None, help="The command they name when migrt cannot start.")
+@click.option("--criu-hook", default=None, type=click.Path(dir_okay=False),
+              help="Also write the CRIU action script (GPU hook) wrapper at this path, bound to the same interpreter.")
+@click.option("--criu-hook-source", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="The hook it runs (default: hooks/cuda-criu-action of this migrt's checkout).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@handle_errors
+def install_runtime(bindir, python, repair, criu_hook, criu_hook_source, as_json):
+    """Write migrt-runc (the runc-compatible runtime: sh fast path, Python when a decision is needed)
+    and migrt (a launcher for this CLI) into BINDIR, both bound to one interpreter. Run it after
+    `pip install`; packaging/setup-host.sh runs it too. Idempotent."""
+    from migrt.node.launchers import install as install_launchers, python_problem
+
+    if python:
+        problem = python_problem(python)
+        if problem:
+            from migrt.errors import ConfigError
+
+            raise ConfigError(f"--python {python}: {problem}")
+    written = install_launchers(bindir, python=python, repair=repair, criu_hook=criu_hook,
+                                hook_source=criu_hook_source)
+    if as_json:
+        emit_json({"files": written})
+        return
+    for f in written:
+        click.echo(f"  {f['action']}: {f['path']} (Python {f['python']})", err=True)

@@ -11,6 +11,7 @@ from migrt.criu.version import MIN_CRIU, criu_binary, criu_version, kernel_versi
 from migrt.errors import MigrtError
 from migrt.node.doctor_containerd import containerd_handler_check
 from migrt.node.doctor_gpu import gpu_checks
+from migrt.node.doctor_install import install_checks
 
 
 def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
@@ -71,9 +72,7 @@ def run_checks() -> list[dict]:
         out.append(_check("lower runtime", "fail", str(exc), "install runc or set 'runtime:' in the config"))
     if runtime:
         out.append(_check("lower runtime", "ok", f"{runtime} version {runtime_version(runtime)}"))
-    shim = shutil.which("migrt-runc")
-    out.append(_check("migrt-runc", "ok" if shim else "warn", shim or "not on PATH",
-                      "" if shim else "run packaging/setup-host.sh to link /usr/local/bin/migrt-runc"))
+    out += install_checks()
     ctrd = shutil.which("containerd")
     if ctrd:
         try:
@@ -87,12 +86,6 @@ def run_checks() -> list[dict]:
     out.append(_check("iptables", "ok" if shutil.which("iptables") else "warn",
                       shutil.which("iptables") or "not found",
                       "CRIU needs iptables to lock the network of containers with their own netns"))
-    try:
-        import pycriu  # noqa: F401
-
-        out.append(_check("pycriu", "ok", "importable"))
-    except ImportError:
-        out.append(_check("pycriu", "warn", "not importable", "install python3-pycriu ('migrt inspect' needs it)"))
     out += gpu_checks(runtime)
     out.append(_check("kernel", "ok", kernel_version()))
     if cfg:

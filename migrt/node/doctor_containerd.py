@@ -7,6 +7,7 @@ import os
 
 from migrt.errors import MigrtError
 from migrt.node import containerd_config as cc
+from migrt.node.doctor_install import SETUP, launcher_check
 
 
 def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
@@ -31,9 +32,14 @@ def containerd_handler_check(config: str | None = None, root: str = "/") -> dict
     if h is None:
         return _check(name, "warn", f"not configured in {config} or its imports (needed for Kubernetes)", fix)
     binary = (h.get("options") or {}).get("BinaryName") or ""
-    if h.get("runtime_type") != cc.RUNTIME_TYPE or not os.access(cc.host_path(root, binary or "/-"), os.X_OK):
-        return _check(name, "fail", f"runtime_type {h.get('runtime_type')!r}, BinaryName {binary!r} (not executable "
-                      "or wrong runtime type)", fix)
+    if h.get("runtime_type") != cc.RUNTIME_TYPE:
+        return _check(name, "fail", f"runtime_type {h.get('runtime_type')!r}, not {cc.RUNTIME_TYPE!r}", fix)
+    if not os.access(cc.host_path(root, binary or "/-"), os.X_OK):
+        return _check(name, "fail", f"BinaryName {binary!r} is missing or not executable (containerd cannot start "
+                      "pods of RuntimeClass migrt)", f"{SETUP} to put migrt-runc back, or {fix}")
+    launcher = launcher_check(name, cc.host_path(root, binary))
+    if launcher["status"] == "fail":
+        return _check(name, "fail", f"BinaryName {binary}: {launcher['detail']}", launcher["fix"])
     detail = f"{binary} (config version {cfg.version}); containerd reads it at start"
     try:
         plan = plan_containerd(config, root=root, binary=binary)

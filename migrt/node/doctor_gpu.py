@@ -9,6 +9,7 @@ import re
 
 from migrt.gpu import inventory
 from migrt.gpu.cuda import LIBCUDA, CudaDriverBackend
+from migrt.node.doctor_install import SETUP, script_problem
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 CRIU_CONFIGS = ("/etc/criu/runc.conf", "/etc/criu/default.conf")
@@ -114,4 +115,8 @@ def _hook_check() -> dict:
     if not os.access(script, os.X_OK):
         return _check(name, "fail", f"{conf} names action-script {script}, which is not executable",
                       "install hooks/cuda-criu-action there (docs/gpu.md) or remove the line: CRIU fails without it")
+    problem = script_problem(script)
+    if problem:
+        return _check(name, "fail", f"{script} (from {conf}) cannot start: {problem}",
+                      f"{SETUP} (it installs the hook bound to migrt's interpreter), or fix the action-script line")
     return _check(name, "ok", f"{script} (from {conf}): plain runc/criu/podman dumps handle GPU state too")

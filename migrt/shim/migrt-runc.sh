@@ -1,5 +1,5 @@
 #!/bin/sh
-# migrt-runc fast path (POSIX sh; installed as /usr/local/bin/migrt-runc by packaging/setup-host.sh).
+# migrt-runc fast path (POSIX sh; written by `migrt install runtime`, which packaging/setup-host.sh runs).
 #
 # Starting a Python interpreter costs ~15-20 ms; containerd calls the runtime several times per pod
 # and probes call `exec` every few seconds. So this script parses runc's global flags itself and
@@ -14,9 +14,60 @@
 #   - a global flag this script does not know.
 # `start` of a container carrying migrt's restore marker exits 0 here (it already runs).
 # Builtins only on the pass-through path, except one `grep` for create.
-PYSHIM='@MIGRT_PY_SHIM@'
+#
+# The hand-over checks that migrt's interpreter is there, and BOOT (migrt/node/launchers.py) turns
+# "migrt does not import with it" (a venv whose python moved to a newer version) into one error: a
+# runc-style JSON line in --log (containerd shows it as "OCI runtime create failed: <msg>") and one
+# line on stderr, each naming the repair command. Never a traceback; exit status 127.
+PYTHON=@MIGRT_PYTHON@
+REPAIR=@MIGRT_REPAIR@
+BOOT=@MIGRT_BOOT@
 
-py() { exec "$PYSHIM" "$@"; }
+py() {
+    [ -x "$PYTHON" ] || broken "migrt's Python interpreter $PYTHON is missing" "$@"
+    exec "$PYTHON" -P -c "$BOOT" "$0" "$REPAIR" "$@"
+}
+
+json_escape() {  # backslashes and double quotes (the message is ours: no control characters)
+    _s=$1 _o=
+    while :; do
+        case $_s in
+        *[\\\"]*) _p=${_s%%[\\\"]*}; _s=${_s#"$_p"}; _o="$_o$_p\\${_s%"${_s#?}"}"; _s=${_s#?} ;;
+        *) break ;;
+        esac
+    done
+    printf '%s' "$_o$_s"
+}
+
+broken() {  # broken WHAT ARGV...: error line in --log (runc's format), one line on stderr, exit 127
+    _msg="${0##*/}: $1; repair: $REPAIR"; shift
+    _log= _fmt=text _next=
+    for _a in "$@"; do
+        case $_next in log) _log=$_a; _next=; continue ;; fmt) _fmt=$_a; _next=; continue ;; esac
+        case $_a in
+        --log|-log) _next=log ;;
+        --log=*|-log=*) _log=${_a#*=} ;;
+        --log-format|-log-format) _next=fmt ;;
+        --log-format=*|-log-format=*) _fmt=${_a#*=} ;;
+        --) break ;;
+        esac
+    done
+    if [ -n "$_log" ]; then
+        _t=$(date -u +%Y-%m-%dT%H:%M:%S.%N 2>/dev/null) || _t=
+        case $_t in  # busybox date has no %N
+        *.[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9]) _t=${_t}Z ;;
+        ?*) _t=${_t%%.*}.000000000Z ;;
+        esac
+        _e=$(json_escape "$_msg")
+        if [ "$_fmt" = json ]; then
+            printf '{"level":"error","msg":"%s","time":"%s"}\n' "$_e" "$_t" >> "$_log"
+        else
+            printf 'time="%s" level=error msg="%s"\n' "$_t" "$_e" >> "$_log"
+        fi 2>/dev/null
+    fi
+    printf '%s\n' "$_msg" >&2
+    exit 127
+}
 
 # Lower runtime: the top-level `runtime:` line of the config (plain scalar), else runc on PATH.
 # A missing or broken config never breaks pass-through (same rule as migrt/runtime/lower.py).

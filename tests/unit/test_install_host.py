@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from migrt.node import launchers
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "packaging" / "install-host.sh"
 PREFIX = "/opt/migrt"
@@ -28,13 +30,10 @@ def _payload(path: Path, home: str = f"{PREFIX}/python/bin") -> Path:
     cli = venv / "bin" / "migrt"
     cli.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import sys; sys.argv[0] = \"migrt\"; "
                    "from migrt.cli.main import main; main()' \"$@\"\n")
-    (venv / "bin" / "migrt-runc-py").write_text("#!/bin/sh\nexit 0\n")
-    (path / "bin").mkdir()
-    shim = (REPO / "migrt" / "shim" / "migrt-runc.sh").read_text()
-    (path / "bin" / "migrt-runc").write_text(shim.replace("@MIGRT_PY_SHIM@", f"{PREFIX}/venv/bin/migrt-runc-py"))
+    launchers.install(str(path / "bin"), python=f"{PREFIX}/venv/bin/python", repair="re-run the migrt installer")
     (path / "share").mkdir()
     (path / "share" / "config.yaml").write_text((REPO / "configs" / "config.yaml").read_text())
-    for f in (cli, venv / "bin" / "migrt-runc-py", path / "bin" / "migrt-runc", path / "python" / "bin" / "python3"):
+    for f in (cli, path / "python" / "bin" / "python3"):
         f.chmod(0o755)
     return path
 
@@ -71,9 +70,10 @@ def test_installs_payload_links_config_and_handler(host):
     dest = root / PREFIX.lstrip("/")
     assert subprocess.run(["diff", "-r", "--no-dereference", str(source), str(dest)]).returncode == 0
     assert os.readlink(dest / "venv" / "bin" / "python") == f"{PREFIX}/python/bin/python3"  # host paths kept
-    assert os.readlink(root / "usr/local/bin/migrt") == f"{PREFIX}/venv/bin/migrt"
+    assert os.readlink(root / "usr/local/bin/migrt") == f"{PREFIX}/bin/migrt"
     assert os.readlink(root / "usr/local/bin/migrt-runc") == f"{PREFIX}/bin/migrt-runc"
-    assert f"PYSHIM='{PREFIX}/venv/bin/migrt-runc-py'" in (dest / "bin" / "migrt-runc").read_text()
+    for name in ("migrt-runc", "migrt"):
+        assert launchers.read_installed(str(dest / "bin" / name))["python"] == f"{PREFIX}/venv/bin/python"
     assert (root / "etc/migrt/config.yaml").read_text() == (REPO / "configs/config.yaml").read_text()
     assert stat.S_IMODE((root / "var/lib/migrt").stat().st_mode) == 0o700
     # containerd: the drop-in, imported by the main config (host paths inside the files)

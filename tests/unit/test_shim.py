@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from migrt.node import launchers
 from migrt.runtime.markers import MARKER
 from tests.unit.support import (
     PY_SHIM,
@@ -241,19 +242,18 @@ class ShShim:
         return self.spy_log.read_text().splitlines() if self.spy_log.exists() else []
 
 
-def render_sh(dest: Path, py_shim: str) -> Path:
-    """What packaging/setup-host.sh does: substitute the Python shim's path, install 0755."""
-    text = SH_SHIM_SRC.read_text()
-    assert text.count("@MIGRT_PY_SHIM@") == 1
-    return make_executable(dest, text.replace("@MIGRT_PY_SHIM@", py_shim))
+def render_sh(dest: Path, python: str, repair: str = "sh packaging/setup-host.sh") -> Path:
+    """What `migrt install runtime` (run by packaging/setup-host.sh) writes, for that interpreter."""
+    return make_executable(dest, launchers.render("migrt-runc", python, repair))
 
 
 @pytest.fixture(params=SHELLS)
 def sh_shim(request, tmp_path, migrt_env) -> ShShim:
-    # The Python shim is reached through a spy that notes each hand-over, then execs the real one.
+    # Python is reached through a spy interpreter that notes each hand-over (the argv after
+    # `-P -c BOOT argv0 repair`), then execs the real one.
     spy_log = tmp_path / "py-calls.log"
-    spy = make_executable(tmp_path / "spybin" / "migrt-runc-py",
-                          f'#!/bin/sh\necho "$*" >> "{spy_log}"\nexec "{PY_SHIM}" "$@"\n')
+    spy = make_executable(tmp_path / "spybin" / "python",
+                          f'#!/bin/sh\n(shift 5; echo "$*") >> "{spy_log}"\nexec "{sys.executable}" "$@"\n')
     script = render_sh(tmp_path / "sbin" / "migrt-runc", str(spy))
     return ShShim(script=script, spy_log=spy_log, shell=request.param, env=migrt_env)
 
@@ -550,8 +550,8 @@ def test_sh_quoted_runtime_with_comment(sh_shim, tmp_path):
 
 
 def test_sh_rendered_exactly_like_setup_host(tmp_path, migrt_env):
-    """No spy: the script as packaging installs it, pointing at the venv's migrt-runc-py."""
-    script = render_sh(tmp_path / "migrt-runc", str(PY_SHIM))
+    """No spy: the script as packaging installs it, pointing at the venv's python."""
+    script = render_sh(tmp_path / "migrt-runc", sys.executable)
     assert os.stat(script).st_mode & 0o777 == 0o755
     bundle = write_bundle(tmp_path / "bundle", env=["MIGRT_RESTORE=../etc"])
     argv = [*containerd_argv(tmp_path / "root", bundle), "create", "--bundle", str(bundle), CID]
