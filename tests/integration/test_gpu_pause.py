@@ -29,7 +29,8 @@ U0 = "GPU-00000000-0000-0000-0000-0000000000aa"
 @pytest.fixture
 def fake_gpu(stack, migrt_config, tmp_path, monkeypatch):
     path = tmp_path / "fake-gpu.json"
-    path.write_text(json.dumps({"driver_version": "580.159", "process_bytes": 4 * GIB,
+    marker = f"FAKE_CUDA={uuid.uuid4().hex}"  # this test's containers only
+    path.write_text(json.dumps({"driver_version": "580.159", "process_bytes": 4 * GIB, "marker": marker,
                                 "gpus": [{"uuid": U0, "name": "NVIDIA H100 80GB HBM3", "memory_total": 80 * GIB}]}))
     monkeypatch.setenv(fakenode.ENV, str(path))
     return path
@@ -49,10 +50,11 @@ def shim(root: str, bundle: str, *args: str) -> subprocess.CompletedProcess:
                            *args], capture_output=True, timeout=120)
 
 
-def start(root: str, tmp_path, name: str, *, annotated: bool) -> tuple[str, str, Piped]:
+def start(root: str, tmp_path, name: str, fake_gpu, *, annotated: bool) -> tuple[str, str, Piped]:
+    marker = json.loads(fake_gpu.read_text())["marker"]
     cid = f"{name}-{uuid.uuid4().hex[:6]}"
     ann = {"migrt.io/gpu-release-on-pause": "true"} if annotated else None
-    bundle = make_bundle(str(tmp_path / cid), ["sh", "-c", COUNTER], env=["FAKE_CUDA=1"], annotations=ann)
+    bundle = make_bundle(str(tmp_path / cid), ["sh", "-c", COUNTER], env=[marker], annotations=ann)
     p = Piped([SHIM, "--root", root, "--log", os.path.join(bundle, "log.json"), "--log-format", "json", "create",
                "--bundle", bundle, "--pid-file", os.path.join(bundle, "init.pid"), cid], bundle)
     assert p.rc == 0, open(os.path.join(bundle, "log.json")).read() if os.path.exists(os.path.join(bundle, "log.json")) else ""
@@ -74,7 +76,7 @@ def states(path, root: str, cid: str) -> set[str]:
 
 
 def test_pause_releases_the_gpu_and_resume_brings_it_back(runc_root, fake_gpu, tmp_path):
-    cid, bundle, p = start(runc_root, tmp_path, "gpu-pause", annotated=True)
+    cid, bundle, p = start(runc_root, tmp_path, "gpu-pause", fake_gpu, annotated=True)
     try:
         assert os.path.isfile(os.path.join(runc_root, cid, GPU_RELEASE_MARKER))
         assert states(fake_gpu, runc_root, cid) == {"running"}
@@ -104,7 +106,7 @@ def test_pause_releases_the_gpu_and_resume_brings_it_back(runc_root, fake_gpu, t
 
 
 def test_without_the_annotation_pause_and_resume_pass_through(runc_root, fake_gpu, tmp_path):
-    cid, bundle, p = start(runc_root, tmp_path, "plain", annotated=False)
+    cid, bundle, p = start(runc_root, tmp_path, "plain", fake_gpu, annotated=False)
     try:
         assert not os.path.exists(os.path.join(runc_root, cid, GPU_RELEASE_MARKER))
         assert shim(runc_root, bundle, "pause", cid).returncode == 0
@@ -117,7 +119,7 @@ def test_without_the_annotation_pause_and_resume_pass_through(runc_root, fake_gp
 
 
 def test_failed_gpu_resume_leaves_the_container_paused_and_suspended(runc_root, fake_gpu, tmp_path):
-    cid, bundle, p = start(runc_root, tmp_path, "gpu-fail", annotated=True)
+    cid, bundle, p = start(runc_root, tmp_path, "gpu-fail", fake_gpu, annotated=True)
     try:
         assert shim(runc_root, bundle, "pause", cid).returncode == 0
         with fakenode.locked(str(fake_gpu)) as d:
@@ -136,7 +138,7 @@ def test_failed_gpu_resume_leaves_the_container_paused_and_suspended(runc_root, 
 
 
 def test_cli_suspend_resume_of_a_running_container(runc_root, fake_gpu, tmp_path):
-    cid, bundle, p = start(runc_root, tmp_path, "gpu-cli", annotated=False)
+    cid, bundle, p = start(runc_root, tmp_path, "gpu-cli", fake_gpu, annotated=False)
     try:
         out = json.loads(run_cli("gpu", "suspend", cid, "--root", runc_root, "--json").stdout)
         assert out["status"] == "suspended" and out["gpus"] == [U0] and out["gpu_memory_bytes"] == 4 * GIB * len(out["processes"])

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -50,9 +51,11 @@ class Box:
     """A 'container': a process tree whose processes carry the fake CUDA marker (or not), and the
     runc state file that names its init."""
 
-    def __init__(self, root: Path, bundle: Path, cid: str = CID, *, cuda: bool = True, workers: int = 2) -> None:
+    def __init__(self, root: Path, bundle: Path, cid: str = CID, *, cuda: bool = True, workers: int = 2,
+                 marker: str = "FAKE_CUDA=1") -> None:
         self.bundle = bundle
-        env = {"PATH": os.environ["PATH"], **({"FAKE_CUDA": "1"} if cuda else {})}
+        key, _, value = marker.partition("=")
+        env = {"PATH": os.environ["PATH"], **({key: value} if cuda else {})}
         script = " ".join(["sleep 1000 &"] * workers) + " wait" if workers else "exec sleep 1000"
         self.proc = subprocess.Popen(["sh", "-c", script], env=env, start_new_session=True)
         self.cid, self.root = cid, root
@@ -91,7 +94,8 @@ class Box:
 
 @pytest.fixture
 def gpu_node(tmp_path, migrt_env, monkeypatch):
-    path = node_file(tmp_path / "fake-gpu.json")
+    marker = f"FAKE_CUDA={uuid.uuid4().hex}"  # this test's processes only (others may run beside it)
+    path = node_file(tmp_path / "fake-gpu.json", marker=marker)
     monkeypatch.setenv(fakenode.ENV, str(path))
     migrt_env.env[fakenode.ENV] = str(path)
     root = tmp_path / "runc-root"
@@ -105,7 +109,7 @@ def gpu_node(tmp_path, migrt_env, monkeypatch):
 
         @staticmethod
         def box(*a, bundle_env=None, **k) -> Box:
-            b = Box(root, write_bundle(tmp_path / f"bundle-{len(boxes)}", env=bundle_env), *a, **k)
+            b = Box(root, write_bundle(tmp_path / f"bundle-{len(boxes)}", env=bundle_env), *a, marker=marker, **k)
             boxes.append(b)
             return b
 
