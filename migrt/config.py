@@ -11,6 +11,7 @@ Keys (all optional):
   gpu_backend: auto                  auto | cuda | none (auto: the CUDA driver API when libcuda.so.1 has it)
   gpu_lock_timeout_ms: 30000         how long a CUDA process may take to reach a lockable point
   allow_cross_namespace_restore: false  restore a pod's checkpoint into another Kubernetes namespace
+  store_space_check: true            refuse a checkpoint (before freezing) when the store cannot hold it
   migration_key_file: (none)         file with the secret shared by nodes that migrate to each other
   migration_tls: (none)              {cert, key, ca}: TLS for migrations (docs/migration.md)
 """
@@ -45,6 +46,7 @@ class Config:
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
     allow_cross_namespace_restore: bool = False
+    store_space_check: bool = True
     loaded: bool = False  # False when the file did not exist (defaults in use)
 
     def runtime_path(self) -> str:
@@ -78,7 +80,7 @@ def load(path: str | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
-             "allow_cross_namespace_restore", "migration_key_file", "migration_tls"}
+             "allow_cross_namespace_restore", "migration_key_file", "migration_tls", "store_space_check"}
     known |= set(GPU_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
@@ -111,6 +113,10 @@ def load(path: str | None = None) -> Config:
     if not isinstance(cross, bool):
         raise ConfigError(f"config {path}: 'allow_cross_namespace_restore' must be true or false")
     cfg.allow_cross_namespace_restore = cross
+    space_check = data.get("store_space_check", True)
+    if not isinstance(space_check, bool):
+        raise ConfigError(f"config {path}: 'store_space_check' must be true or false")
+    cfg.store_space_check = space_check
     key_file = data.get("migration_key_file")
     if key_file is not None and (not isinstance(key_file, str) or not os.path.isabs(key_file)):
         raise ConfigError(f"config {path}: 'migration_key_file' must be an absolute path")

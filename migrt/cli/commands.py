@@ -65,7 +65,12 @@ def ls_cmd(as_json):
     from migrt.store import Store
 
     cfg = load_config()
-    items = [_summary(c) for c in Store(cfg.store).list()]
+    store = Store(cfg.store)
+    items = [_summary(c) for c in store.list()]
+    kept = store.incomplete()
+    if kept:
+        click.echo(f"migrt: {len(kept)} incomplete checkpoint(s) of interrupted operations are kept (not listed, not "
+                   "restorable); see 'migrt recover --list'", err=True)
     if as_json:
         emit_json(items)
         return
@@ -91,13 +96,13 @@ def inspect(name, verify, as_json):
     from migrt.store import Store
 
     cfg = load_config()
-    ckpt = Store(cfg.store).get(name)
-    m = ckpt.manifest
-    result = {"manifest": m, "images": inspect_images(ckpt.images)}
-    verified = None
-    if verify:
-        ckpt.verify()
-        verified = True
+    with Store(cfg.store).reading(name) as ckpt:  # shared: restores and other readers go on
+        m = ckpt.manifest
+        result = {"manifest": m, "images": inspect_images(ckpt.images)}
+        verified = None
+        if verify:
+            ckpt.verify()
+            verified = True
     result["verified"] = verified
     if as_json:
         emit_json(result)
@@ -132,14 +137,16 @@ def inspect(name, verify, as_json):
 
 @cli.command()
 @click.argument("name")
+@click.option("--wait", "wait_s", type=click.FloatRange(0, 3600), default=10.0, show_default=True,
+              help="Seconds to wait for the processes reading the checkpoint (restores, inspects, transfers).")
 @JSON
 @handle_errors
-def rm(name, as_json):
-    """Remove a checkpoint."""
+def rm(name, wait_s, as_json):
+    """Remove a checkpoint (never while it is being read: waits, then refuses naming the readers)."""
     from migrt.store import Store
 
     cfg = load_config()
-    Store(cfg.store).remove(name)
+    Store(cfg.store).remove(name, wait=wait_s)
     if as_json:
         emit_json({"removed": name})
     else:
@@ -173,6 +180,37 @@ def restore(name, container_id, bundle, root, output, as_json):
         emit_json(result)
     else:
         click.echo(f"restored {name} as {container_id} (pid {result['pid']}) in {result['timings']['total_s']:.2f} s")
+
+
+@cli.command()
+@click.option("--wait", "wait_s", type=click.FloatRange(0, 3600), default=120.0, show_default=True,
+              help="Seconds to wait for the helpers (runc, CRIU) of an interrupted operation to end.")
+@click.option("--list", "list_only", is_flag=True, help="Only show the journal and the kept incomplete images.")
+@JSON
+@handle_errors
+def recover(wait_s, list_only, as_json):
+    """Bring back what an interrupted migrt left: thaw a frozen container, resume its GPU processes,
+    finish a committed checkpoint, delete a half-restored container. Exit 6 if something is left."""
+    from migrt.ops import recover as recover_mod
+
+    cfg = load_config(auto_recover=False)
+    outcomes = [] if list_only else recover_mod.recover(cfg, wait_s=wait_s)
+    left = recover_mod.describe(cfg)
+    unfinished = [o for o in outcomes if o.status != "recovered"] + [e for e in left["journal"] if e.get("stale")]
+    if as_json:
+        emit_json({"recovered": [o.to_dict() for o in outcomes], **left})
+    else:
+        for o in outcomes:
+            click.echo(o.line())
+        for e in left["journal"]:
+            state = "interrupted" if e.get("stale") else f"in progress (pid {e.get('pid')})"
+            click.echo(f"journal: {e.get('op')} of {e.get('container') or e.get('name')} at phase {e.get('phase')}: {state}")
+        for inc in left["incomplete"]:
+            click.echo(f"incomplete: {inc['path']} ({human_size(inc['size_bytes'])}): {inc.get('reason', '?')}; "
+                       "kept, never deleted by migrt: inspect it, then remove it by hand")
+        if not outcomes and not left["journal"] and not left["incomplete"]:
+            click.echo("nothing to recover", err=True)
+    sys.exit(6 if unfinished else 0)
 
 
 @cli.command()

@@ -31,12 +31,26 @@ def handle_errors(fn):
     return wrapper
 
 
-def load_config():
+def load_config(*, auto_recover: bool = True):
+    """The config, the log, and (by default) recovery of what an interrupted migrt left (ops/recover.py):
+    every command first brings back a workload a killed checkpoint froze. One line per recovery on stderr."""
     from migrt import config
     from migrt import log as log_mod
 
     cfg = config.load()
     log_mod.setup(cfg.log_file, cfg.log_level, component="migrt-cli")
+    if auto_recover and os.path.isdir(os.path.join(cfg.store, ".journal")):
+        from migrt.ops import recover
+
+        try:
+            outcomes = recover.recover(cfg)
+        except (MigrtError, OSError) as exc:  # e.g. a read-only store: the command itself may still work
+            click.echo(f"migrt: warning: recovery of interrupted operations failed: {exc}; run 'migrt recover'", err=True)
+            outcomes = []
+        for o in outcomes:
+            hint = "" if o.status == "recovered" else "; run 'migrt recover'"
+            click.echo(f"migrt: recovered {o.line()}{hint}" if o.status == "recovered" else f"migrt: {o.line()}{hint}",
+                       err=True)
     return cfg
 
 

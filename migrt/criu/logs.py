@@ -17,7 +17,11 @@ def error_lines(log_path: str, *, limit: int = MAX_LINES) -> list[str]:
         return []
     hits = [ln.strip() for ln in lines
             if ("Error" in ln or "error" in ln.split(":", 1)[0]) and not any(b in ln for b in BENIGN)]
-    return hits[-limit:]
+    if len(hits) <= limit:
+        return hits
+    # The first error is usually the cause (e.g. "No space left on device"), the last ones its
+    # consequences and CRIU's summary: keep the first and the last limit-1.
+    return [hits[0], f"... {len(hits) - limit} more error line(s) ...", *hits[-(limit - 1):]]
 
 
 def find_log(work_dir: str, names: tuple[str, ...]) -> str | None:

@@ -90,7 +90,25 @@ def run_checks() -> list[dict]:
     out.append(_check("kernel", "ok", kernel_version()))
     if cfg:
         out.append(_store_check(cfg.store))
+        out.append(_recovery_check(cfg.store))
     return out
+
+
+def _recovery_check(root: str) -> dict:
+    """Interrupted operations (journal entries whose migrt is gone) and images kept from them."""
+    from migrt.store import Store, journal
+
+    stale = [e for e in journal.entries(root) if e.get("stale")]
+    kept = Store(root).incomplete()
+    if stale:
+        what = ", ".join(f"{e.get('op')} of {e.get('container') or e.get('name')} at {e.get('phase')}" for e in stale[:3])
+        return _check("recovery", "fail", f"{len(stale)} interrupted operation(s) not recovered: {what}",
+                      "run 'migrt recover' (it thaws frozen containers and resumes their GPU processes)")
+    if kept:
+        return _check("recovery", "warn", f"{len(kept)} incomplete checkpoint(s) kept under {root}/.incomplete "
+                      "(their containers were gone before the commit)",
+                      "'migrt recover --list' shows them; inspect them, then remove them by hand")
+    return _check("recovery", "ok", "no interrupted operation")
 
 
 def _store_check(root: str) -> dict:

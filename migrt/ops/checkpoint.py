@@ -1,18 +1,23 @@
-"""Checkpoint a running container into the store (runc checkpoint -> manifest -> atomic commit)."""
+"""Checkpoint a running container into the store: journal, GPU suspend, freeze, runc checkpoint
+--leave-running, atomic commit, then stop (docs/store.md "Crash safety")."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 
+from migrt import log as log_mod
 from migrt import names
 from migrt.config import Config
 from migrt.criu.options import CriuOptions
 from migrt.criu.version import versions
-from migrt.errors import Conflict, MigrtError
+from migrt.errors import Conflict, MigrtError, RuntimeFailed
+from migrt.gpu import records
 from migrt.oci.bundle import Bundle
-from migrt.ops import gpu_steps
+from migrt.ops import gpu_steps, recover, space
 from migrt.pods import rootfs
 from migrt.progress import Progress, null_progress
 from migrt.runtime.runc import LowerRuntime, find_root
@@ -40,13 +45,44 @@ def _utc(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
+def _work_dir() -> str:
+    """runc's --work-path (its log, CRIU's dump.log) outside the store: a full store must not cost
+    the error message. /run is tmpfs on every node; the logs are small."""
+    base = "/run/migrt" if os.access("/run", os.W_OK) else None
+    if base:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+    return tempfile.mkdtemp(prefix="ckpt-", dir=base)
+
+
 def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_progress) -> dict:
+    """Crash-safe at every instant (docs/store.md "Crash safety"): the journal records each step
+    before it is taken; the container is frozen (not stopped) for the dump, which leaves it in
+    place; only once the checkpoint is committed (fsync'd and renamed) is the container stopped.
+    Any failure thaws it and resumes its GPU processes; a migrt killed anywhere leaves a journal
+    entry from which the next migrt command (or `migrt recover`) brings the workload back."""
     t_start = time.monotonic()
     runtime = LowerRuntime(cfg.runtime_path())
     root = req.root or find_root(req.container_id, cfg.runtime_roots)
+    store = Store(cfg.store)
+    store.ensure()
+    recover.recover(cfg)  # a container frozen by a migrt that died must not look "paused by the user"
+    if recover.pending_for(cfg, req.container_id):
+        raise Conflict(f"container {req.container_id}: an interrupted operation on it is not recovered yet; "
+                       "run 'migrt recover'")
+    with store.container_lock(root, req.container_id):
+        try:
+            return _checkpoint_locked(cfg, req, progress, runtime, root, store, t_start)
+        except OSError as exc:  # the store (full, read-only, gone): the undo has run by now
+            raise MigrtError(f"checkpoint of container {req.container_id} failed: {exc}; the container was left "
+                             "running (or as it was)") from exc
+
+
+def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, runtime: LowerRuntime, root: str,
+                       store: Store, t_start: float) -> dict:
     state = runtime.state(root, req.container_id)
     if state.get("status") not in ("running", "paused"):
         raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be checkpointed")
+    was_paused = state.get("status") == "paused"
     name = names.validate(req.name) if req.name else default_name(req.container_id)
     bundle_dir = state.get("bundle") or ""
     try:
@@ -57,59 +93,143 @@ def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_pr
         tcp_established=req.tcp_established, ext_unix_sk=req.ext_unix_sk, file_locks=req.file_locks,
         shell_job=bundle.terminal,
     )
-    store = Store(cfg.store)
-    store.ensure()
+    est = space.estimate(state.get("pid"))
+    if cfg.store_space_check:
+        space.check(store.root, est, f"checkpoint of container {req.container_id}")
     store.gc()
     created = time.time()
     timings: dict[str, float] = {}
     upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle_dir else None  # while still mounted
-    with store.writer(name) as staging:
-        # GPU: suspend the CUDA processes (if any) before the dump; resume them after it when the
-        # container keeps running, and on any failure.
-        with gpu_steps.suspended(cfg, req.container_id, state.get("pid"), bundle.config, image_dir=staging.images,
-                                 leave_running=req.leave_running, progress=progress) as gpu:
-            progress("phase", name="dump", container=req.container_id)
-            t0 = time.monotonic()
-            runtime.checkpoint(root, req.container_id, image_path=staging.images, work_path=staging.work,
-                               options=opts, leave_running=req.leave_running, env=gpu_steps.runtime_env(gpu))
-            timings["dump_s"] = round(time.monotonic() - t0, 3)
-        dump_log = os.path.join(staging.work, "dump.log")
-        if os.path.isfile(dump_log):
-            os.makedirs(os.path.join(staging.path, "logs"), mode=0o700, exist_ok=True)
-            os.replace(dump_log, os.path.join(staging.path, "logs", "dump.log"))
-        progress("done", name="dump", seconds=timings["dump_s"])
-        t0 = time.monotonic()
-        layer = rootfs.capture(upper, staging.path, [m.get("destination", "") for m in bundle.mounts])
-        timings["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
-        total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(staging.images) for f in fs)
-        progress("phase", name="commit", total_bytes=total)
-        fields = {
-            "created": _utc(created),
-            "source": {
-                "container_id": req.container_id,
-                "runtime_root": root,
-                "bundle": bundle_dir,
-                "pid": state.get("pid"),
-                "status": state.get("status"),
-                "cri": bundle.cri_metadata(),
-                "annotations": bundle.annotations,
-            },
-            "versions": versions(runtime.path),
-            "options": {**opts.to_dict(), "leave_running": req.leave_running},
-            "mounts": [{"destination": m.get("destination"), "type": m.get("type"), "source": m.get("source")}
-                       for m in bundle.mounts],
-            "rootfs": layer,
-            "timings": timings,
-        }
-        if gpu:
-            fields["gpu"] = gpu.section
-            timings.update(gpu.timings)
-        t0 = time.monotonic()
-        data = staging.commit(fields, progress=lambda n: progress("bytes", name="commit", bytes=n))
-        timings["commit_s"] = round(time.monotonic() - t0, 3)
-        progress("done", name="commit", seconds=timings["commit_s"])
-        timings["total_s"] = round(time.monotonic() - t_start, 3)
-        # The last timings are known only after commit: record them (atomic rewrite, lock still held).
-        data["timings"] = {**data.get("timings", {}), **timings}
-        mf.write(store.get(name).path, data)
+    work = _work_dir()
+    kept = []  # the journal entry, when it must outlive us (then recovery removes `work`)
+    try:
+        with store.writer(name, op="checkpoint", container=req.container_id, root=root, was_paused=was_paused,
+                          leave_running=req.leave_running, work=work, estimate=est.to_dict()) as staging:
+            journal = staging.journal
+            kept.append(journal)
+            with _Undo(cfg, runtime, root, req.container_id, journal) as undo:
+                # GPU first: the driver's lock needs the processes running (it works through a thread of
+                # theirs); then freeze, so that nothing changes between the dump and the stop.
+                gpu = undo.gpu = gpu_steps.suspend(
+                    cfg, req.container_id, state.get("pid"), bundle.config, progress,
+                    before_lock=lambda pids: journal.update("gpu-locking", gpu_pids=pids))
+                if gpu:
+                    records.write_image_file(staging.images, gpu.section)
+                if not was_paused:
+                    journal.update("freezing")
+                    undo.frozen = True
+                    runtime.pause(root, req.container_id)
+                journal.update("dumping")
+                progress("phase", name="dump", container=req.container_id)
+                t0 = time.monotonic()
+                runtime.checkpoint(root, req.container_id, image_path=staging.images, work_path=work,
+                                   options=opts, leave_running=True, env=gpu_steps.runtime_env(gpu))
+                timings["dump_s"] = round(time.monotonic() - t0, 3)
+                journal.update("dumped")
+                progress("done", name="dump", seconds=timings["dump_s"])
+                if req.leave_running:  # back to work at once; the commit does not need the container
+                    undo.run()
+                    journal.update("resumed")
+                dump_log = os.path.join(work, "dump.log")
+                if os.path.isfile(dump_log):
+                    os.makedirs(os.path.join(staging.path, "logs"), mode=0o700, exist_ok=True)
+                    shutil.copyfile(dump_log, os.path.join(staging.path, "logs", "dump.log"))
+                t0 = time.monotonic()
+                layer = rootfs.capture(upper, staging.path, [m.get("destination", "") for m in bundle.mounts])
+                timings["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
+                total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(staging.images) for f in fs)
+                fields = _fields(req, root, state, bundle, bundle_dir, opts, layer, timings, created, runtime, est)
+                fields["op_id"] = journal.id  # recovery's proof that this commit is the interrupted one
+                if gpu:
+                    fields["gpu"] = gpu.section
+                    timings.update(gpu.timings)
+                journal.update("committing")
+                progress("phase", name="commit", total_bytes=total)
+                t0 = time.monotonic()
+                data = staging.commit(fields, progress=lambda n: progress("bytes", name="commit", bytes=n))
+                timings["commit_s"] = round(time.monotonic() - t0, 3)
+                journal.update("committed")
+                progress("done", name="commit", seconds=timings["commit_s"])
+                undo.committed = True
+            if not req.leave_running:
+                journal.update("stopping")
+                if runtime.delete_force(root, req.container_id) != 0 and _exists(runtime, root, req.container_id):
+                    journal.keep = True
+                    raise RuntimeFailed(f"checkpoint {name} is committed, but container {req.container_id} could not "
+                                        "be stopped (it is frozen); run 'migrt recover'")
+            timings["total_s"] = round(time.monotonic() - t_start, 3)
+            # The last timings are known only after commit: record them (atomic rewrite, lock still held).
+            data["timings"] = {**data.get("timings", {}), **timings}
+            mf.write(store.get(name).path, data)
+    finally:
+        if not (kept and kept[0].keep):
+            shutil.rmtree(work, ignore_errors=True)
     return data
+
+
+def _exists(runtime: LowerRuntime, root: str, cid: str) -> bool:
+    return os.path.isfile(os.path.join(root, cid, "state.json"))
+
+
+class _Undo:
+    """What a failed checkpoint must put back, in order: thaw the container (if migrt froze it),
+    then resume its GPU processes (the driver needs them running). Waits first for any runc/CRIU
+    still at work on the staging directory (a Ctrl-C reaches them too, CRIU finishes its dump).
+    If the undo itself fails, the journal entry is kept for recovery."""
+
+    def __init__(self, cfg: Config, runtime: LowerRuntime, root: str, cid: str, journal) -> None:
+        self.cfg, self.runtime, self.root, self.cid, self.journal = cfg, runtime, root, cid, journal
+        self.gpu: gpu_steps.GpuSuspension | None = None
+        self.frozen = False
+        self.committed = False
+
+    def __enter__(self) -> "_Undo":
+        return self
+
+    def run(self) -> None:
+        if self.frozen:
+            if self.runtime.state(self.root, self.cid).get("status") == "paused":  # pause may not have happened
+                self.runtime.resume(self.root, self.cid)
+            self.frozen = False
+        if self.gpu:
+            self.gpu.resume()
+            self.gpu = None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or self.committed:
+            return False
+        problems = []
+        try:
+            recover.wait_helpers([self.journal.data.get("staging"), self.journal.data.get("work")],
+                                 recover.COMMAND_WAIT_S)
+            self.run()
+        except (MigrtError, OSError) as undo_exc:
+            problems.append(str(undo_exc))
+        if problems:
+            self.journal.keep = True
+            log_mod.get().error("checkpoint_undo_failed", container=self.cid, error=problems[0])
+            if isinstance(exc, MigrtError):
+                exc.details.append(f"the container could not be brought back ({problems[0]}); run 'migrt recover'")
+        return False
+
+
+def _fields(req, root, state, bundle, bundle_dir, opts, layer, timings, created, runtime, est) -> dict:
+    return {
+        "created": _utc(created),
+        "source": {
+            "container_id": req.container_id,
+            "runtime_root": root,
+            "bundle": bundle_dir,
+            "pid": state.get("pid"),
+            "status": state.get("status"),
+            "cri": bundle.cri_metadata(),
+            "annotations": bundle.annotations,
+        },
+        "versions": versions(runtime.path),
+        "options": {**opts.to_dict(), "leave_running": req.leave_running},
+        "mounts": [{"destination": m.get("destination"), "type": m.get("type"), "source": m.get("source")}
+                   for m in bundle.mounts],
+        "rootfs": layer,
+        "timings": timings,
+        "estimate": est.to_dict(),
+    }

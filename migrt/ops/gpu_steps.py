@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from migrt import log as log_mod
@@ -78,8 +78,10 @@ def _config_gpus(config: dict | None, inv, what: str) -> list[str] | None:
 
 
 def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
-            progress: Progress = null_progress, *, pids: list[int] | None = None) -> GpuSuspension | None:
-    """Suspend the container's CUDA processes; None when it has none (nothing GPU-related happens)."""
+            progress: Progress = null_progress, *, pids: list[int] | None = None,
+            before_lock: Callable[[list[int]], None] | None = None) -> GpuSuspension | None:
+    """Suspend the container's CUDA processes; None when it has none (nothing GPU-related happens).
+    before_lock(pids) runs right before the first driver call (the journal records them there)."""
     if pids is None:
         pids = procs.cuda_pids(procs.container_pids(init_pid)) if init_pid else []
     if not pids:
@@ -90,6 +92,8 @@ def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
     vis = records.visible_at_checkpoint(_config_gpus(config, inv, container_id),
                                         visible.from_devnodes(init_pid, inv) if init_pid else None, pids, inv)
     section = records.describe(pids, inv, vis)
+    if before_lock:
+        before_lock(pids)
     progress("phase", name="gpu-checkpoint", processes=len(pids))
     t0 = time.monotonic()
     session.suspend_all(pids, backend, lock_timeout_ms(cfg))

@@ -18,12 +18,12 @@ from migrt.config import POLICIES, Config
 from migrt.criu.options import CriuOptions
 from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
-from migrt.ops import gpu_steps
+from migrt.ops import gpu_steps, recover
 from migrt.pods import engines, namespaces, rootfs
 from migrt.progress import Progress, null_progress
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
-from migrt.store import Store
+from migrt.store import Store, journal
 
 
 @dataclass
@@ -45,67 +45,85 @@ class RestoreTarget:
 
 
 def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: Progress = null_progress) -> dict:
+    """Restore under a shared lock (any number of restores of one checkpoint at once; `rm` waits),
+    recorded in the journal so that a half-restored container of a killed migrt is cleaned up."""
     names.validate(name)
-    runtime = LowerRuntime(cfg.runtime_path())
     store = Store(cfg.store)
+    try:
+        recover.recover(cfg)
+        with store.reading(name) as ckpt:
+            with journal.recording(store.root, "restore", name=name, container=target.container_id,
+                                   root=target.root) as entry:
+                return _restore_read(cfg, store, ckpt, target, entry, progress)
+    except OSError as exc:
+        raise MigrtError(f"restore of checkpoint {name} failed: {exc} (the checkpoint is unchanged)") from exc
+
+
+def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry, progress: Progress) -> dict:
+    name = ckpt.name
+    runtime = LowerRuntime(cfg.runtime_path())
     timings: dict[str, float] = {}
     t_all = time.monotonic()
-    with store.lock(name, "used"):
-        ckpt = store.get(name)
-        progress("phase", name="verify", checkpoint=name)
-        t0 = time.monotonic()
-        if not target.verified:
-            ckpt.verify()
-        store.check_images_dir(ckpt)
-        timings["verify_s"] = round(time.monotonic() - t0, 3)
-        progress("done", name="verify", seconds=timings["verify_s"])
-        state_dir = os.path.join(target.root, target.container_id)
-        if os.path.exists(state_dir):
-            raise Conflict(f"container {target.container_id} already exists in {target.root}")
-        # GPU preflight, before anything is touched (None: the checkpoint has no GPU state)
-        gpu = gpu_steps.plan_restore(cfg, ckpt.manifest.get("gpu"), target.bundle.config, f"checkpoint {name}")
-        check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore)
-        options = CriuOptions.from_dict(ckpt.manifest.get("options"))
-        work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
-        os.makedirs(work, mode=0o700, exist_ok=True)
-        global_tokens = target.global_tokens
-        log_path = target.log_path
-        if global_tokens is None:
-            log_path = os.path.join(work, "runc.log")
-            global_tokens = ["--root", target.root, "--log", log_path, "--log-format", "json"]
-        try:
-            if (ckpt.manifest.get("rootfs") or {}).get("captured"):
-                t0 = time.monotonic()
-                rootfs.apply(ckpt.path, target.bundle.rootfs)
-                timings["rootfs_apply_s"] = round(time.monotonic() - t0, 3)
-            if ckpt.manifest.get("devshm"):
-                rootfs.apply_devshm(os.path.join(ckpt.path, engines.DEVSHM_TAR), target.bundle.mounts)
-            with store.restore_view(ckpt) as view:
-                hostname = namespaces.retarget_uts(view, target.bundle)
-                rootfs.align_root_mode(view, target.bundle.rootfs)
-                spec = RestoreSpec(
-                    container_id=target.container_id, bundle=target.bundle.path, image_path=view,
-                    work_path=work, pid_file=target.pid_file or os.path.join(work, "init.pid"), console_socket=target.console_socket,
-                    no_pivot=target.no_pivot, options=options, extra=target.extra,
-                )
-                if target.before_restore:
-                    target.before_restore(view, work)
-                progress("phase", name="restore", checkpoint=name)
-                t0 = time.monotonic()
-                try:
-                    pid = runtime.restore(spec, global_tokens=global_tokens, stdio=target.stdio, log_path=log_path,
-                                          env=gpu_steps.runtime_env(gpu))
-                    timings["restore_s"] = round(time.monotonic() - t0, 3)
-                    progress("done", name="restore", seconds=timings["restore_s"])
-                    gpu_steps.resume_restored(gpu, pid, timings, progress)  # GPU restore (remap) + unlock
-                except MigrtError:
-                    if os.path.exists(state_dir):  # ours: it did not exist before
-                        runtime.delete_force(target.root, target.container_id)
-                    raise
-            write_marker(target.root, target.container_id,
-                         {"checkpoint": name, "restored_at": time.time(), "pid": pid})
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    progress("phase", name="verify", checkpoint=name)
+    entry.update("verifying")
+    t0 = time.monotonic()
+    if not target.verified:
+        ckpt.verify()
+    store.check_images_dir(ckpt)
+    timings["verify_s"] = round(time.monotonic() - t0, 3)
+    progress("done", name="verify", seconds=timings["verify_s"])
+    state_dir = os.path.join(target.root, target.container_id)
+    if os.path.exists(state_dir):
+        raise Conflict(f"container {target.container_id} already exists in {target.root}")
+    # GPU preflight, before anything is touched (None: the checkpoint has no GPU state)
+    gpu = gpu_steps.plan_restore(cfg, ckpt.manifest.get("gpu"), target.bundle.config, f"checkpoint {name}")
+    check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore)
+    options = CriuOptions.from_dict(ckpt.manifest.get("options"))
+    work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
+    entry.update("preparing", work=work)
+    os.makedirs(work, mode=0o700, exist_ok=True)
+    global_tokens = target.global_tokens
+    log_path = target.log_path
+    if global_tokens is None:
+        log_path = os.path.join(work, "runc.log")
+        global_tokens = ["--root", target.root, "--log", log_path, "--log-format", "json"]
+    try:
+        if (ckpt.manifest.get("rootfs") or {}).get("captured"):
+            t0 = time.monotonic()
+            rootfs.apply(ckpt.path, target.bundle.rootfs)
+            timings["rootfs_apply_s"] = round(time.monotonic() - t0, 3)
+        if ckpt.manifest.get("devshm"):
+            rootfs.apply_devshm(os.path.join(ckpt.path, engines.DEVSHM_TAR), target.bundle.mounts)
+        with store.restore_view(ckpt) as view:
+            hostname = namespaces.retarget_uts(view, target.bundle)
+            rootfs.align_root_mode(view, target.bundle.rootfs)
+            spec = RestoreSpec(
+                container_id=target.container_id, bundle=target.bundle.path, image_path=view,
+                work_path=work, pid_file=target.pid_file or os.path.join(work, "init.pid"), console_socket=target.console_socket,
+                no_pivot=target.no_pivot, options=options, extra=target.extra,
+            )
+            if target.before_restore:
+                target.before_restore(view, work)
+            entry.update("restoring", view=view)
+            progress("phase", name="restore", checkpoint=name)
+            t0 = time.monotonic()
+            try:
+                pid = runtime.restore(spec, global_tokens=global_tokens, stdio=target.stdio, log_path=log_path,
+                                      env=gpu_steps.runtime_env(gpu))
+                timings["restore_s"] = round(time.monotonic() - t0, 3)
+                progress("done", name="restore", seconds=timings["restore_s"])
+                if gpu is not None:
+                    entry.update("gpu-restore", pid=pid)
+                gpu_steps.resume_restored(gpu, pid, timings, progress)  # GPU restore (remap) + unlock
+            except (MigrtError, OSError):
+                if os.path.exists(state_dir):  # ours: it did not exist before
+                    runtime.delete_force(target.root, target.container_id)
+                raise
+        write_marker(target.root, target.container_id,
+                     {"checkpoint": name, "restored_at": time.time(), "pid": pid})
+        entry.update("restored")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     timings["total_s"] = round(time.monotonic() - t_all, 3)
     return {"checkpoint": name, "container_id": target.container_id, "pid": pid, "hostname": hostname,
             "timings": timings}

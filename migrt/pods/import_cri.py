@@ -483,7 +483,7 @@ def import_archive(cfg: Config, archive: str, name: str | None = None, progress:
     store = Store(cfg.store)
     store.ensure()
     store.gc()
-    with store.writer(name) as staging:
+    with store.writer(name, op="import", archive=archive) as staging:
         return _import_into(store, staging, archive, st.st_size, progress, t_start)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 from dataclasses import dataclass, field
 
@@ -34,6 +35,27 @@ def _last_runc_error(log_path: str | None) -> str | None:
         if isinstance(rec, dict) and rec.get("level") == "error":
             return str(rec.get("msg"))
     return None
+
+
+_STAMP = re.compile(r'time="[^"]*"\s*|"time":"[^"]*",?|^\S+Z\s+')
+
+
+def collapse_lines(text: str | None, *, limit: int = 4) -> str:
+    """A lower runtime's stderr in one message: repeated lines (runc's "Failed to write to log ...
+    no space left on device", once per log line it could not write) become one, with a count."""
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for line in (text or "").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        key = _STAMP.sub("", line)
+        counts[key] = counts.get(key, 0) + 1
+        first.setdefault(key, line)
+    parts = [first[k] + (f" (x{n})" if n > 1 else "") for k, n in counts.items()]
+    if len(parts) > limit:
+        parts = parts[:limit] + [f"... {len(parts) - limit} more distinct line(s)"]
+    return " | ".join(parts)
 
 
 @dataclass
@@ -98,7 +120,7 @@ class LowerRuntime:
         except OSError as exc:
             raise RuntimeFailed(f"cannot run {self.path}: {exc}") from exc
         if out.returncode != 0:
-            msg = _last_runc_error(log) or out.stderr.strip() or f"exit status {out.returncode}"
+            msg = _last_runc_error(log) or collapse_lines(out.stderr) or f"exit status {out.returncode}"
             raise RuntimeFailed(
                 f"checkpoint of container {container_id} failed: {msg}",
                 details=error_lines(os.path.join(work_path, "dump.log")),
@@ -129,9 +151,26 @@ class LowerRuntime:
                 raise RuntimeFailed(f"restore succeeded but pid file {spec.pid_file} is unreadable: {exc}") from exc
         return 0
 
-    def delete_force(self, root: str | None, container_id: str) -> None:
-        subprocess.run(self._argv(root, ["delete", "--force", container_id]), stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    def delete_force(self, root: str | None, container_id: str) -> int:
+        return subprocess.run(self._argv(root, ["delete", "--force", container_id]), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
+
+    def _simple(self, root: str | None, verb: str, container_id: str) -> None:
+        try:
+            out = subprocess.run(self._argv(root, [verb, container_id]), stdin=subprocess.DEVNULL, capture_output=True,
+                                 text=True, timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeFailed(f"{self.path} {verb} {container_id}: {exc}") from exc
+        if out.returncode != 0:
+            raise RuntimeFailed(f"{os.path.basename(self.path)} {verb} {container_id} failed: "
+                                f"{collapse_lines(out.stderr) or f'exit status {out.returncode}'}")
+
+    def pause(self, root: str | None, container_id: str) -> None:
+        """Freeze every process of the container (cgroup freezer)."""
+        self._simple(root, "pause", container_id)
+
+    def resume(self, root: str | None, container_id: str) -> None:
+        self._simple(root, "resume", container_id)
 
 
 def candidate_roots(extra: list[str] | None = None) -> list[str]:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from migrt.errors import CheckpointInvalid, Conflict, PreconditionFailed
 from migrt.store import manifest as mf
+from migrt.store import journal
 from migrt.store.fsutil import digest_of, fsync_dir, make_entry
 from migrt.store.store import Store, fsync_tree_dirs, publish, secure_tree
 
@@ -147,8 +148,12 @@ def importing(store: Store, name: str) -> Iterator[Import]:
             raise Conflict(f"checkpoint {name} already exists in the target store {store.root} "
                            f"(choose another --name, or 'migrt rm {name}' there)")
         path = os.path.join(store.root, ".staging", f"{name}.{os.getpid()}.{time.monotonic_ns()}")
-        imp = Import(store, name, path)
+        entry = journal.begin(store.root, "receive", name=name, staging=path)  # recovery: the source has it
         try:
-            yield imp
+            imp = Import(store, name, path)
+            try:
+                yield imp
+            finally:
+                imp.discard()
         finally:
-            imp.discard()
+            entry.end()

@@ -3,8 +3,16 @@
   <root>/<name>/manifest.json      a committed checkpoint (visible only once complete)
   <root>/<name>/images/...          CRIU images (+ descriptors.json from runc)
   <root>/.staging/<name>.<pid>.<n>  checkpoints being written
-  <root>/.locks/<name>.lock         flock held by the one writer (or remover) of a name
+  <root>/.locks/<name>.lock         flock on a name: shared by its readers (restore, inspect, verify,
+                                    transfer), exclusive for its one writer or remover
   <root>/.tmp/                      restore views (hard links) and imports
+  <root>/.journal/                  operations in progress (store/journal.py), for recovery
+  <root>/.incomplete/<entry>        images kept from an interrupted write whose workload is gone
+                                    (never deleted by migrt; see 'migrt recover')
+
+Locking rule: readers share, writers exclude. Any number of processes may read one checkpoint at
+once; a writer (checkpoint, import, receive) or `rm` waits for the readers to go (bounded) or
+refuses with the pids holding it. Nothing is ever deleted under a reader.
 
 Commit: hash + fsync every file, write manifest (temp, fsync, rename), fsync the staging directory,
 rename it to <root>/<name>, fsync the root.
@@ -15,17 +23,23 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
+import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator
 
 from migrt import names
 from migrt.errors import CheckpointInvalid, Conflict, MigrtError, NotFound
+from migrt.store import journal
 from migrt.store import manifest as mf
-from migrt.store.fsutil import fsync_dir, hash_tree
+from migrt.store.fsutil import fsync_dir, hash_tree, write_json_atomic
 
-HIDDEN = (".staging", ".locks", ".tmp")
+HIDDEN = (".staging", ".locks", ".tmp", journal.DIR, ".incomplete")
+READ_WAIT_S = 10.0    # a reader waits this long for a writer or remover of the same name
+REMOVE_WAIT_S = 10.0  # `rm` waits this long for the readers of a checkpoint
 
 
 class StoreError(MigrtError):
@@ -95,6 +109,7 @@ class Staging:
         self.images = os.path.join(path, "images")
         self.work = os.path.join(path, "work")
         self.committed = False
+        self.journal: journal.Entry | None = None
         _mkdir(path)  # makedirs would give the intermediate directory the umask's mode, not 0700
         _mkdir(self.images)
         _mkdir(self.work)
@@ -142,15 +157,46 @@ class Store:
         return os.path.join(self.root, ".locks", f"{name}.lock")
 
     @contextlib.contextmanager
-    def lock(self, name: str, what: str = "written") -> Iterator[None]:
+    def lock(self, name: str, what: str = "written", *, shared: bool = False, wait: float = 0.0) -> Iterator[None]:
+        """flock on a name: shared (readers) or exclusive (writers, removers), waiting up to `wait`
+        seconds for a conflicting holder, then Conflict naming the pids that hold it."""
         names.validate(name)
         self.ensure()
-        fd = os.open(self._lock_path(name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        path = self._lock_path(name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + max(0.0, wait)
+            while True:
+                try:
+                    fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError as exc:
+                    if time.monotonic() >= deadline:
+                        holders = lock_holders(fd)
+                        who = f" (held by {', '.join(holders)})" if holders else ""
+                        waited = f" after waiting {wait:g} s" if wait > 0 else ""
+                        raise Conflict(f"checkpoint {name} is being {what} by another process{who}{waited}; "
+                                       "try again when it ends") from exc
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def container_lock(self, root: str, container_id: str) -> Iterator[None]:
+        """One checkpoint of a container at a time (the second would find it frozen by the first)."""
+        self.ensure()
+        key = hashlib.sha256(f"{os.path.abspath(root)}\0{container_id}".encode()).hexdigest()[:32]
+        fd = os.open(os.path.join(self.root, ".locks", f"container-{key}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     0o600)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as exc:
-                raise Conflict(f"checkpoint {name} is being {what} by another process; try again later") from exc
+                holders = lock_holders(fd)
+                who = f" ({', '.join(holders)})" if holders else ""
+                raise Conflict(f"container {container_id} is being checkpointed by another process{who}; "
+                               "try again when it ends") from exc
             yield
         finally:
             os.close(fd)
@@ -167,6 +213,15 @@ class Store:
             return True
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def reading(self, name: str, *, wait: float = READ_WAIT_S) -> Iterator[Checkpoint]:
+        """A committed checkpoint, held open for reading (shared lock: other readers welcome, `rm`
+        and writers wait) and checked for unsafe ownership or modes first."""
+        with self.lock(name, "written or removed", shared=True, wait=wait):
+            ckpt = self.get(name)
+            check_secure(ckpt.path, f"checkpoint {name}")
+            yield ckpt
 
     # -- reading -----------------------------------------------------------------------------
     def exists(self, name: str) -> bool:
@@ -197,20 +252,31 @@ class Store:
 
     # -- writing -----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def writer(self, name: str) -> Iterator[Staging]:
-        """Lock `name`, give a staging directory, discard it unless committed."""
+    def writer(self, name: str, op: str = "checkpoint", **record) -> Iterator[Staging]:
+        """Lock `name`, record the operation in the journal, give a staging directory; discard the
+        staging unless committed. `staging.journal` is the record (update its phase as work goes).
+        A process killed inside leaves the record: recovery (ops/recover.py) decides what the
+        staging directory holds. A writer whose undo failed sets `journal.keep` to leave it too."""
         with self.lock(name):
             if self.exists(name):
                 raise Conflict(f"checkpoint {name} already exists (choose another --name or 'migrt rm {name}')")
             path = os.path.join(self.root, ".staging", f"{name}.{os.getpid()}.{time.monotonic_ns()}")
-            staging = Staging(self, name, path)
+            entry = journal.begin(self.root, op, name=name, staging=path, **record)
             try:
-                yield staging
+                staging = Staging(self, name, path)
+                staging.journal = entry
+                try:
+                    yield staging
+                finally:
+                    staging.discard()
             finally:
-                staging.discard()
+                if entry.keep:
+                    entry.release()
+                else:
+                    entry.end()
 
-    def remove(self, name: str) -> None:
-        with self.lock(name, "used"):
+    def remove(self, name: str, *, wait: float = REMOVE_WAIT_S) -> None:
+        with self.lock(name, "read or written", wait=wait):
             ckpt = self.get(name)
             # Rename first so a half-removed checkpoint is never visible under its name.
             trash = os.path.join(self.root, ".tmp", f"rm.{name}.{os.getpid()}.{time.monotonic_ns()}")
@@ -219,23 +285,50 @@ class Store:
             shutil.rmtree(trash, ignore_errors=True)
 
     def gc(self) -> list[str]:
-        """Remove staging and temporary entries left by crashed writers (whose lock is free)."""
-        removed = []
-        for d in (".staging", ".tmp"):
-            top = os.path.join(self.root, d)
-            try:
-                entries = os.listdir(top)
-            except FileNotFoundError:
+        """Clear what crashed processes left (returns what it moved or removed, relative to the root):
+        restore views and temporary files whose process is gone. Staging directories are NOT deleted here: those named by the journal are recovery's
+        (ops/recover.py); one that nothing names and no live writer holds is moved to .incomplete/
+        (it may hold the only copy of a workload), never deleted."""
+        moved = []
+        journaled = journal.staging_paths(self.root)
+        top = os.path.join(self.root, ".staging")
+        for entry in _listdir(top):
+            path = os.path.join(top, entry)
+            if path in journaled or self._locked(entry.rsplit(".", 2)[0]):
                 continue
-            for entry in entries:
-                owner = entry.rsplit(".", 2)[0] if d == ".staging" else None
-                if owner and self._locked(owner):
-                    continue
-                if d == ".tmp" and _pid_alive(entry):
-                    continue
-                shutil.rmtree(os.path.join(top, entry), ignore_errors=True)
-                removed.append(os.path.join(d, entry))
-        return removed
+            kept = self.keep_incomplete(path, reason="staging directory of an unknown, interrupted write")
+            moved.append(os.path.relpath(kept, self.root))
+        top = os.path.join(self.root, ".tmp")
+        for entry in _listdir(top):
+            if _pid_alive(entry):
+                continue
+            shutil.rmtree(os.path.join(top, entry), ignore_errors=True)
+            moved.append(os.path.join(".tmp", entry))
+        return moved
+
+    def keep_incomplete(self, staging: str, *, reason: str, **info) -> str:
+        """Move a staging directory out of the way, kept whole, with a note of why (for 'migrt recover')."""
+        dest_dir = os.path.join(self.root, ".incomplete")
+        _mkdir(dest_dir)
+        dest = os.path.join(dest_dir, os.path.basename(staging))
+        os.rename(staging, dest)
+        write_json_atomic(os.path.join(dest, "INCOMPLETE.json"), {"reason": reason, "kept": time.time(), **info})
+        fsync_dir(dest_dir)
+        return dest
+
+    def incomplete(self) -> list[dict]:
+        """What .incomplete/ holds: [{entry, path, reason, size_bytes, ...}]."""
+        out = []
+        top = os.path.join(self.root, ".incomplete")
+        for entry in _listdir(top):
+            path = os.path.join(top, entry)
+            note = {}
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(path, "INCOMPLETE.json"), encoding="utf-8") as fh:
+                    note = json.load(fh)
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+            out.append({**note, "entry": entry, "path": path, "size_bytes": size})
+        return out
 
     # -- restore view ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -263,6 +356,58 @@ class Store:
     def check_images_dir(self, ckpt: Checkpoint) -> None:
         if not os.path.isdir(ckpt.images):
             raise CheckpointInvalid(f"checkpoint {ckpt.name}: images/ directory is missing")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []
+
+
+def lock_holders(fd: int) -> list[str]:
+    """'pid N (command)' for each process holding a flock on the file behind fd (/proc/locks)."""
+    st = os.fstat(fd)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    out = []
+    try:
+        with open("/proc/locks", encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split()
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK" or parts[5] != want:
+            continue
+        pid = parts[4]
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+        except OSError:
+            argv = []
+        words = [os.path.basename(a) if i == 0 else a for i, a in enumerate(argv[:4])]
+        cmd = " ".join(w.strip().splitlines()[0] if w.strip() else "''" for w in words)[:60]
+        out.append(f"pid {pid} ({cmd})" if cmd else f"pid {pid}")
+    return sorted(set(out))
+
+
+def check_secure(path: str, what: str) -> None:
+    """Refuse a checkpoint that another user could have changed: every directory and file must be
+    owned by us and not writable by group or others (what commit leaves: 0700/0600)."""
+    me = os.geteuid()
+    for dirpath, dirnames, filenames in os.walk(path):
+        for full in [dirpath] + [os.path.join(dirpath, n) for n in dirnames + filenames]:
+            try:
+                st = os.lstat(full)
+            except FileNotFoundError:
+                continue
+            if st.st_uid != me:
+                raise CheckpointInvalid(f"{what}: {full} is owned by uid {st.st_uid}, not {me}; refusing to use a "
+                                        f"checkpoint another user could have changed (chown -R {me} it if you trust it)")
+            if st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode):
+                raise CheckpointInvalid(f"{what}: {full} is writable by group or others (mode "
+                                        f"{stat.S_IMODE(st.st_mode):o}); refusing to use it (chmod go-w it if you "
+                                        "trust its content, then 'migrt inspect --verify')")
 
 
 def _pid_alive(entry: str) -> bool:

@@ -69,10 +69,21 @@ class FakeLower:
     def __init__(self, path, global_args=None):
         self.path = path
 
+    status = "running"
+
     def state(self, root, cid):
-        return {"status": "running", "pid": INIT, "bundle": ""}
+        return {"status": FakeLower.status, "pid": INIT, "bundle": ""}
+
+    def pause(self, root, cid):
+        FakeLower.calls.append(("pause", cid, self.node.states(INIT, CHILD)))
+        FakeLower.status = "paused"
+
+    def resume(self, root, cid):
+        FakeLower.calls.append(("resume", cid, self.node.states(INIT, CHILD)))
+        FakeLower.status = "running"
 
     def checkpoint(self, root, cid, *, image_path, work_path, options, leave_running, extra=None, env=None):
+        assert leave_running and FakeLower.status == "paused"  # frozen, never stopped, by the dump
         FakeLower.calls.append(("checkpoint", (env or {}).get("MIGRT_GPU_HANDLED"), self.node.states(INIT, CHILD)))
         Path(image_path, "pages-1.img").write_bytes(b"x" * 100)
         if "checkpoint" in FakeLower.fail:
@@ -88,6 +99,11 @@ class FakeLower:
 
     def delete_force(self, root, cid):
         FakeLower.calls.append(("delete", cid))
+        return 0
+
+
+def dumps() -> list[tuple]:
+    return [c for c in FakeLower.calls if c[0] == "checkpoint"]
 
 
 @pytest.fixture
@@ -97,7 +113,7 @@ def node(monkeypatch) -> Node:
 
 @pytest.fixture
 def cfg(tmp_path, monkeypatch, node, fake_runtime) -> Config:
-    FakeLower.calls, FakeLower.fail, FakeLower.node = [], set(), node
+    FakeLower.calls, FakeLower.fail, FakeLower.node, FakeLower.status = [], set(), node, "running"
     monkeypatch.setattr(ops_checkpoint, "LowerRuntime", FakeLower)
     monkeypatch.setattr(ops_restore, "LowerRuntime", FakeLower)
     return Config(path=str(tmp_path / "none.yaml"), runtime=str(fake_runtime.path), store=str(tmp_path / "store"),
@@ -118,8 +134,10 @@ def restore_into(cfg, tmp_path, env: list[str], name="ck1"):
 # -- migrt checkpoint -------------------------------------------------------------------------------------
 def test_checkpoint_suspends_all_cuda_processes_before_the_dump(cfg, node):
     data = take_checkpoint(cfg)
-    # during the dump: both checkpointed, and the CRIU hook told to stand aside
-    assert FakeLower.calls == [("checkpoint", "1", [CHECKPOINTED, CHECKPOINTED])]
+    # GPU suspended while the processes run, then frozen, dumped (hook told to stand aside), and
+    # stopped only after the commit
+    assert FakeLower.calls == [("pause", "c1", [CHECKPOINTED, CHECKPOINTED]),
+                               ("checkpoint", "1", [CHECKPOINTED, CHECKPOINTED]), ("delete", "c1")]
     assert node.states(INIT, CHILD) == [CHECKPOINTED, CHECKPOINTED]  # the dump ends them
     gpu = data["gpu"]
     assert gpu["driver_version"] == "580.159" and [g["uuid"] for g in gpu["gpus"]] == [U0]
@@ -143,6 +161,9 @@ def test_failed_dump_resumes_the_gpu_and_keeps_no_checkpoint(cfg, node):
         take_checkpoint(cfg)
     assert node.states(INIT, CHILD) == [RUNNING, RUNNING]
     assert not Store(cfg.store).exists("ck1")
+    # thawed first (the driver restores through a thread of the process), never stopped
+    assert [c[0] for c in FakeLower.calls] == ["pause", "checkpoint", "resume"]
+    assert FakeLower.calls[-1][2] == [CHECKPOINTED, CHECKPOINTED] and FakeLower.status == "running"
 
 
 def test_failed_gpu_suspend_never_dumps(cfg, node):
@@ -159,7 +180,7 @@ def test_container_without_cuda_processes_needs_no_gpu_at_all(cfg, node, monkeyp
     monkeypatch.setattr(gpu_steps.inventory, "take", lambda *a, **k: pytest.fail("NVML must not be asked"))
     data = take_checkpoint(cfg)
     assert "gpu" not in data and "images/migrt-gpu.json" not in data["files"]
-    assert FakeLower.calls == [("checkpoint", None, [None, None])]  # no MIGRT_GPU_HANDLED: nothing handled
+    assert dumps() == [("checkpoint", None, [None, None])]  # no MIGRT_GPU_HANDLED: nothing handled
 
 
 def test_cuda_processes_without_the_checkpoint_api_fail_clearly(cfg, node, monkeypatch):
@@ -193,7 +214,7 @@ def test_preflight_mismatch_touches_nothing_and_keeps_the_checkpoint(cfg, node, 
     take_checkpoint(cfg)
     with pytest.raises(PreconditionFailed, match="ran on 1 GPU.*gets 2"):
         restore_into(cfg, tmp_path, ["NVIDIA_VISIBLE_DEVICES=all"])
-    assert [c[0] for c in FakeLower.calls] == ["checkpoint"]  # runc restore never ran
+    assert [c[0] for c in FakeLower.calls] == ["pause", "checkpoint", "delete"]  # runc restore never ran
     assert not (tmp_path / "rr" / "c2").exists()
     Store(cfg.store).get("ck1").verify()  # still whole, and usable:
     restore_into(cfg, tmp_path, [f"NVIDIA_VISIBLE_DEVICES={U1}"])

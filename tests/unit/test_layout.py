@@ -13,7 +13,7 @@ import pathlib
 import migrt
 
 PKG = pathlib.Path(migrt.__file__).parent
-FOUNDATION = {"errors", "log", "names", "progress", "__init__"}
+FOUNDATION = {"errors", "faults", "log", "names", "progress", "__init__"}
 MECHANISMS = {"runtime", "criu", "gpu", "store", "oci"}
 ALLOWED = {
     # entry points
@@ -31,7 +31,7 @@ ALLOWED = {
     "gpu": FOUNDATION,
     "store": FOUNDATION,
     "oci": FOUNDATION,
-    "errors": set(), "log": set(), "names": {"errors"}, "progress": set(), "__init__": set(),
+    "errors": set(), "faults": {"errors"}, "log": set(), "names": {"errors"}, "progress": set(), "__init__": set(),
 }
 
 

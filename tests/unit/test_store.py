@@ -10,11 +10,12 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from migrt.errors import CheckpointInvalid, Conflict, InvalidName, NotFound
-from migrt.store import Staging, Store
+from migrt.store import Staging, Store, journal
 from migrt.store import manifest as mf
 from tests.unit.support import is_private_dir
 
@@ -229,9 +230,15 @@ def test_crash_between_commit_steps(store, monkeypatch, step):
     assert not store.exists("ck")
     leftover = staging_entries(store)
     assert len(leftover) == 1 and leftover[0].startswith("ck.")
+    # no journal entry names it (the writer ended its record): gc never deletes images, it keeps them
     removed = store.gc()
-    assert removed == [os.path.join(".staging", leftover[0])]
+    assert removed == [os.path.join(".incomplete", leftover[0])]
     assert staging_entries(store) == []
+    kept = store.incomplete()
+    assert [k["entry"] for k in kept] == leftover and "interrupted" in kept[0]["reason"]
+    with open(os.path.join(kept[0]["path"], "images", "pages-1.img"), "rb") as fh:
+        assert fh.read() == PAYLOAD["images/pages-1.img"]
+    assert store.list() == []  # kept, but never listed as a checkpoint
     make(store, "ck")
     assert_complete(store, "ck")
 
@@ -256,15 +263,21 @@ def test_process_killed_between_commit_steps(store, step):
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 17
+    # the killed writer's journal record stays, stale (its lock went with the process), naming the
+    # staging directory: gc leaves that to recovery (ops/recover.py), which knows the workload
+    stale = [e for e in journal.entries(store.root) if e["stale"]]
+    assert len(stale) == 1 and stale[0]["op"] == "checkpoint" and stale[0]["name"] == "ck"
     if step == "renamed":
         assert_complete(store, "ck")
+        assert staging_entries(store) == []
     else:
         assert store.list() == []
-        assert len(staging_entries(store)) == 1
+        assert [os.path.join(store.root, ".staging", e) for e in staging_entries(store)] == [stale[0]["staging"]]
     store.gc()
-    assert staging_entries(store) == []
+    assert [os.path.join(store.root, ".staging", e) for e in staging_entries(store)] == (
+        [] if step == "renamed" else [stale[0]["staging"]])
     if step != "renamed":
-        make(store, "ck")
+        make(store, "ck")  # the name is free again: a new writer gets its own staging directory
     assert_complete(store, "ck")
 
 
@@ -343,8 +356,8 @@ def test_second_writer_in_another_thread_is_a_conflict(store):
         with pytest.raises(Conflict, match="being written"):
             with store.writer("ck"):
                 pass
-        with pytest.raises(Conflict, match="being used"):
-            store.remove("ck")
+        with pytest.raises(Conflict, match="being read or written"):
+            store.remove("ck", wait=0)
     finally:
         release.set()
         t.join(10)
@@ -359,6 +372,89 @@ def test_different_names_do_not_conflict(store):
         wa.commit({"created": "now"})
         wb.commit({"created": "now"})
     assert [c.name for c in store.list()] == ["a", "b"]
+
+
+READER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_SH)
+print("reading", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_readers_share_a_checkpoint(store):
+    make(store, "ck")
+    with store.reading("ck") as a, store.reading("ck", wait=0) as b:  # a second reader, no waiting
+        assert a.path == b.path
+        a.verify()
+        b.verify()
+        with pytest.raises(Conflict, match="being written"):  # a writer of the name is refused
+            with store.lock("ck", wait=0):
+                pass
+
+
+def test_rm_waits_for_a_reader_then_names_it(store):
+    make(store, "ck")
+    lock = os.path.join(store.root, ".locks", "ck.lock")
+    reader = subprocess.Popen([sys.executable, "-c", READER, lock], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        t0 = time.monotonic()
+        with pytest.raises(Conflict, match=rf"being read or written by another process \(held by pid {reader.pid} "
+                                           r".*after waiting 0.3 s") as info:
+            store.remove("ck", wait=0.3)
+        assert time.monotonic() - t0 >= 0.3 and info.value.exit_code == 6
+        assert_complete(store, "ck")  # nothing deleted under the reader
+    finally:
+        reader.stdin.close()
+        reader.wait(10)
+    store.remove("ck", wait=0)
+    assert store.list() == []
+
+
+def test_rm_waiting_for_a_reader_goes_ahead_when_it_ends(store):
+    make(store, "ck")
+    done = threading.Event()
+
+    def read_briefly() -> None:
+        with store.reading("ck"):
+            done.set()
+            time.sleep(0.3)
+
+    t = threading.Thread(target=read_briefly)
+    t.start()
+    assert done.wait(5)
+    store.remove("ck", wait=5)  # flock is per open file: the thread's shared lock blocks us
+    t.join(5)
+    assert store.list() == []
+
+
+@pytest.mark.parametrize("target", ["dir", "images", "file"])
+def test_unsafe_modes_are_refused_naming_the_path(store, target):
+    make(store, "ck")
+    ckpt = store.get("ck")
+    path = {"dir": ckpt.path, "images": ckpt.images, "file": os.path.join(ckpt.images, "core-1.img")}[target]
+    os.chmod(path, 0o777 if target != "file" else 0o666)
+    with pytest.raises(CheckpointInvalid, match=rf"{path} is writable by group or others \(mode (777|666)\)") as info:
+        with store.reading("ck"):
+            pass
+    assert info.value.exit_code == 4
+    os.chmod(path, 0o700 if target != "file" else 0o600)
+    with store.reading("ck") as c:
+        c.verify()
+
+
+def test_foreign_owner_is_refused(store):
+    make(store, "ck")
+    victim = os.path.join(store.get("ck").images, "core-1.img")
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    os.chown(victim, 12345, 12345)
+    with pytest.raises(CheckpointInvalid, match=rf"{victim} is owned by uid 12345"):
+        with store.reading("ck"):
+            pass
 
 
 # -- remove ----------------------------------------------------------------------------------------

@@ -1,0 +1,258 @@
+"""Recovery: bring back what a migrt killed mid-operation left (store/journal.py records it).
+
+Every command of the CLI runs `recover(...)` first (briefly; `migrt recover` waits longer), and so
+do checkpoint and restore themselves. Only *stale* entries are touched (their owner is gone: its
+journal lock is free). What is done, per operation and the furthest phase recorded:
+
+checkpoint  The rule: until the checkpoint is committed the workload is the truth. Wait for the
+            dead migrt's helpers (runc, CRIU: any process still holding files under its staging or
+            work directory) to end, then
+            - committed (the checkpoint exists and carries this entry's id): finish the operation:
+              stop the container (its checkpoint is complete), or with --leave-running resume it;
+            - not committed, container still there: thaw it if migrt froze it, resume its GPU
+              processes (restore + unlock), delete the staging directory (the workload runs, so
+              those images are worth nothing);
+            - not committed, container gone (a node reboot, someone else's kill): the staging
+              directory may hold the only copy of the workload: it is KEPT under .incomplete/
+              (never deleted by migrt; listed by `migrt recover`), not committed: its files were
+              never fsync'd and may be torn.
+restore     The checkpoint is only read, so it is intact. A container restored half-way (no
+            restored-marker: runc or the GPU restore did not finish) is deleted; the caller
+            (containerd, a person) retries.
+gpu-checkpoint (migrt-runc's checkpoint of a container with CUDA processes): resume the processes
+            the dead migrt-runc suspended, if the container still runs.
+receive, import: the data lives elsewhere (the source node, the archive): the staging goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+from migrt import log as log_mod
+from migrt.config import Config
+from migrt.errors import MigrtError
+from migrt.gpu import session
+from migrt.gpu import select as gpu_select
+from migrt.runtime.markers import is_restored
+from migrt.runtime.runc import LowerRuntime
+from migrt.store import Store, journal
+from migrt.store import manifest as mf
+
+AUTO_WAIT_S = 5.0     # the next command waits this long for a dead operation's helpers
+COMMAND_WAIT_S = 120.0  # `migrt recover` (a large dump may take minutes to end)
+
+
+class Pending(MigrtError):
+    exit_code = 6
+
+
+@dataclass
+class Outcome:
+    id: str
+    op: str
+    phase: str
+    container: str | None
+    status: str                 # recovered | pending | failed
+    actions: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    def line(self) -> str:
+        what = f"interrupted {self.op} ({self.phase})" + (f" of container {self.container}" if self.container else "")
+        if self.status == "recovered":
+            return f"{what}: " + ("; ".join(self.actions) or "nothing to undo")
+        return f"{what}: {self.status}: {self.error}"
+
+
+# -- helpers of a dead operation ---------------------------------------------------------------------
+def holders(paths: list[str]) -> list[int]:
+    """Processes (not this one) with a cwd or an open file under any of `paths` (runc, CRIU)."""
+    roots = [os.path.realpath(p) for p in paths if p]
+    if not roots:
+        return []
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        links = [f"/proc/{entry}/cwd"]
+        with contextlib.suppress(OSError):
+            links += [f"/proc/{entry}/fd/{fd}" for fd in os.listdir(f"/proc/{entry}/fd")]
+        for link in links:
+            try:
+                target = os.readlink(link)
+            except OSError:
+                continue
+            if any(target == r or target.startswith(r + "/") for r in roots):
+                found.append(int(entry))
+                break
+    return found
+
+
+def wait_helpers(paths: list[str], wait_s: float) -> None:
+    """CRIU outlives a killed runc and finishes its dump (then leaves the tasks as it found them):
+    never thaw or delete under it. Pending if it is still at work after wait_s."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = holders(paths)
+        if not pids:
+            return
+        if time.monotonic() >= deadline:
+            raise Pending(f"process(es) {', '.join(map(str, pids))} of the interrupted operation are still at work; "
+                          "run 'migrt recover' again once they end")
+        time.sleep(0.1)
+
+
+# -- per operation --------------------------------------------------------------------------------
+def _state(runtime: LowerRuntime, root: str | None, cid: str | None) -> dict | None:
+    if not cid or not root or not os.path.isfile(os.path.join(root, cid, "state.json")):
+        return None
+    try:
+        return runtime.state(root, cid)
+    except MigrtError:
+        return None
+
+
+def _committed(store: Store, name: str | None, entry_id: str) -> bool:
+    if not name or not store.exists(name):
+        return False
+    try:
+        return mf.load(os.path.join(store.root, name), name).get("op_id") == entry_id
+    except MigrtError:
+        return False
+
+
+def _resume_gpu(cfg: Config, pids: list[int], actions: list[str]) -> None:
+    live = [p for p in pids if os.path.exists(f"/proc/{p}")]
+    if not live:
+        return
+    backend = gpu_select.get_backend(getattr(cfg, "gpu_backend", "auto") or "auto")
+    session.resume_if_needed(live, backend)
+    actions.append(f"resumed GPU processes {', '.join(map(str, live))}")
+
+
+def _thaw(runtime: LowerRuntime, root: str, cid: str, st: dict | None, was_paused: bool, actions: list[str]) -> None:
+    if st and st.get("status") == "paused" and not was_paused:
+        runtime.resume(root, cid)
+        actions.append(f"thawed container {cid}")
+
+
+def _rmtree(path: str | None, actions: list[str], what: str) -> None:
+    if path and os.path.lexists(path):
+        shutil.rmtree(path, ignore_errors=True)
+        actions.append(f"removed {what}")
+
+
+def _checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
+    d, actions = e.data, []
+    wait_helpers([d.get("staging"), d.get("work")], wait_s)
+    runtime = LowerRuntime(cfg.runtime_path())
+    cid, root = d.get("container"), d.get("root")
+    st = _state(runtime, root, cid)
+    gpu_pids = d.get("gpu_pids") or []
+    if _committed(store, d.get("name"), e.id):
+        if d.get("leave_running"):
+            _thaw(runtime, root, cid, st, bool(d.get("was_paused")), actions)
+            _resume_gpu(cfg, gpu_pids, actions)
+        elif st:
+            runtime.delete_force(root, cid)
+            actions.append(f"stopped container {cid} (its checkpoint {d.get('name')} is committed)")
+        actions.append(f"checkpoint {d.get('name')} is complete")
+    elif st:
+        _thaw(runtime, root, cid, st, bool(d.get("was_paused")), actions)
+        _resume_gpu(cfg, gpu_pids, actions)
+        _rmtree(d.get("staging"), actions, "the uncommitted images (the container runs on)")
+    else:
+        staging = d.get("staging")
+        if staging and os.path.isdir(staging) and any(os.scandir(os.path.join(staging, "images"))
+                                                      if os.path.isdir(os.path.join(staging, "images")) else []):
+            kept = store.keep_incomplete(staging, reason="checkpoint interrupted before its commit; the container is gone",
+                                         container=cid, name=d.get("name"), phase=e.phase, journal=e.id)
+            actions.append(f"container {cid} is gone: kept its uncommitted images in {kept}")
+        else:
+            _rmtree(staging, actions, "an empty staging directory")
+    _rmtree(d.get("work"), actions, "the work directory")
+    return actions
+
+
+def _restore(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
+    d, actions = e.data, []
+    wait_helpers([d.get("view"), d.get("work")], wait_s)
+    runtime = LowerRuntime(cfg.runtime_path())
+    cid, root = d.get("container"), d.get("root")
+    st = _state(runtime, root, cid)
+    if st and not is_restored(root, cid) and e.phase in ("restoring", "gpu-restore"):
+        runtime.delete_force(root, cid)
+        actions.append(f"deleted the half-restored container {cid} (checkpoint {d.get('name')} is intact)")
+    _rmtree(d.get("view"), actions, "the restore view")
+    _rmtree(d.get("work"), actions, "the work directory")
+    return actions
+
+
+def _gpu_checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
+    d, actions = e.data, []
+    wait_helpers([d.get("image_dir"), d.get("work")], wait_s)
+    st = _state(LowerRuntime(cfg.runtime_path()), d.get("root"), d.get("container"))
+    if st:
+        _resume_gpu(cfg, d.get("gpu_pids") or [], actions)
+    return actions
+
+
+def _disposable(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
+    actions: list[str] = []
+    wait_helpers([e.data.get("staging")], wait_s)
+    _rmtree(e.data.get("staging"), actions, "the partial copy (its source still has it)")
+    return actions
+
+
+HANDLERS = {"checkpoint": _checkpoint, "restore": _restore, "gpu-checkpoint": _gpu_checkpoint,
+            "receive": _disposable, "import": _disposable}
+
+
+def recover(cfg: Config, *, wait_s: float = AUTO_WAIT_S) -> list[Outcome]:
+    """Recover every stale journal entry of the store; what was done, per entry."""
+    store = Store(cfg.store)
+    if not os.path.isdir(os.path.join(store.root, journal.DIR)):
+        return []
+    log = log_mod.get()
+    out = []
+    for e in journal.take_stale(store.root):
+        o = Outcome(id=e.id, op=e.op, phase=e.phase, container=e.data.get("container"), status="recovered")
+        handler = HANDLERS.get(e.op)
+        try:
+            if handler is None:
+                raise MigrtError(f"unknown operation {e.op!r} (from a newer migrt?); left as it is")
+            o.actions = handler(cfg, store, e, wait_s)
+        except Pending as exc:
+            o.status, o.error = "pending", str(exc)
+            e.release()
+        except (MigrtError, OSError) as exc:
+            o.status, o.error = "failed", str(exc)
+            e.release()
+        else:
+            e.end()
+        log.info("recovered", **o.to_dict())
+        out.append(o)
+    return out
+
+
+def pending_for(cfg: Config, container_id: str) -> list[dict]:
+    """Stale entries still open for a container (recovery could not finish them)."""
+    return [d for d in journal.entries(cfg.store) if d.get("stale") and d.get("container") == container_id]
+
+
+def describe(cfg: Config) -> dict:
+    """For `migrt recover --list` and doctor: the journal and what .incomplete/ keeps."""
+    store = Store(cfg.store)
+    return {"journal": journal.entries(store.root), "incomplete": store.incomplete()}
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True)

@@ -1,0 +1,125 @@
+"""How much a checkpoint of a container will take, and whether the store can hold it, decided
+BEFORE the container is frozen (a dump that runs out of space costs the workload its downtime and
+then fails anyway).
+
+The estimate is what CRIU writes: each process's anonymous memory and swap (smaps_rollup Pss_Anon,
+Pss_Shmem, SwapPss: proportional, so memory shared between the processes counts once), the content
+of the container's own tmpfs mounts (CRIU dumps those whole; bind mounts are external), and the GPU
+memory of its CUDA processes (the driver's checkpoint moves it into host memory, which CRIU dumps).
+Page tables, file-backed mappings and CRIU's metadata are small next to that: a margin covers them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from migrt.errors import PreconditionFailed
+from migrt.gpu import inventory, procs
+
+MARGIN = 0.10           # on top of the estimate
+SLACK = 64 << 20        # metadata, logs, manifest, rootfs diff of a small layer
+_ROLLUP_KEYS = ("Pss_Anon", "Pss_Shmem", "SwapPss")
+
+
+@dataclass
+class Estimate:
+    memory: int = 0
+    tmpfs: int = 0
+    gpu: int = 0
+    processes: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.memory + self.tmpfs + self.gpu
+
+    @property
+    def needed(self) -> int:
+        return int(self.total * (1 + MARGIN)) + SLACK
+
+    def to_dict(self) -> dict:
+        return {"memory_bytes": self.memory, "tmpfs_bytes": self.tmpfs, "gpu_bytes": self.gpu,
+                "processes": self.processes, "needed_bytes": self.needed}
+
+
+def _process_memory(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        text = ""
+    found, total = False, 0
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in _ROLLUP_KEYS:
+            found = True
+            total += int(rest.split()[0]) * 1024
+    if found:
+        return total
+    try:  # kernels before 5.7 lack Pss_Anon: /proc/<pid>/status (counts shared memory per process)
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("RssAnon", "RssShmem", "VmSwap"):
+                    total += int(rest.split()[0]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+def _tmpfs_usage(init_pid: int) -> int:
+    """Bytes used in the tmpfs mounts of the container's mount namespace (CRIU dumps them whole)."""
+    try:
+        with open(f"/proc/{init_pid}/mountinfo", encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return 0
+    seen, total = set(), 0
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, fstype = left.split(), (right.split() or [""])[0]
+        if fstype != "tmpfs" or len(fields) < 5 or fields[2] in seen:
+            continue
+        seen.add(fields[2])  # one superblock counted once
+        try:
+            st = os.statvfs(f"/proc/{init_pid}/root{fields[4]}")
+        except OSError:
+            continue
+        total += (st.f_blocks - st.f_bfree) * st.f_frsize
+    return total
+
+
+def estimate(init_pid: int | None) -> Estimate:
+    est = Estimate()
+    if not init_pid:
+        return est
+    pids = procs.container_pids(init_pid)
+    est.processes = len(pids)
+    est.memory = sum(_process_memory(p) for p in pids)
+    est.tmpfs = _tmpfs_usage(init_pid)
+    cuda = procs.cuda_pids(pids)
+    if cuda:
+        inv = inventory.take()
+        est.gpu = sum(b for p in cuda for _, b in (inv.processes.get(p) or []))
+    return est
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def check(store_root: str, est: Estimate, what: str) -> None:
+    """PreconditionFailed (nothing touched yet) when the store's file system cannot hold it."""
+    free = free_bytes(store_root)
+    if free >= est.needed:
+        return
+    parts = f"memory {_mib(est.memory)}, tmpfs {_mib(est.tmpfs)}" + (f", GPU {_mib(est.gpu)}" if est.gpu else "")
+    raise PreconditionFailed(
+        f"{what}: the store {store_root} has {_mib(free)} free, the checkpoint needs about {_mib(est.needed)} "
+        f"({parts}, +{int(MARGIN * 100)}% and {_mib(SLACK)} margin); nothing was frozen. Free space in the store or "
+        "point 'store:' in the migrt config at a larger file system")
