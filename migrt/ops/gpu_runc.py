@@ -73,6 +73,35 @@ def checkpoint(parsed, lower: str, pids: list[int]) -> int:
         return _fail(parsed, exc)
     state = procs.runc_state(root, cid)
     init_pid = (state or {}).get("init_process_pid")
+    entry = _journal(cfg, log, cid, root, image_dir, pids)
+    try:
+        rc = _checkpoint(parsed, lower, cfg, log, cid, init_pid, state, pids, image_dir, keeps_running)
+    except BaseException:
+        if entry:
+            entry.release()  # an exception we did not expect: leave the record for recovery
+        raise
+    if entry:
+        entry.end()
+    return rc
+
+
+def _journal(cfg, log, cid: str, root: str, image_dir: str, pids: list[int]):
+    """Record the GPU suspension in the store's journal, so that a migrt-runc killed by containerd
+    (a cancelled CRI call) leaves processes that the next migrt command resumes (ops/recover.py)."""
+    from migrt.store import Store, journal
+
+    try:
+        store = Store(cfg.store)
+        store.ensure()
+        return journal.begin(store.root, "gpu-checkpoint", phase="gpu-locking", container=cid, root=root,
+                             image_dir=os.path.abspath(image_dir), gpu_pids=pids)
+    except OSError as exc:  # the checkpoint itself does not need the store
+        log.warning("journal_unavailable", container=cid, error=str(exc))
+        return None
+
+
+def _checkpoint(parsed, lower: str, cfg, log, cid: str, init_pid, state, pids: list[int], image_dir: str,
+                keeps_running: bool) -> int:
     try:
         gpu = gpu_steps.suspend(cfg, cid, init_pid, _bundle_config(state), pids=pids)
     except MigrtError as exc:

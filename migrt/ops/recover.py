@@ -27,7 +27,6 @@ receive, import: the data lives elsewhere (the source node, the archive): the st
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import time
@@ -37,6 +36,7 @@ from migrt import log as log_mod
 from migrt.config import Config
 from migrt.errors import MigrtError
 from migrt.gpu import session
+from migrt.gpu.backend import GpuError
 from migrt.gpu import select as gpu_select
 from migrt.runtime.markers import is_restored
 from migrt.runtime.runc import LowerRuntime
@@ -130,12 +130,20 @@ def _committed(store: Store, name: str | None, entry_id: str) -> bool:
 
 
 def _resume_gpu(cfg: Config, pids: list[int], actions: list[str]) -> None:
-    live = [p for p in pids if os.path.exists(f"/proc/{p}")]
-    if not live:
+    """Restore + unlock each process from wherever it stands; one that is gone is no one's concern."""
+    if not pids:
         return
     backend = gpu_select.get_backend(getattr(cfg, "gpu_backend", "auto") or "auto")
-    session.resume_if_needed(live, backend)
-    actions.append(f"resumed GPU processes {', '.join(map(str, live))}")
+    done = []
+    for pid in pids:
+        try:
+            session.resume_if_needed([pid], backend)
+            done.append(pid)
+        except GpuError:
+            if os.path.exists(f"/proc/{pid}"):
+                raise
+    if done:
+        actions.append(f"resumed GPU processes {', '.join(map(str, done))}")
 
 
 def _thaw(runtime: LowerRuntime, root: str, cid: str, st: dict | None, was_paused: bool, actions: list[str]) -> None:
@@ -252,7 +260,3 @@ def describe(cfg: Config) -> dict:
     """For `migrt recover --list` and doctor: the journal and what .incomplete/ keeps."""
     store = Store(cfg.store)
     return {"journal": journal.entries(store.root), "incomplete": store.incomplete()}
-
-
-def dumps(obj) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True)

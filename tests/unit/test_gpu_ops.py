@@ -238,6 +238,105 @@ def test_restore_finds_fewer_processes_than_checkpointed(cfg, node, tmp_path):
     assert FakeLower.calls[-1] == ("delete", "c2")
 
 
+# -- a migrt killed mid-checkpoint: the next command recovers (journal) -------------------------------------
+class Killed(BaseException):
+    """SIGKILL in-process: no undo, no finally of ours runs (patched out below), the lock goes."""
+
+
+PHASES = ["gpu-locking", "freezing", "dumping", "dumped", "committing", "committed", "stopping"]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_killed_checkpoint_is_recovered_by_the_next_command(cfg, node, tmp_path, monkeypatch, phase):
+    from migrt import faults
+    from migrt.ops import recover
+    from migrt.store import Staging, journal
+
+    root = tmp_path / "runc-root"
+    (root / "c1").mkdir(parents=True)
+    (root / "c1" / "state.json").write_text("{}")  # runc's: the container exists
+    seen = {}
+
+    def point(name):
+        if name == f"checkpoint:{phase}":
+            seen["entry"] = [e for e in journal.entries(cfg.store)]
+            raise Killed(name)
+
+    with monkeypatch.context() as m:  # what SIGKILL skips: every undo and clean-up of the dying process
+        m.setattr(faults, "point", point)
+        m.setattr(ops_checkpoint._Undo, "__exit__", lambda self, *a: False)
+        m.setattr(Staging, "discard", lambda self: None)
+        m.setattr(journal.Entry, "end", journal.Entry.release)
+        with pytest.raises(Killed):
+            ops_checkpoint.checkpoint(cfg, ops_checkpoint.CheckpointRequest(container_id="c1", root=str(root),
+                                                                            name="ck1"))
+    rec = seen["entry"][0]
+    assert rec["phase"] == phase and rec["container"] == "c1" and rec["pid"] == os.getpid()
+    if phase != "gpu-locking":
+        assert rec["gpu_pids"] == [INIT, CHILD]  # recorded before the driver was asked to lock
+    assert [e["stale"] for e in journal.entries(cfg.store)] == [True]
+    committed = PHASES.index(phase) >= PHASES.index("committed")
+    FakeLower.calls.clear()
+    monkeypatch.setattr(recover, "LowerRuntime", FakeLower)
+
+    outcomes = recover.recover(cfg)
+
+    assert [o.status for o in outcomes] == ["recovered"], outcomes
+    assert journal.entries(cfg.store) == []
+    assert os.listdir(os.path.join(cfg.store, ".staging")) == []
+    store = Store(cfg.store)
+    if committed:  # the checkpoint is whole: finish the job, stop the container
+        assert FakeLower.calls == [("delete", "c1")]
+        store.get("ck1").verify()
+    else:  # not committed: the workload is the truth: thawed first, GPU restored + unlocked, no checkpoint
+        assert node.states(INIT, CHILD) == [RUNNING, RUNNING] and FakeLower.status == "running"
+        frozen = PHASES.index(phase) > PHASES.index("freezing")
+        assert [c[0] for c in FakeLower.calls] == (["resume"] if frozen else [])
+        assert store.list() == [] and store.incomplete() == []
+        if phase != "gpu-locking":
+            assert ("restore", INIT, None) in node.backend.calls and ("unlock", CHILD, None) in node.backend.calls
+    assert recover.recover(cfg) == []  # done once
+    FakeLower.status = "running"
+    if committed:  # the stopped container's processes are gone; a new one runs
+        node.backend.states.update({INIT: RUNNING, CHILD: RUNNING})
+    ops_checkpoint.checkpoint(cfg, ops_checkpoint.CheckpointRequest(container_id="c1", root=str(root), name="ck2"))
+    store.get("ck2").verify()  # the next operation succeeds
+
+
+def test_container_gone_before_commit_keeps_the_images(cfg, node, tmp_path, monkeypatch):
+    """A node reboot mid-commit: the only copy of the workload may be the staging: never deleted."""
+    from migrt import faults
+    from migrt.ops import recover
+    from migrt.store import Staging, journal
+
+    root = tmp_path / "runc-root"
+    (root / "c1").mkdir(parents=True)
+    (root / "c1" / "state.json").write_text("{}")
+
+    def point(name):
+        if name == "checkpoint:committing":
+            raise Killed(name)
+
+    with monkeypatch.context() as m:
+        m.setattr(faults, "point", point)
+        m.setattr(ops_checkpoint._Undo, "__exit__", lambda self, *a: False)
+        m.setattr(Staging, "discard", lambda self: None)
+        m.setattr(journal.Entry, "end", journal.Entry.release)
+        with pytest.raises(Killed):
+            ops_checkpoint.checkpoint(cfg, ops_checkpoint.CheckpointRequest(container_id="c1", root=str(root),
+                                                                            name="ck1"))
+    (root / "c1" / "state.json").unlink()  # the container is gone
+    Store(cfg.store).gc()  # gc alone never touches a journaled staging directory
+    assert len(os.listdir(os.path.join(cfg.store, ".staging"))) == 1
+    monkeypatch.setattr(recover, "LowerRuntime", FakeLower)
+    [o] = recover.recover(cfg)
+    assert o.status == "recovered" and "kept its uncommitted images" in o.actions[0]
+    [kept] = Store(cfg.store).incomplete()
+    assert kept["container"] == "c1" and kept["phase"] == "committing"
+    assert os.path.getsize(os.path.join(kept["path"], "images", "pages-1.img")) == 100
+    assert Store(cfg.store).list() == []  # not listed as a checkpoint
+
+
 # -- migrt-runc checkpoint / restore (containerd's own paths) ------------------------------------------------
 def runc_args(tmp_path: Path, *rest: str) -> RuncArgv:
     return RuncArgv.parse(["--root", str(tmp_path / "root"), "--log", str(tmp_path / "log.json"),
