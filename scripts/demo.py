@@ -1,9 +1,12 @@
 """The migrt demo: private containerd -> counter container through migrt-runc -> `migrt checkpoint`
 -> container removed -> new container with MIGRT_RESTORE -> the counter resumes where it stopped.
-Everything lives in a temporary directory, removed at the end (--keep keeps it)."""
+Everything lives in a temporary directory, removed at the end (--keep keeps it).
+--containerd 1.7 runs it with containerd 1.7 (unpacked beside 2.x by packaging/setup-host.sh) instead
+of the system's 2.x; MIGRT_BINDIR names where migrt and migrt-runc are (default /usr/local/bin)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -13,10 +16,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.helpers.containerd import Containerd  # noqa: E402
+from tests.helpers.containerd import SYSTEM, VERSIONS, Containerd, missing  # noqa: E402
 from tests.integration.workloads import COUNTER, parse_ticks  # noqa: E402
 
-SHIM = "/usr/local/bin/migrt-runc"
+BINDIR = os.environ.get("MIGRT_BINDIR", "/usr/local/bin")
+SHIM = f"{BINDIR}/migrt-runc"
+MIGRT = f"{BINDIR}/migrt"
 
 
 def say(msg: str) -> None:
@@ -28,14 +33,27 @@ def ticks(path: str) -> list:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--containerd", choices=VERSIONS, default=SYSTEM,
+                    help="containerd version: 2 (the system's) or 1.7 (unpacked beside it)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    args = ap.parse_args()
+    why = missing(args.containerd)
+    if why:
+        print(f"demo: {why}", file=sys.stderr)
+        return 2
     base = tempfile.mkdtemp(prefix="migrt-demo.")
     cfg = os.path.join(base, "config.yaml")
     with open(cfg, "w") as fh:
         fh.write(f"runtime: runc\nstore: {base}/store\nlog_file: {base}/migrt.log\n")
     os.environ["MIGRT_CONFIG"] = cfg
-    say(f"private containerd under {base} (store {base}/store)")
-    ctd = Containerd(os.path.join(base, "containerd"), namespace="migrt-demo").start()
+    ctd = Containerd(os.path.join(base, "containerd"), namespace="migrt-demo", version=args.containerd)
+    say(f"private containerd {args.containerd} under {base} (store {base}/store)")
+    ctd.start()
     try:
+        server = [line.split(":", 1)[1].strip() for line in ctd.ctr("version").stdout.splitlines()
+                  if line.strip().startswith("Version:")]
+        print(f"containerd {server[-1] if server else '?'}")
         image = ctd.import_busybox()
         log1 = os.path.join(base, "counter-1.log")
         say("run a counter container through migrt-runc (ordinary container: pure pass-through)")
@@ -47,7 +65,7 @@ def main() -> int:
         print(f"counter-1 says: tick {last[0]}, in-memory data hash {last[2]}")
 
         say("migrt checkpoint counter-1")
-        res = subprocess.run(["migrt", "checkpoint", "counter-1", "--name", "demo-counter", "--json"],
+        res = subprocess.run([MIGRT, "checkpoint", "counter-1", "--name", "demo-counter", "--json"],
                              capture_output=True, text=True)
         if res.returncode != 0:
             print(res.stderr, file=sys.stderr)
@@ -58,7 +76,7 @@ def main() -> int:
         stopped_at = ticks(log1)[-1]
         print(f"checkpoint {info['name']}: {info['size_bytes'] / 1e6:.1f} MB, timings {info['timings']}")
         print(f"counter-1 stopped at tick {stopped_at[0]}")
-        subprocess.run(["migrt", "ls"])
+        subprocess.run([MIGRT, "ls"])
 
         say("remove counter-1")
         ctd.ctr("task", "delete", "counter-1", check=False)
@@ -80,7 +98,7 @@ def main() -> int:
         return 0 if ok else 1
     finally:
         ctd.stop()
-        if "--keep" not in sys.argv:
+        if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
 
 

@@ -1,5 +1,11 @@
 """A private containerd (own root, state dir and socket) for tests, demo and benchmarks.
-Started here, stopped by pid. CRI is disabled unless asked for."""
+Started here, stopped by pid. CRI is disabled unless asked for.
+
+Two containerd versions: "2" is the system's (containerd 2.x on PATH, config version 3); "1.7" is
+Debian trixie's 1.7 that packaging/setup-host.sh unpacks into $MIGRT_DEPS/containerd-1.7 (config
+version 2; its own ctr and shims come first on the daemon's PATH). MIGRT_TEST_CONTAINERD picks the
+versions the tests run: unset runs the CRI tests against both, "2" or "1.7" only that one.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,56 @@ import time
 
 from tests.helpers.oci_image import IMAGE_REF, build_image_tar
 
+SYSTEM = "2"
+VERSIONS = (SYSTEM, "1.7")
+DEPS = os.environ.get("MIGRT_DEPS", "/opt/migrt-deps")
+
+
+def bin_dir(version: str) -> str | None:
+    """Where that containerd's binaries are; None: the system's, on PATH."""
+    return None if version == SYSTEM else os.path.join(DEPS, f"containerd-{version}", "usr", "bin")
+
+
+def missing(version: str) -> str | None:
+    """Why that containerd cannot run here, or None."""
+    d = bin_dir(version)
+    if d is None:
+        return None
+    need = [os.path.join(d, b) for b in ("containerd", "ctr", "containerd-shim-runc-v2")]
+    absent = [p for p in need if not os.access(p, os.X_OK)]
+    return f"containerd {version}: {', '.join(absent)} missing (run packaging/setup-host.sh)" if absent else None
+
+
+def test_versions() -> list[str]:
+    """The containerd versions the tests run against (MIGRT_TEST_CONTAINERD, default all)."""
+    want = os.environ.get("MIGRT_TEST_CONTAINERD", "").strip()
+    if not want or want == "all":
+        return list(VERSIONS)
+    if want not in VERSIONS:
+        raise ValueError(f"MIGRT_TEST_CONTAINERD={want!r}: expected one of {', '.join(VERSIONS)} or 'all'")
+    return [want]
+
+
+test_versions.__test__ = False  # a helper, not a test
+
+
+def default_version() -> str:
+    """The version of tests that run one containerd (the system's unless MIGRT_TEST_CONTAINERD names one)."""
+    versions = test_versions()
+    return versions[0] if len(versions) == 1 else SYSTEM
+
+
+CONFIG_V2 = """version = 2
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{sock}.ttrpc"
+[debug]
+  level = "warn"
+"""
+DISABLED_V2 = 'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
 CONFIG = """version = 3
 root = "{root}"
 state = "{state}"
@@ -26,7 +82,11 @@ DISABLED = 'disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.
 
 
 class Containerd:
-    def __init__(self, base: str, namespace: str = "migrt-test", extra_config: str = "", cri: bool = False) -> None:
+    def __init__(self, base: str, namespace: str = "migrt-test", extra_config: str = "", cri: bool = False,
+                 version: str | None = None) -> None:
+        self.version = version or default_version()
+        self.bin_dir = bin_dir(self.version)
+        self.config_version = 3 if self.bin_dir is None else 2
         self.base = base
         self.root = os.path.join(base, "root")
         self.state = os.path.join(base, "state")
@@ -42,9 +102,10 @@ class Containerd:
         cfg = os.path.join(self.base, "config.toml")
         with open(cfg, "w") as fh:
             fh.write(self.config_text())
+        self.prepare(cfg)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(cfg), stdout=self._log, stderr=self._log,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, env=self.env())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -55,15 +116,29 @@ class Containerd:
         raise RuntimeError(f"containerd did not come up in {timeout}s; see {self.log_path}")
 
     def config_text(self) -> str:
-        text = CONFIG.format(root=self.root, state=self.state, sock=self.sock)
-        return (text if self.cri else DISABLED + text) + self.extra_config
+        template, disabled = (CONFIG, DISABLED) if self.config_version == 3 else (CONFIG_V2, DISABLED_V2)
+        text = template.format(root=self.root, state=self.state, sock=self.sock)
+        return (text if self.cri else disabled + text) + self.extra_config
+
+    def prepare(self, config_path: str) -> None:
+        """Runs once the config is written, before containerd starts (e.g. `migrt install containerd`)."""
+
+    def binary(self, name: str) -> str:
+        return os.path.join(self.bin_dir, name) if self.bin_dir else name
+
+    def env(self) -> dict:
+        """The daemon's environment: its own shims first on PATH."""
+        env = dict(os.environ)
+        if self.bin_dir:
+            env["PATH"] = self.bin_dir + os.pathsep + env.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        return env
 
     def command(self, config_path: str) -> list[str]:
         """argv that starts containerd (subclasses may wrap it, e.g. in nsenter; the pid stays containerd's)."""
-        return ["containerd", "--config", config_path]
+        return [self.binary("containerd"), "--config", config_path]
 
     def ctr(self, *args: str, check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-        argv = ["ctr", "--address", self.sock, "--namespace", self.namespace, *args]
+        argv = [self.binary("ctr"), "--address", self.sock, "--namespace", self.namespace, *args]
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
         res = subprocess.run(argv, timeout=timeout, check=False, **kw)

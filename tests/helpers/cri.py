@@ -40,6 +40,7 @@ CNI_BIN_DIR = "/usr/lib/cni"
 SUBNET = "192.0.2.0/24"
 CRI_NAMESPACE = "k8s.io"  # containerd's CRI always uses this containerd namespace
 MIGRT_RUNC = os.environ.get("MIGRT_BINDIR", "/usr/local/bin") + "/migrt-runc"
+MIGRT_CLI = os.environ.get("MIGRT_BINDIR", "/usr/local/bin") + "/migrt"
 
 CRI_CONFIG = """version = 3
 root = '{root}'
@@ -67,17 +68,43 @@ state = '{state}'
     default_runtime_name = 'runc'
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = 'io.containerd.runc.v2'
-    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.migrt]
-      runtime_type = 'io.containerd.runc.v2'
-      pod_annotations = ['migrt.io/*']
-      container_annotations = ['migrt.io/*']
-      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.migrt.options]
-        BinaryName = '{migrt_runc}'
   [plugins.'io.containerd.cri.v1.runtime'.cni]
     bin_dirs = ['{cni_bin}']
     conf_dir = '{cni_conf}'
     max_conf_num = 1
 [plugins.'io.containerd.nri.v1.nri']
+  disable = true
+"""
+
+# containerd 1.7 (config version 2): the same settings, in the CRI plugin's one section.
+CRI_CONFIG_V2 = """version = 2
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{sock}.ttrpc"
+[debug]
+  level = "warn"
+[plugins."io.containerd.grpc.v1.cri"]
+  disable_tcp_service = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  sandbox_image = "{pause}"
+  # This machine lacks CAP_SYS_RESOURCE: runc init cannot lower oom_score_adj below the parent's.
+  restrict_oom_score_adj = true
+  enable_cdi = false
+  netns_mounts_under_state_dir = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni_bin}"
+    conf_dir = "{cni_conf}"
+    max_conf_num = 1
+[plugins."io.containerd.nri.v1.nri"]
   disable = true
 """
 
@@ -138,15 +165,23 @@ class PodNetwork:
 # -- containerd with CRI --------------------------------------------------------------------------
 
 class CriContainerd(Containerd):
-    """containerd with its CRI plugin, running in the network namespace of `network`."""
+    """containerd with its CRI plugin, running in the network namespace of `network`. The runtime
+    handler `migrt` comes from the drop-in that `migrt install containerd` writes next to the config
+    (version 3 for containerd 2.x, version 2 for 1.7), as on a real node."""
 
-    def __init__(self, base: str, network: PodNetwork) -> None:
-        super().__init__(base, namespace=CRI_NAMESPACE, cri=True)
+    def __init__(self, base: str, network: PodNetwork, version: str | None = None) -> None:
+        super().__init__(base, namespace=CRI_NAMESPACE, cri=True, version=version)
         self.network = network
+        self.install_result: dict = {}
 
     def config_text(self) -> str:
-        return CRI_CONFIG.format(root=self.root, state=self.state, sock=self.sock, pause=PAUSE_REF,
-                                 migrt_runc=MIGRT_RUNC, cni_bin=CNI_BIN_DIR, cni_conf=self.network.conf_dir)
+        template = CRI_CONFIG if self.config_version == 3 else CRI_CONFIG_V2
+        return template.format(root=self.root, state=self.state, sock=self.sock, pause=PAUSE_REF,
+                               cni_bin=CNI_BIN_DIR, cni_conf=self.network.conf_dir)
+
+    def prepare(self, config_path: str) -> None:
+        res = _run([MIGRT_CLI, "install", "containerd", "--config", config_path, "--binary", MIGRT_RUNC, "--json"])
+        self.install_result = json.loads(res.stdout)
 
     def command(self, config_path: str) -> list[str]:
         return self.network.wrap(super().command(config_path))

@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+from tests.helpers import containerd as ctd_versions
 from tests.helpers.cri import (CNI_BIN_DIR, CRI_PROTO, GOGO_PROTO, PROTO_ROOT, CriClient, CriContainerd, CriError,
                                PodNetwork, generate_stubs, remove_cgroups)
 
@@ -50,14 +51,20 @@ def cri_stubs(cri_stack, tmp_path_factory):
     return generate_stubs(str(tmp_path_factory.mktemp("cri-stubs")))
 
 
-@pytest.fixture(scope="session")
-def cri_containerd(cri_stack, migrt_config, cri_stubs, tmp_path_factory):
-    """containerd + CRI in its own network namespace, with the busybox and pause images imported.
+@pytest.fixture(scope="session", params=ctd_versions.test_versions(), ids=lambda v: f"containerd-{v}")
+def cri_containerd(request, cri_stack, migrt_config, cri_stubs, tmp_path_factory):
+    """containerd + CRI in its own network namespace, with the busybox and pause images imported;
+    once per containerd version (tests/helpers/containerd.py: 2.x, and 1.7 beside it).
     Attributes added: .image (busybox ref), .cgroup_root (cgroup parent of every pod)."""
-    base = tmp_path_factory.mktemp("cri")
+    why = ctd_versions.missing(request.param)
+    if why:
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    base = tmp_path_factory.mktemp(f"cri-{request.param}")
     token = uuid.uuid4().hex[:8]
     net = PodNetwork(str(base), token)
-    ctd = CriContainerd(str(base / "containerd"), net)
+    ctd = CriContainerd(str(base / "containerd"), net, version=request.param)
     ctd.cgroup_root = f"/migrt-cri-{token}"
     try:
         net.create()

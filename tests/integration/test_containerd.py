@@ -62,7 +62,7 @@ def _checkpointed_counter(ctd, tmp_path, *, leave_running: bool = False, name: s
 
 def _ctr_run_fg(ctd, cid: str, *extra: str, cmd: str = COUNTER) -> subprocess.Popen:
     return subprocess.Popen(
-        ["ctr", "--address", ctd.sock, "--namespace", ctd.namespace, "run", "--runc-binary", SHIM, *extra,
+        [ctd.binary("ctr"), "--address", ctd.sock, "--namespace", ctd.namespace, "run", "--runc-binary", SHIM, *extra,
          ctd.image, cid, "sh", "-c", cmd],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

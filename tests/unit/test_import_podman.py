@@ -13,7 +13,6 @@ import stat
 import tarfile
 
 import pytest
-import zstandard
 
 from migrt.errors import CheckpointInvalid
 from migrt.pods import engines, rootfs
@@ -21,6 +20,10 @@ from migrt.store import Store
 from tests.unit.test_import_cri import _entry, _nothing_left, diff_tar, invoke
 
 pycriu = pytest.importorskip("pycriu")
+if os.environ.get("CI") == "true":
+    import zstandard  # a declared dependency: CI fails without it
+else:  # a venv made before zstandard was a dependency: re-run packaging/setup-host.sh
+    zstandard = pytest.importorskip("zstandard")
 
 SPEC = {
     "ociVersion": "1.2.1",
