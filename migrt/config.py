@@ -14,6 +14,9 @@ Keys (all optional):
   store_space_check: true            refuse a checkpoint (before freezing) when the store cannot hold it
   migration_key_file: (none)         file with the secret shared by nodes that migrate to each other
   migration_tls: (none)              {cert, key, ca}: TLS for migrations (docs/migration.md)
+  registry_auth_file: (none)         docker-style config.json with registry credentials (docs/registry.md)
+  registry_ca_file: (none)           CA bundle for registries (default: the system's)
+  registry_parallel: 4               blobs moved at once by push and pull
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ LEVELS = ("debug", "info", "warning", "error")
 CRIU_OPTION_KEYS = ("tcp_established", "ext_unix_sk", "file_locks", "shell_job")
 GPU_KEYS = ("gpu_backend", "gpu_lock_timeout_ms")
 GPU_BACKENDS = ("auto", "cuda", "none")
+REGISTRY_KEYS = ("registry_auth_file", "registry_ca_file", "registry_parallel")
 
 
 @dataclass
@@ -47,6 +51,9 @@ class Config:
     gpu_lock_timeout_ms: int = 30_000
     allow_cross_namespace_restore: bool = False
     store_space_check: bool = True
+    registry_auth_file: str | None = None
+    registry_ca_file: str | None = None
+    registry_parallel: int = 4
     loaded: bool = False  # False when the file did not exist (defaults in use)
 
     def runtime_path(self) -> str:
@@ -81,6 +88,7 @@ def load(path: str | None = None) -> Config:
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
              "allow_cross_namespace_restore", "migration_key_file", "migration_tls", "store_space_check"}
+    known |= set(REGISTRY_KEYS)
     known |= set(GPU_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
@@ -126,7 +134,20 @@ def load(path: str | None = None) -> Config:
                             or not all(isinstance(v, str) and os.path.isabs(v) for v in tls.values())):
         raise ConfigError(f"config {path}: 'migration_tls' must map cert, key and ca to absolute paths")
     cfg.migration_tls = tls
+    _load_registry(cfg, data, path)
     return cfg
+
+
+def _load_registry(cfg: Config, data: dict, path: str) -> None:
+    for key in ("registry_auth_file", "registry_ca_file"):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, str) or not os.path.isabs(value)):
+            raise ConfigError(f"config {path}: '{key}' must be an absolute path")
+        setattr(cfg, key, value)
+    par = data.get("registry_parallel", cfg.registry_parallel)
+    if not isinstance(par, int) or isinstance(par, bool) or not 1 <= par <= 32:
+        raise ConfigError(f"config {path}: 'registry_parallel' must be an integer from 1 to 32")
+    cfg.registry_parallel = par
 
 
 def _load_gpu(cfg: Config, data: dict, path: str) -> None:

@@ -3,7 +3,7 @@
 Exit codes (also in README "Exit codes"):
   0 ok | 1 unexpected error | 2 usage error | 3 not found | 4 checkpoint invalid or corrupted
   5 runtime or CRIU failed | 6 conflict (exists, locked, container state) | 7 configuration error
-  8 precondition not met (e.g. GPU preflight)
+  8 precondition not met (e.g. GPU preflight) | 9 registry failed (unreachable, refused, denied)
 """
 
 from __future__ import annotations
@@ -53,3 +53,7 @@ class ConfigError(MigrtError):
 
 class PreconditionFailed(MigrtError):
     exit_code = 8
+
+
+class RegistryError(MigrtError):
+    exit_code = 9

@@ -31,7 +31,8 @@ need_apt() {
 }
 
 # Packages the CRI tests (and Kubernetes-like set-ups) use; cheap, so always installed.
-MIGRT_EXTRA_DEBS=${MIGRT_EXTRA_DEBS:-"containernetworking-plugins golang-github-kubernetes-cri-api-dev golang-github-gogo-protobuf-dev iproute2 python3-venv"}
+# Registry tests: docker-registry (CNCF distribution), htpasswd (apache2-utils), openssl; checkpointctl.
+MIGRT_EXTRA_DEBS=${MIGRT_EXTRA_DEBS:-"containernetworking-plugins golang-github-kubernetes-cri-api-dev golang-github-gogo-protobuf-dev iproute2 python3-venv docker-registry apache2-utils openssl checkpointctl"}
 
 if [ "${MIGRT_SKIP_APT:-0}" != 1 ] && need_apt; then
     export DEBIAN_FRONTEND=noninteractive

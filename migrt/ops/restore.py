@@ -20,6 +20,7 @@ from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
 from migrt.ops import gpu_steps, recover
 from migrt.pods import engines, namespaces, rootfs
+from migrt.registry import pull, reference
 from migrt.progress import Progress, null_progress
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
@@ -196,7 +197,13 @@ def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, l
             raise UsageError(f"MIGRT_RESTORE_FALLBACK must be one of {POLICIES}, got {policy!r}")
         if not cid:
             raise UsageError("create without a container id")
-        names.validate(request.name)
+        name = request.name
+        if reference.is_reference(name):  # oci:REF: pulled into the store once per node, then restored
+            t0 = time.monotonic()
+            name = pull.ensure_local(cfg, name)
+            log.info("restore_image_ready", container=cid, reference=request.name, checkpoint=name,
+                     seconds=round(time.monotonic() - t0, 3))
+        names.validate(name)
         for flag in _check_create_flags(cmd):
             log.debug("create_flag_dropped", flag=flag)
         cfg.runtime = lower  # the shim already resolved it (same rules)
@@ -207,7 +214,7 @@ def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, l
             no_pivot=cmd.has("no-pivot"), log_path=parsed.log_path,
         )
         try:
-            result = restore_checkpoint(cfg, request.name, target)
+            result = restore_checkpoint(cfg, name, target)
         except MigrtError:
             raise
         except Exception as exc:  # never leak a traceback to the container's stderr

@@ -134,10 +134,10 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def hash_tree(top: str, rel_paths: list[str], *, fsync: bool = False, workers: int | None = None,
-              progress=None) -> dict[str, dict]:
-    """{rel: {"size", "sha256" | "sha256_tree"}}, every 64 MiB chunk of every file hashed in parallel
-    (hashlib and pread release the GIL)."""
+def hash_chunks(top: str, rel_paths: list[str], *, fsync: bool = False, workers: int | None = None,
+                progress=None) -> dict[str, list[tuple[int, int, bytes]]]:
+    """{rel: [(offset, length, sha256 digest bytes)]}: every 64 MiB chunk of every file hashed in
+    parallel (hashlib and pread release the GIL). An empty file has one chunk of length 0."""
     workers = workers or max(2, min(32, os.cpu_count() or 2))
     sizes = {rel: os.path.getsize(os.path.join(top, rel)) for rel in rel_paths}
     tasks = []
@@ -152,17 +152,25 @@ def hash_tree(top: str, rel_paths: list[str], *, fsync: bool = False, workers: i
         digest = _hash_range(os.path.join(top, rel), off, length)
         return rel, off, digest, length
 
-    parts: dict[str, dict[int, bytes]] = {rel: {} for rel in rel_paths}
+    parts: dict[str, dict[int, tuple[int, bytes]]] = {rel: {} for rel in rel_paths}
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for rel, off, digest, length in pool.map(one, tasks):
-            parts[rel][off] = digest
+            parts[rel][off] = (length, digest)
             if progress:
                 progress(length)
         if fsync:
             list(pool.map(lambda rel: _fsync_path(os.path.join(top, rel)), rel_paths))
-    out: dict[str, dict] = {}
-    for rel in rel_paths:
-        chunks = [parts[rel][off] for off in sorted(parts[rel])]
-        digest = chunks[0].hex() if len(chunks) == 1 else hashlib.sha256(b"".join(chunks)).hexdigest()
-        out[rel] = make_entry(sizes[rel], digest)
-    return out
+    return {rel: [(off, *parts[rel][off]) for off in sorted(parts[rel])] for rel in rel_paths}
+
+
+def fold_chunks(chunks: list[bytes]) -> str:
+    """The manifest digest of a file from its 64 MiB chunk digests (plain sha256 for one chunk)."""
+    return chunks[0].hex() if len(chunks) == 1 else hashlib.sha256(b"".join(chunks)).hexdigest()
+
+
+def hash_tree(top: str, rel_paths: list[str], *, fsync: bool = False, workers: int | None = None,
+              progress=None) -> dict[str, dict]:
+    """{rel: {"size", "sha256" | "sha256_tree"}}, every 64 MiB chunk hashed in parallel."""
+    chunks = hash_chunks(top, rel_paths, fsync=fsync, workers=workers, progress=progress)
+    return {rel: make_entry(sum(c[1] for c in chunks[rel]), fold_chunks([c[2] for c in chunks[rel]]))
+            for rel in rel_paths}

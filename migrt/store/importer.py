@@ -48,16 +48,18 @@ def check_relpath(rel: object) -> str:
 class Import:
     """One checkpoint being received. Use through `importing()`."""
 
-    def __init__(self, store: Store, name: str, path: str) -> None:
+    def __init__(self, store: Store, name: str, path: str, *, adopt: bool = False) -> None:
         self.store = store
         self.name = name
         self.path = path
         self.images = os.path.join(path, "images")
         self.received: dict[str, dict] = {}
         self.committed = False
+        self.adopted = adopt  # a directory the caller keeps between attempts (a resumable pull)
         os.makedirs(os.path.join(store.root, ".staging"), mode=0o700, exist_ok=True)
-        os.mkdir(path, 0o700)
-        os.mkdir(self.images, 0o700)
+        if not adopt:
+            os.mkdir(path, 0o700)
+            os.mkdir(self.images, 0o700)
 
     def ensure_space(self, nbytes: int) -> None:
         st = os.statvfs(self.path)
@@ -128,7 +130,7 @@ class Import:
         return data
 
     def discard(self) -> None:
-        if not self.committed:
+        if not self.committed and not self.adopted:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
@@ -141,12 +143,17 @@ def _fsync_file(path: str) -> None:
 
 
 @contextlib.contextmanager
-def importing(store: Store, name: str) -> Iterator[Import]:
-    """Lock `name`, give an Import in a fresh staging directory, discard it unless committed."""
+def importing(store: Store, name: str, *, adopt: str | None = None) -> Iterator[Import]:
+    """Lock `name`, give an Import in a fresh staging directory, discard it unless committed.
+    adopt: an existing directory to import into, kept on failure for the caller to resume (a pull's
+    partial directory); it is not journaled, so recovery leaves it alone."""
     with store.lock(name):
         if store.exists(name):
             raise Conflict(f"checkpoint {name} already exists in the target store {store.root} "
                            f"(choose another --name, or 'migrt rm {name}' there)")
+        if adopt is not None:
+            yield Import(store, name, adopt, adopt=True)
+            return
         path = os.path.join(store.root, ".staging", f"{name}.{os.getpid()}.{time.monotonic_ns()}")
         entry = journal.begin(store.root, "receive", name=name, staging=path)  # recovery: the source has it
         try:

@@ -17,12 +17,13 @@ FOUNDATION = {"errors", "faults", "log", "names", "progress", "__init__"}
 MECHANISMS = {"runtime", "criu", "gpu", "store", "oci"}
 ALLOWED = {
     # entry points
-    "cli": {"migration", "node", "ops", "pods", "config"} | MECHANISMS | FOUNDATION,
+    "cli": {"migration", "node", "ops", "pods", "registry", "config"} | MECHANISMS | FOUNDATION,
     "shim": {"ops", "config"} | MECHANISMS | FOUNDATION,
     # capabilities
     "migration": {"ops", "pods", "config"} | MECHANISMS | FOUNDATION,
     "node": {"config"} | MECHANISMS | FOUNDATION,
-    "ops": {"pods", "config"} | MECHANISMS | FOUNDATION,
+    "ops": {"pods", "registry", "config"} | MECHANISMS | FOUNDATION,
+    "registry": {"pods", "config"} | MECHANISMS | FOUNDATION,
     "pods": {"config"} | MECHANISMS | FOUNDATION,
     # configuration, then the mechanisms (runtime quotes CRIU's logs), then the foundation
     "config": {"runtime"} | FOUNDATION,

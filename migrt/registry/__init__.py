@@ -1,0 +1,1 @@
+"""Checkpoints as OCI images in a registry: push, pull (verified before commit), restore by reference."""

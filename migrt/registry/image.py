@@ -1,0 +1,166 @@
+"""How a checkpoint is laid out as an OCI image (docs/registry.md).
+
+Format "migrt" (the default; large checkpoints):
+  config  application/vnd.migrt.checkpoint.config.v1+json: migrt's manifest.json (files with their
+          digests, CRIU options, the GPU section, source, versions)
+  layers  application/vnd.migrt.checkpoint.file.v1: raw bytes, one blob per file of at most 64 MiB,
+          and one blob per 64 MiB chunk of larger files (CRIU page images), annotated with the file's
+          path in the checkpoint and the chunk's offset. 64 MiB is the store's digest tree chunk: a
+          chunk's blob digest IS the leaf of the file's sha256_tree, so a pulled file's manifest
+          digest follows from the blobs verified on arrival, with no second pass; unchanged chunks
+          have unchanged digests, so a second push sends only what changed.
+
+Format "cri" (`--format cri`; what CRI-O, Podman and checkpointctl use): one
+application/vnd.oci.image.layer.v1.tar layer holding the checkpoint archive layout (`migrt export`),
+the CRI-O checkpoint annotations on the manifest, an ordinary OCI image config. migrt's manifest
+(GPU section included) travels inside as migrt-manifest.json.
+"""
+
+from __future__ import annotations
+
+import json
+
+from migrt.errors import CheckpointInvalid
+from migrt.store.fsutil import TREE_CHUNK
+
+MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
+INDEX_TYPES = ("application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json")
+ARTIFACT_TYPE = "application/vnd.migrt.checkpoint.v1"
+CONFIG_TYPE = "application/vnd.migrt.checkpoint.config.v1+json"
+FILE_TYPE = "application/vnd.migrt.checkpoint.file.v1"
+OCI_CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
+TAR_TYPES = ("application/vnd.oci.image.layer.v1.tar", "application/vnd.oci.image.layer.v1.tar+gzip",
+             "application/vnd.docker.image.rootfs.diff.tar.gzip", "application/vnd.oci.image.layer.v1.tar+zstd")
+A_PATH = "io.migrt.checkpoint.path"
+A_OFFSET = "io.migrt.checkpoint.offset"
+A_NAME = "io.migrt.checkpoint.name"
+A_CHUNK = "io.migrt.checkpoint.chunk-size"
+CHUNK = TREE_CHUNK
+MAX_LAYERS = 100_000
+# What CRI-O (and Podman, containerd) write on a checkpoint image; any of them marks one.
+CRIO_NAME = "io.kubernetes.cri-o.annotations.checkpoint.name"
+CHECKPOINT_NAME_KEYS = (CRIO_NAME, "io.podman.annotations.checkpoint.name",
+                        "io.kubernetes.containerd.annotations.checkpoint.name", "org.criu.checkpoint.container.name")
+
+
+def descriptor(media_type: str, digest: str, size: int, annotations: dict | None = None) -> dict:
+    out = {"mediaType": media_type, "digest": digest, "size": size}
+    if annotations:
+        out["annotations"] = annotations
+    return out
+
+
+def dumps(obj: dict) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def migrt_manifest(config: dict, layers: list[dict], name: str, created: str) -> dict:
+    """Deterministic: the same checkpoint gives the same manifest digest (created = the checkpoint's)."""
+    return {
+        "schemaVersion": 2,
+        "mediaType": MANIFEST_TYPE,
+        "artifactType": ARTIFACT_TYPE,
+        "config": config,
+        "layers": layers,
+        "annotations": {A_NAME: name, A_CHUNK: str(CHUNK),
+                        "org.opencontainers.image.created": created},
+    }
+
+
+def cri_annotations(manifest: dict) -> dict:
+    """The CRI-O checkpoint annotations from a migrt manifest (what `checkpointctl build` sets)."""
+    src = manifest.get("source") or {}
+    cri = src.get("cri") or {}
+    versions = manifest.get("versions") or {}
+    out = {
+        CRIO_NAME: cri.get("container_name") or src.get("container_id") or manifest.get("name", ""),
+        "io.kubernetes.cri-o.annotations.checkpoint.rootfsImageName": src.get("image") or "",
+        "io.kubernetes.cri-o.annotations.checkpoint.criu.version": str(versions.get("criu") or ""),
+        "io.kubernetes.cri-o.annotations.checkpoint.runtime.name": "migrt-runc",
+        A_NAME: manifest.get("name", ""),
+    }
+    if cri.get("pod_name"):
+        out["io.kubernetes.cri-o.annotations.checkpoint.pod"] = cri["pod_name"]
+    if cri.get("pod_namespace"):
+        out["io.kubernetes.cri-o.annotations.checkpoint.namespace"] = cri["pod_namespace"]
+    return {k: v for k, v in out.items() if isinstance(v, str)}
+
+
+def cri_manifest(config: dict, layer: dict, manifest: dict) -> dict:
+    return {"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "config": config, "layers": [layer],
+            "annotations": cri_annotations(manifest)}
+
+
+def cri_config(layer_digest: str, created: str) -> dict:
+    return {"architecture": "amd64", "os": "linux", "created": created, "config": {},
+            "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+            "history": [{"created": created, "created_by": "migrt push --format cri"}]}
+
+
+# -- reading a pulled manifest ------------------------------------------------------------------
+
+def parse(raw: bytes, where: str) -> dict:
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointInvalid(f"{where}: the image manifest is not JSON ({exc})") from exc
+    if not isinstance(data, dict) or data.get("schemaVersion") != 2:
+        raise CheckpointInvalid(f"{where}: not an OCI image manifest (schemaVersion 2)")
+    return data
+
+
+def kind(manifest: dict) -> str:
+    """'migrt' (chunked checkpoint), 'archive' (a CRI-O/Podman/`--format cri` checkpoint image) or
+    'index' (a list of manifests); CheckpointInvalid for an image that holds no checkpoint."""
+    if manifest.get("mediaType") in INDEX_TYPES or "manifests" in manifest:
+        return "index"
+    cfg = manifest.get("config") or {}
+    if cfg.get("mediaType") == CONFIG_TYPE:
+        return "migrt"
+    ann = manifest.get("annotations") or {}
+    layers = manifest.get("layers") or []
+    if any(k in ann for k in CHECKPOINT_NAME_KEYS) and len(layers) == 1 and layers[0].get("mediaType") in TAR_TYPES:
+        return "archive"
+    raise CheckpointInvalid("the image is not a checkpoint: neither a migrt checkpoint image nor a single-layer "
+                            f"checkpoint image with the CRI-O annotation {CRIO_NAME}")
+
+
+def check_descriptor(d: object, where: str) -> dict:
+    if not isinstance(d, dict) or not isinstance(d.get("digest"), str) or not d["digest"].startswith("sha256:") \
+            or len(d["digest"]) != 71 or not isinstance(d.get("size"), int) or isinstance(d.get("size"), bool) \
+            or d["size"] < 0:
+        raise CheckpointInvalid(f"{where}: a descriptor without a sha256 digest and size")
+    return d
+
+
+def plan_files(manifest: dict, files: dict, where: str) -> dict[str, list[tuple[int, int, str]]]:
+    """{rel: [(offset, size, digest)]} from a migrt image's layers, checked against the files of the
+    config's manifest: every file covered exactly, in 64 MiB chunks (the tree digest's), nothing else."""
+    from migrt.store.importer import check_relpath
+
+    layers = manifest.get("layers")
+    if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
+        raise CheckpointInvalid(f"{where}: the image manifest has no usable layer list")
+    plan: dict[str, list[tuple[int, int, str]]] = {}
+    for d in layers:
+        check_descriptor(d, where)
+        ann = d.get("annotations") or {}
+        rel, off = ann.get(A_PATH), ann.get(A_OFFSET, "0")
+        if d.get("mediaType") != FILE_TYPE or not isinstance(rel, str) or not isinstance(off, str) or not off.isdigit():
+            raise CheckpointInvalid(f"{where}: layer {d.get('digest')} is not a migrt checkpoint file blob")
+        check_relpath(rel)
+        plan.setdefault(rel, []).append((int(off), d["size"], d["digest"]))
+    if set(plan) != set(files):
+        extra = sorted(set(plan) ^ set(files))
+        raise CheckpointInvalid(f"{where}: file {extra[0]} is in the image's layers or its manifest, not in both")
+    for rel, chunks in plan.items():
+        chunks.sort()
+        size = files[rel].get("size") if isinstance(files[rel], dict) else None
+        pos = 0
+        for off, length, _ in chunks:
+            if off != pos or (length != CHUNK and off + length != size) or length > CHUNK:
+                raise CheckpointInvalid(f"{where}: the blobs of {rel} do not cover it in {CHUNK >> 20} MiB chunks")
+            pos += length
+        if pos != size or (size == 0 and len(chunks) != 1):
+            raise CheckpointInvalid(f"{where}: the blobs of {rel} add up to {pos} bytes, its manifest says {size}")
+    return plan

@@ -1,0 +1,296 @@
+"""`migrt pull` and restore by reference: an image from a registry into the store.
+
+Nothing is trusted before it is checked, and nothing is committed before everything is checked:
+the manifest's bytes against the digest asked for (or stated), the config blob against its
+descriptor, the layer list against the config's file list (every file covered, in 64 MiB chunks),
+every blob's sha256 and size as it streams in. The store's importer then publishes the checkpoint
+atomically after comparing what arrived with the manifest, as it does for a migration.
+
+Resuming: blobs land in `<store>/.pulls/<manifest digest>/` (the future checkpoint directory) and
+each verified blob is journaled in `<store>/.pulls/<manifest digest>.done`; a pull cut off midway
+(network, kill) leaves both, and the next pull of the same image fetches only the rest (journaled
+chunks are hashed again from disk, not believed). A blob that fails its digest check is never
+journaled; a manifest or config that fails removes the partial directory.
+
+Store names: `--name`, else `oci-<repository's last part>-<first 16 hex of the manifest digest>`:
+the same for `migrt pull REF` ahead of time and for a `create` that restores `oci:REF`, so the
+create finds the pre-pulled checkpoint. One pull per image and node at a time (a lock); a second
+caller waits and then reuses what the first committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+from migrt import names
+from migrt.config import Config
+from migrt.errors import CheckpointInvalid, Conflict, MigrtError
+from migrt.progress import Progress, null_progress
+from migrt.registry import image
+from migrt.registry.client import Client
+from migrt.registry.connect import client_for
+from migrt.registry.reference import Reference, parse
+from migrt.store import Store
+from migrt.store import importer
+from migrt.store.fsutil import TREE_CHUNK, fold_chunks
+
+PULLS = ".pulls"
+ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+
+
+def default_name(ref: Reference, manifest_digest: str) -> str:
+    stem = names.sanitize(ref.repository.rsplit("/", 1)[-1])[:60]
+    return names.validate(f"oci-{stem}-{manifest_digest.split(':', 1)[1][:16]}")
+
+
+@contextlib.contextmanager
+def image_lock(store: Store, manifest_digest: str) -> Iterator[None]:
+    """Blocking lock per image and node (concurrent creates restoring one reference pull once)."""
+    store.ensure()
+    path = os.path.join(store.root, ".locks", f".pull-{manifest_digest.split(':', 1)[1]}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Progress = null_progress) -> dict:
+    """Pull an image into the store (or find it already there). Returns a summary with `name`."""
+    t_start = time.monotonic()
+    ref = parse(reference)
+    if name:
+        names.validate(name)
+    store = Store(cfg.store)
+    store.ensure()
+    client = client_for(cfg, ref)
+    try:
+        raw, _ctype, mdigest = client.get_manifest()
+        manifest = image.parse(raw, str(ref))
+        if image.kind(manifest) == "index":
+            raw, mdigest, manifest = _from_index(client, manifest, ref)
+        name = name or default_name(ref, mdigest)
+        with image_lock(store, mdigest):
+            if store.exists(name):
+                have = (store.get(name).manifest.get("pulled") or {}).get("manifest_digest")
+                if have == mdigest:
+                    return {"name": name, "reference": str(ref), "digest": mdigest, "already_present": True,
+                            "bytes_received": 0, "seconds": round(time.monotonic() - t_start, 3)}
+                raise Conflict(f"checkpoint {name} already exists in {store.root} and was not pulled from {mdigest}; "
+                               f"choose another --name or 'migrt rm {name}'")
+            pulled = {"reference": str(ref), "registry": ref.registry, "repository": ref.repository,
+                      "manifest_digest": mdigest, "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            if image.kind(manifest) == "migrt":
+                data = _pull_chunked(cfg, client, store, manifest, mdigest, name, pulled, progress)
+            else:
+                data = _pull_archive(cfg, client, store, manifest, name, pulled, progress)
+    finally:
+        client.close()
+    return {"name": name, "reference": str(ref), "digest": mdigest, "already_present": False,
+            "size_bytes": data.get("size_bytes"), "bytes_received": client.stats.received,
+            "retries": client.stats.retries, "seconds": round(time.monotonic() - t_start, 3)}
+
+
+def _from_index(client: Client, index: dict, ref: Reference) -> tuple[bytes, str, dict]:
+    entries = [m for m in index.get("manifests") or [] if isinstance(m, dict)]
+    mine = [m for m in entries if (m.get("platform") or {}).get("architecture") in (ARCH, None)]
+    chosen = mine[0] if len(mine) >= 1 else (entries[0] if len(entries) == 1 else None)
+    if not chosen:
+        raise CheckpointInvalid(f"{ref}: an image index without a manifest for linux/{ARCH}")
+    image.check_descriptor(chosen, str(ref))
+    raw, _ctype, digest = client.get_manifest(chosen["digest"])
+    manifest = image.parse(raw, str(ref))
+    if image.kind(manifest) == "index":
+        raise CheckpointInvalid(f"{ref}: nested image indexes are not supported")
+    return raw, digest, manifest
+
+
+def _fetch_config(client: Client, manifest: dict, where: str) -> dict:
+    desc = image.check_descriptor(manifest.get("config"), where)
+    if desc["size"] > 16 << 20:
+        raise CheckpointInvalid(f"{where}: the image config is {desc['size']} bytes; at most 16 MiB accepted")
+    buf = bytearray()
+    client.fetch_blob(desc["digest"], desc["size"], lambda v: buf.extend(v) if len(v) else buf.clear())
+    try:
+        data = json.loads(bytes(buf))
+    except ValueError as exc:
+        raise CheckpointInvalid(f"{where}: the checkpoint manifest in the image config is not JSON") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        raise CheckpointInvalid(f"{where}: the image config holds no checkpoint manifest with a file list")
+    schema = data.get("schema")
+    from migrt.store import manifest as mf
+    if not isinstance(schema, int) or isinstance(schema, bool) or not 1 <= schema <= mf.SCHEMA:
+        raise CheckpointInvalid(f"{where}: checkpoint manifest schema {schema!r} is not one this migrt understands "
+                                f"(1..{mf.SCHEMA}); upgrade migrt")
+    return data
+
+
+class _Journal:
+    """Verified blobs of a partial pull: lines `<digest> <offset> <path>`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.done: set[tuple[str, int, str]] = set()
+        try:
+            with open(path, encoding="utf-8") as fh:
+                for line in fh:
+                    parts = line.rstrip("\n").split(" ", 2)
+                    if len(parts) == 3 and parts[1].isdigit():
+                        self.done.add((parts[0], int(parts[1]), parts[2]))
+        except FileNotFoundError:
+            pass
+
+    def add(self, digest: str, off: int, rel: str) -> None:
+        with self.lock, open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(f"{digest} {off} {rel}\n")
+
+
+def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdigest: str, name: str,
+                  pulled: dict, progress: Progress) -> dict:
+    where = f"{client.ref}"
+    config = _fetch_config(client, manifest, where)
+    files = config["files"]
+    plan = image.plan_files(manifest, files, where)
+    top = os.path.join(store.root, PULLS)
+    os.makedirs(top, mode=0o700, exist_ok=True)
+    hexd = mdigest.split(":", 1)[1]
+    partial, journal = os.path.join(top, hexd), _Journal(os.path.join(top, hexd + ".done"))
+    os.makedirs(os.path.join(partial, "images"), mode=0o700, exist_ok=True)
+    try:
+        with importer.importing(store, name, adopt=partial) as imp:
+            total = sum(f.get("size", 0) for f in files.values())
+            have = _resume(partial, plan, journal)
+            imp.ensure_space(total - sum(s for (_d, _o, _r), s in have.items()))
+            for rel, chunks in plan.items():  # every file at its final size before the chunks land
+                full = os.path.join(partial, rel)
+                os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
+                fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    os.ftruncate(fd, sum(c[1] for c in chunks))
+                finally:
+                    os.close(fd)
+            jobs = [(rel, off, size, digest) for rel, chunks in plan.items() for off, size, digest in chunks
+                    if (digest, off, rel) not in have]
+            progress("phase", name="download", total_bytes=sum(j[2] for j in jobs))
+            t0 = time.monotonic()
+
+            def one(job: tuple[str, int, int, str]) -> int:
+                rel, off, size, digest = job
+                fd = os.open(os.path.join(partial, rel), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                pos = [off]
+                try:
+                    def sink(view: memoryview) -> None:
+                        if not len(view):
+                            pos[0] = off  # a new try starts the blob again
+                            return
+                        n = 0
+                        while n < len(view):
+                            n += os.pwrite(fd, view[n:], pos[0] + n)
+                        pos[0] += len(view)
+                    client.fetch_blob(digest, size, sink)
+                finally:
+                    os.close(fd)
+                journal.add(digest, off, rel)
+                return size
+
+            with ThreadPoolExecutor(max_workers=cfg.registry_parallel) as pool:
+                for fut in as_completed([pool.submit(one, j) for j in jobs]):
+                    progress("bytes", name="download", bytes=fut.result())
+            progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
+            for rel, chunks in plan.items():
+                digest = fold_chunks([bytes.fromhex(d.split(":", 1)[1]) for _o, _s, d in chunks])
+                imp.record(rel, sum(c[1] for c in chunks), digest)
+            fields = {k: v for k, v in config.items() if k not in importer.OWN_FIELDS}
+            fields["pulled"] = pulled
+            progress("phase", name="commit")
+            t0 = time.monotonic()
+            data = imp.commit(fields, files)
+            progress("done", name="commit", seconds=round(time.monotonic() - t0, 3))
+    except CheckpointInvalid:
+        _forget(partial, journal.path)
+        raise
+    _forget(partial, journal.path)  # committed: the directory was renamed away; the journal goes
+    return data
+
+
+def _resume(partial: str, plan: dict, journal: _Journal) -> dict[tuple[str, int, str], int]:
+    """Journaled chunks whose bytes on disk still hash to their digest (hashed again, not believed)."""
+    from migrt.store.fsutil import _hash_range
+
+    have: dict[tuple[str, int, str], int] = {}
+    for rel, chunks in plan.items():
+        for off, size, digest in chunks:
+            if (digest, off, rel) not in journal.done:
+                continue
+            full = os.path.join(partial, rel)
+            try:
+                if os.path.getsize(full) >= off + size and \
+                        "sha256:" + _hash_range(full, off, size).hex() == digest:
+                    have[(digest, off, rel)] = size
+            except OSError:
+                continue
+    return have
+
+
+def _forget(partial: str, journal: str) -> None:
+    shutil.rmtree(partial, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal)
+
+
+def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, name: str, pulled: dict,
+                  progress: Progress) -> dict:
+    """A CRI-O/Podman checkpoint image (or `push --format cri`): the one layer is a checkpoint
+    archive; downloaded (digest-checked) into the store's .tmp, then imported as `migrt import` does."""
+    from migrt.pods.import_cri import import_archive
+    from migrt.store import manifest as mf
+
+    layer = image.check_descriptor(manifest["layers"][0], str(client.ref))
+    tmpdir = tempfile.mkdtemp(dir=os.path.join(store.root, ".tmp"), prefix=f"pull.{os.getpid()}.")
+    try:
+        path = os.path.join(tmpdir, "checkpoint.tar")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            def sink(view: memoryview) -> None:
+                if not len(view):
+                    os.ftruncate(fd, 0)
+                    os.lseek(fd, 0, os.SEEK_SET)
+                    return
+                os.write(fd, view)
+            progress("phase", name="download", total_bytes=layer["size"])
+            t0 = time.monotonic()
+            client.fetch_blob(layer["digest"], layer["size"], sink)
+            progress("bytes", name="download", bytes=layer["size"])
+            progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
+        finally:
+            os.close(fd)
+        data = import_archive(cfg, path, name=name, progress=progress)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    with store.lock(name):
+        data["pulled"] = pulled
+        data.setdefault("imported", {})["archive"] = pulled["reference"]
+        mf.write(store.get(name).path, data)
+    return data
+
+
+def ensure_local(cfg: Config, reference: str, progress: Progress = null_progress) -> str:
+    """The store name of an image reference, pulled first if this node does not have it (the
+    `create` path of `oci:` restore requests). Errors are MigrtErrors."""
+    try:
+        return pull(cfg, reference, progress=progress)["name"]
+    except MigrtError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one boundary: the shim must get a MigrtError
+        raise MigrtError(f"pulling {reference}: internal error: {exc!r}") from exc

@@ -1,0 +1,255 @@
+"""Checkpoints through a real OCI registry (Debian's docker-registry, the CNCF distribution server) on
+loopback with TLS (a CA made here) and basic auth (htpasswd, bcrypt); restore by image reference
+through containerd; checkpointctl reading `migrt export`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests.helpers.registry import local_registry, missing, write_auth
+from tests.integration.conftest import SHIM, run_cli
+from tests.integration.test_containerd import _checkpointed_counter, _ctr_run_fg, _id, _remove
+from tests.integration.workloads import parse_ticks
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def registry(migrt_config, tmp_path_factory):
+    miss = missing()
+    if miss:
+        msg = f"registry prerequisites missing: {', '.join(miss)} (run packaging/setup-host.sh)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    base = tmp_path_factory.mktemp("registry")
+    cfg = migrt_config["config"]
+    original = open(cfg).read()
+    with local_registry(str(base)) as reg:
+        with open(cfg, "a") as fh:
+            fh.write(f"registry_auth_file: {reg.auth_file}\nregistry_ca_file: {reg.ca_file}\n")
+        try:
+            yield reg
+        finally:
+            with open(cfg, "w") as fh:
+                fh.write(original)
+
+
+@pytest.fixture(scope="module")
+def pushed(containerd, registry, tmp_path_factory):
+    """A counter checkpointed through containerd and pushed once."""
+    tmp = tmp_path_factory.mktemp("pushed")
+    _src, name, before = _checkpointed_counter(containerd, tmp)
+    ref = registry.ref("team/counter", "v1")
+    out = json.loads(run_cli("push", name, ref, "--json").stdout)
+    return {"name": name, "ref": ref, "push": out, "before": before}
+
+
+def _manifest(store: str, name: str) -> dict:
+    with open(os.path.join(store, name, "manifest.json")) as fh:
+        return json.load(fh)
+
+
+def test_push_pull_round_trip(pushed, registry, migrt_config):
+    out = pushed["push"]
+    src = _manifest(migrt_config["store"], pushed["name"])
+    assert out["digest"].startswith("sha256:") and out["bytes_sent"] >= src["size_bytes"]
+    pulled = json.loads(run_cli("pull", pushed["ref"], "--name", "pulled-copy", "--json").stdout)
+    assert pulled["name"] == "pulled-copy" and pulled["digest"] == out["digest"]
+    got = _manifest(migrt_config["store"], "pulled-copy")
+    assert got["files"] == src["files"]                       # every file, size and digest
+    assert got["options"] == src["options"] and got["source"] == src["source"]
+    assert got["pulled"]["manifest_digest"] == out["digest"]
+    run_cli("inspect", "pulled-copy", "--verify")
+    # the same image again: already there, nothing received
+    again = json.loads(run_cli("pull", pushed["ref"], "--name", "pulled-copy", "--json").stdout)
+    assert again["already_present"] is True and again["bytes_received"] == 0
+    run_cli("rm", "pulled-copy")
+
+
+def test_second_push_sends_almost_nothing(pushed, registry, migrt_config):
+    size = _manifest(migrt_config["store"], pushed["name"])["size_bytes"]
+    out = json.loads(run_cli("push", pushed["name"], registry.ref("team/counter", "v1-again"), "--json").stdout)
+    assert out["digest"] == pushed["push"]["digest"]          # same content, same image
+    assert out["bytes_sent"] < 0.01 * size, out
+    assert out["blobs_skipped"] > 0.99 * size            # identical blobs are sent once, so a little less
+
+
+def test_tampered_blob_refused_nothing_committed(pushed, registry, migrt_config):
+    # alter the largest blob in the registry's storage: the server hands the bytes out unchecked
+    layers = _image_manifest(registry, pushed["push"]["digest"])["layers"]
+    big = max(layers, key=lambda d: d["size"])
+    path = registry.blob_path(big["digest"])
+    saved = open(path, "rb").read()
+    try:
+        with open(path, "r+b") as fh:
+            fh.seek(len(saved) // 2)
+            fh.write(bytes([saved[len(saved) // 2] ^ 0xFF]))
+        res = run_cli("pull", pushed["ref"], "--name", "tampered", check=False)
+        assert res.returncode == 4, res.stderr
+        assert "altered" in res.stderr and big["digest"] in res.stderr
+        store = migrt_config["store"]
+        assert not os.path.exists(os.path.join(store, "tampered"))
+        assert os.listdir(os.path.join(store, ".pulls")) == []  # no partial left for a refused image
+    finally:
+        with open(path, "wb") as fh:
+            fh.write(saved)
+
+
+def test_tampered_manifest_digest_refused(pushed, registry):
+    ref = pushed["ref"].rsplit(":", 1)[0] + "@sha256:" + "0" * 64
+    res = run_cli("pull", ref, check=False)
+    assert res.returncode in (3, 4), res.stderr  # unknown digest: the registry has no such manifest
+    # a reference pinned to the right digest pulls; its bytes are checked against it
+    good = pushed["ref"].rsplit(":", 1)[0] + "@" + pushed["push"]["digest"]
+    out = json.loads(run_cli("pull", good, "--name", "pinned", "--json").stdout)
+    assert out["digest"] == pushed["push"]["digest"]
+    run_cli("rm", "pinned")
+
+
+def test_wrong_password_and_open_auth_file(pushed, registry, migrt_config, tmp_path):
+    bad = tmp_path / "bad-auth.json"
+    write_auth(str(bad), registry.host, password="wrong")
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(open(migrt_config["config"]).read().replace(registry.auth_file, str(bad)))
+    res = run_cli("--config", str(cfg), "pull", pushed["ref"], check=False)
+    assert res.returncode == 9 and "registry_auth_file" in res.stderr, res.stderr
+    os.chmod(bad, 0o644)
+    res = run_cli("--config", str(cfg), "pull", pushed["ref"], check=False)
+    assert res.returncode == 7 and "chmod 600" in res.stderr
+    res = run_cli("--config", str(cfg.with_name("none.yaml")), "pull", pushed["ref"], check=False)
+    assert res.returncode == 9  # no config: no CA, no credentials -> TLS or auth refused
+
+
+def test_pull_resumes_after_a_cut(pushed, registry, migrt_config, monkeypatch):
+    """A pull cut off after some blobs (the connection to the registry fails) leaves its verified
+    blobs; the next pull fetches only the rest."""
+    from migrt import config as config_mod
+    from migrt.errors import RegistryError
+    from migrt.registry import client as client_mod
+    from migrt.registry.pull import pull
+
+    cfg = config_mod.load(migrt_config["config"])
+    cfg.registry_parallel = 1
+    real = client_mod.Client.fetch_blob
+    calls = {"n": 0}
+
+    def flaky(self, digest, size, sink):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RegistryError("connection cut (test)")
+        return real(self, digest, size, sink)
+
+    monkeypatch.setattr(client_mod.Client, "fetch_blob", flaky)
+    with pytest.raises(RegistryError):
+        pull(cfg, pushed["ref"], name="resumed")
+    assert os.listdir(os.path.join(migrt_config["store"], ".pulls"))  # the partial is kept
+    monkeypatch.setattr(client_mod.Client, "fetch_blob", real)
+    out = pull(cfg, pushed["ref"], name="resumed")
+    total = _manifest(migrt_config["store"], pushed["name"])["size_bytes"]
+    first_two = sorted(d["size"] for d in _image_manifest(registry, pushed["push"]["digest"])["layers"])
+    assert out["bytes_received"] <= total - min(first_two) and out["bytes_received"] < total
+    run_cli("inspect", "resumed", "--verify")
+    assert os.listdir(os.path.join(migrt_config["store"], ".pulls")) == []
+    run_cli("rm", "resumed")
+
+
+def test_restore_by_reference_through_containerd(pushed, registry, containerd, migrt_config):
+    """Two containers restore `oci:REF` at once: one pull, two restored counters."""
+    store = migrt_config["store"]
+    last = pushed["before"][-1]
+    ref = "oci:" + registry.ref("team/counter", "v1")
+    procs = {}
+    for _ in range(2):
+        cid = _id("byref")
+        procs[cid] = _ctr_run_fg(containerd, cid, "--env", f"MIGRT_RESTORE={ref}", cmd="echo started-fresh; exit 9")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ls = containerd.ctr("task", "ls").stdout
+            if all(f"{cid} " in ls and "RUNNING" in ls.split(cid, 1)[1].splitlines()[0] for cid in procs):
+                break
+            if any(p.poll() is not None for p in procs.values()):
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)
+        for cid in procs:
+            res = containerd.ctr("task", "exec", "--exec-id", "stop", cid, "sh", "-c", "touch /tmp/stop; echo ok",
+                                 check=False)
+            assert res.stdout.strip() == "ok", (res.stderr, procs[cid].poll())
+        outs = {cid: p.communicate(timeout=30) for cid, p in procs.items()}
+    finally:
+        for cid, p in procs.items():
+            if p.poll() is None:
+                p.kill()
+            _remove(containerd, cid)
+    for cid, (out, err) in outs.items():
+        assert procs[cid].returncode == 7, (out, err)
+        after = parse_ticks(out)
+        assert after and after[0][0] > last[0] and "started-fresh" not in out
+    pulled = [n for n in os.listdir(store) if n.startswith("oci-counter-")]
+    assert len(pulled) == 1, pulled                      # pulled once for both
+    assert _manifest(store, pulled[0])["pulled"]["manifest_digest"] == pushed["push"]["digest"]
+    assert os.listdir(os.path.join(store, ".pulls")) == []
+
+
+def test_export_read_by_checkpointctl(pushed, migrt_config, tmp_path):
+    if not shutil.which("checkpointctl"):
+        if os.environ.get("CI") == "true":
+            pytest.fail("checkpointctl missing (run packaging/setup-host.sh)")
+        pytest.skip("checkpointctl missing")
+    tar = tmp_path / "counter.tar"
+    out = json.loads(run_cli("export", pushed["name"], "-o", str(tar), "--json").stdout)
+    assert out["size"] == os.path.getsize(tar)
+    show = subprocess.run(["checkpointctl", "show", str(tar)], capture_output=True, text=True, timeout=60)
+    assert show.returncode == 0, show.stderr
+    src = _manifest(migrt_config["store"], pushed["name"])
+    assert src["source"]["container_id"][:12] in show.stdout, show.stdout
+    assert "runc" in show.stdout or "migrt" in show.stdout
+    insp = subprocess.run(["checkpointctl", "inspect", "--ps-tree", "--format", "json", str(tar)],
+                          capture_output=True, text=True, timeout=60)
+    assert insp.returncode == 0, insp.stderr
+    tree = json.loads(insp.stdout)
+    assert "sh" in json.dumps(tree)                       # the counter's shell, read from the CRIU images
+    # and migrt reads its own export back (the Kubernetes archive importer)
+    name = run_cli("import", str(tar), "--name", "exported-back").stdout.strip()
+    assert name == "exported-back"
+    back = _manifest(migrt_config["store"], name)
+    imgs = {k: v for k, v in src["files"].items() if k.startswith("images/")}
+    assert all(back["files"].get(k) == v for k, v in imgs.items() if k != "images/stats-dump")
+    run_cli("rm", name)
+
+
+def test_cri_format_push_and_pull(pushed, registry, migrt_config):
+    ref = registry.ref("team/counter-cri", "v1")
+    out = json.loads(run_cli("push", pushed["name"], ref, "--format", "cri", "--json").stdout)
+    man = _image_manifest(registry, out["digest"], repo="team/counter-cri")
+    assert man["annotations"]["io.kubernetes.cri-o.annotations.checkpoint.name"]
+    assert len(man["layers"]) == 1 and man["layers"][0]["mediaType"] == "application/vnd.oci.image.layer.v1.tar"
+    pulled = json.loads(run_cli("pull", ref, "--name", "from-cri", "--json").stdout)
+    assert pulled["name"] == "from-cri"
+    got = _manifest(migrt_config["store"], "from-cri")
+    assert got["imported"]["format"] == "kubernetes-checkpoint-archive"
+    run_cli("inspect", "from-cri", "--verify")
+    run_cli("rm", "from-cri")
+
+
+def _image_manifest(registry, digest: str, repo: str = "team/counter") -> dict:
+    """Read a manifest straight from the registry's storage (what it serves)."""
+    from migrt.registry.client import Client
+    from migrt.registry.auth import load
+    from migrt.registry.reference import parse
+
+    ref = parse(f"{registry.host}/{repo}@{digest}")
+    client = Client(ref, credentials=load(registry.auth_file, registry.host), ca_file=registry.ca_file)
+    try:
+        return json.loads(client.get_manifest()[0])
+    finally:
+        client.close()
