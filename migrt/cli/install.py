@@ -82,6 +82,12 @@ def install_runtime(bindir, python, repair, criu_hook, criu_hook_source, as_json
             raise ConfigError(f"--python {python}: {problem}")
     written = install_launchers(bindir, python=python, repair=repair, criu_hook=criu_hook,
                                 hook_source=criu_hook_source)
+    if not python:
+        from migrt.node.doctor_install import python_check
+
+        check = python_check()
+        if check["status"] != "ok":
+            click.echo(f"migrt: warning: {check['detail']}; {check['fix']}", err=True)
     if as_json:
         emit_json({"files": written})
         return

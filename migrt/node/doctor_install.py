@@ -62,7 +62,7 @@ def python_check() -> dict:
     if base and not VERSIONED.search(os.path.basename(base)) and os.path.dirname(base) in SYSTEM_BIN:
         return _check("python", "warn", f"{detail}; the venv {sys.prefix} names {base}, which an upgrade may move "
                       "to another Python version (its site-packages then vanish from view)",
-                      f"{SETUP}: it makes the venv with a versioned interpreter such as /usr/bin/python3.11")
+                      f"make the venv with a versioned interpreter ({real} -m venv), as packaging/setup-host.sh does")
     return _check("python", "ok", detail)
 
 
