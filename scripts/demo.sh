@@ -4,4 +4,4 @@
 set -eu
 cd "$(dirname "$0")/.."
 sh packaging/setup-host.sh
-exec /opt/migrt/venv/bin/python scripts/demo.py "$@"
+exec "${MIGRT_PREFIX:-/opt/migrt}/venv/bin/python" scripts/demo.py "$@"
