@@ -67,14 +67,12 @@ def _remove(rec: dict) -> None:
 
 
 def _rss(pid: int) -> int | None:
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        return psutil.Process(pid).memory_info().rss
+    except psutil.Error:
         return None
-    return None
 
 
 def _backend(cfg, what: str) -> GpuBackend:

@@ -23,28 +23,16 @@ DIFF_META = "rootfs-diff.json"
 SKIP_TOP = ("proc", "sys", "dev")  # kernel file systems: never part of the layer
 
 
-def _unescape(text: str) -> str:
-    return text.encode().decode("unicode_escape") if "\\" in text else text
-
-
 def overlay_upperdir(rootfs: str) -> str | None:
-    """The upperdir of the overlay mounted at rootfs, or None if rootfs is not an overlay mount."""
+    """The upperdir of the overlay mounted at rootfs, or None if rootfs is not an overlay mount
+    (the last mount there wins, as in the kernel's view; psutil decodes the mount table's escapes)."""
+    import psutil
+
     target = os.path.realpath(rootfs)
     found = None
-    try:
-        with open("/proc/self/mountinfo") as fh:
-            for line in fh:
-                left, _, right = line.partition(" - ")
-                fields, rfields = left.split(), right.split()
-                if len(fields) < 5 or len(rfields) < 3:
-                    continue
-                mnt = fields[4].replace("\\040", " ")
-                if mnt == target and rfields[0] == "overlay":
-                    for opt in rfields[2].split(","):
-                        if opt.startswith("upperdir="):
-                            found = _unescape(opt[len("upperdir="):])
-    except OSError:
-        return None
+    for part in psutil.disk_partitions(all=True):
+        if part.mountpoint == target and part.fstype == "overlay":
+            found = next((o[len("upperdir="):] for o in part.opts.split(",") if o.startswith("upperdir=")), None)
     return found
 
 

@@ -380,11 +380,7 @@ def lock_holders(fd: int) -> list[str]:
         if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK" or parts[5] != want:
             continue
         pid = parts[4]
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
-        except OSError:
-            argv = []
+        argv = _cmdline(int(pid)) if pid.isdigit() else []
         words = [os.path.basename(a) if i == 0 else a for i, a in enumerate(argv[:4])]
         cmd = " ".join(w.strip().splitlines()[0] if w.strip() else "''" for w in words)[:60]
         out.append(f"pid {pid} ({cmd})" if cmd else f"pid {pid}")
@@ -410,7 +406,19 @@ def check_secure(path: str, what: str) -> None:
                                         "trust its content, then 'migrt inspect --verify')")
 
 
+def _cmdline(pid: int) -> list[str]:
+    import psutil  # not at module level: the store is also used on migrt-runc's paths
+
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
+
+
 def _pid_alive(entry: str) -> bool:
-    """.tmp entries are named <kind>[.<name>].<pid>.<n>; keep those whose process still runs."""
+    """.tmp entries are named <kind>[.<name>].<pid>.<n>; keep those whose process still runs (a
+    process: psutil.pid_exists, unlike /proc/<n>, is not fooled by a thread that now has that id)."""
+    import psutil
+
     parts = entry.split(".")
-    return len(parts) >= 3 and parts[-2].isdigit() and os.path.exists(f"/proc/{parts[-2]}")
+    return len(parts) >= 3 and parts[-2].isdigit() and psutil.pid_exists(int(parts[-2]))

@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
@@ -291,7 +292,7 @@ def test_sender_closing_midway_leaves_target_clean(nodes, hosts):
         "ch.sock.sendall(b'x' * (3 << 20))\n"
         "ch.close()\n"
     )
-    py = os.path.join(os.path.dirname(os.path.realpath(CLI)), "python")
+    py = sys.executable  # this venv: migrt/bin/migrt is a launcher script now, not a link into the venv
     key = os.path.join(os.path.dirname(nodes["a"]["config"]), "key")
     res = subprocess.run(in_ns(hosts["a"], py, "-c", script, f"{ADDR_B}:7905", key), capture_output=True, text=True,
                          timeout=60)
