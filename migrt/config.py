@@ -17,6 +17,8 @@ Keys (all optional):
   registry_auth_file: (none)         docker-style config.json with registry credentials (docs/registry.md)
   registry_ca_file: (none)           CA bundle for registries (default: the system's)
   registry_parallel: 4               blobs moved at once by push and pull
+  migration_stall_timeout: 10        seconds without progress (bytes, messages, CRIU I/O) after which a
+                                     migration gives up on the peer or kills a stuck CRIU (docs/migration.md)
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Config:
     criu_options: dict[str, bool] = field(default_factory=dict)
     migration_key_file: str | None = None
     migration_tls: dict[str, str] | None = None
+    migration_stall_timeout: float = 10.0
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
     allow_cross_namespace_restore: bool = False
@@ -87,7 +90,8 @@ def load(path: str | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
-             "allow_cross_namespace_restore", "migration_key_file", "migration_tls", "store_space_check"}
+             "allow_cross_namespace_restore", "migration_key_file", "migration_tls", "store_space_check",
+             "migration_stall_timeout"}
     known |= set(REGISTRY_KEYS)
     known |= set(GPU_KEYS)
     unknown = sorted(set(data) - known)
@@ -135,6 +139,10 @@ def load(path: str | None = None) -> Config:
         raise ConfigError(f"config {path}: 'migration_tls' must map cert, key and ca to absolute paths")
     cfg.migration_tls = tls
     _load_registry(cfg, data, path)
+    stall = data.get("migration_stall_timeout", cfg.migration_stall_timeout)
+    if not isinstance(stall, (int, float)) or isinstance(stall, bool) or not 1 <= stall <= 3600:
+        raise ConfigError(f"config {path}: 'migration_stall_timeout' must be a number of seconds from 1 to 3600")
+    cfg.migration_stall_timeout = float(stall)
     return cfg
 
 

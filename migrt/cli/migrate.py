@@ -97,6 +97,10 @@ def receive(listen, once, restore_bundle, root, container_id, output, as_json):
                        f"{r['error']}", err=True)
             return
         t = r["timings"]
+        if r.get("mode") == "query":
+            click.echo(f"migrt receive: {r['peer']} asked about {r['name']}: a container restored from it is "
+                       f"{'running' if r.get('answer') == 'running' else 'not running'} here", err=True)
+            return
         what = (f"restored as {r['container_id']} (pid {r['pid']})" if r.get("restored")
                 else f"committed as checkpoint {r['name']}")
         click.echo(f"migrt receive: {r['name']} from {r['peer']} ({r['mode']}): {human_size(r['bytes'])} "

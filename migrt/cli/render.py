@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -33,9 +34,14 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 class ConsoleProgress:
-    """Renders ops progress events on stderr when it is a terminal (or when forced)."""
+    """Renders ops progress events on stderr when it is a terminal (or when forced).
+
+    With MIGRT_PROGRESS=json in the environment every event is instead one JSON line on stderr
+    (`{"progress": "phase", "name": "dump", "t": <seconds since start>, ...}`), whatever the other
+    options: for scripts and the fault-injection tests, which act at a given phase."""
 
     def __init__(self, enabled: bool | None = None) -> None:
+        self.json = os.environ.get("MIGRT_PROGRESS") == "json"
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self.total = 0
         self.done = 0
@@ -43,6 +49,12 @@ class ConsoleProgress:
         self.phase_name = ""
 
     def __call__(self, event: str, **f) -> None:
+        if self.json:
+            if event != "bytes" or f.get("bytes"):
+                rec = {"progress": event, "t": round(time.monotonic() - self.started, 3), **f}
+                sys.stderr.write(json.dumps(rec, default=str) + "\n")
+                sys.stderr.flush()
+            return
         if not self.enabled:
             return
         if event == "phase":

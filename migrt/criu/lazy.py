@@ -110,7 +110,7 @@ class LazyPagesDaemon:
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None:
-                raise self._failure("criu lazy-pages exited before it was ready")
+                raise self.failure("criu lazy-pages exited before it was ready")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeFailed(f"criu lazy-pages did not create {self.socket} within {timeout:.0f} s")
@@ -123,7 +123,7 @@ class LazyPagesDaemon:
         except subprocess.TimeoutExpired as exc:
             raise RuntimeFailed(f"criu lazy-pages still fetching pages after {timeout:.0f} s") from exc
         if self.proc.returncode != 0:
-            raise self._failure(f"criu lazy-pages failed (exit status {self.proc.returncode})")
+            raise self.failure(f"criu lazy-pages failed (exit status {self.proc.returncode})")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -134,7 +134,8 @@ class LazyPagesDaemon:
                 self.proc.kill()
                 self.proc.wait()
 
-    def _failure(self, msg: str) -> RuntimeFailed:
+    def failure(self, msg: str) -> RuntimeFailed:
+        """`msg` with the daemon's error lines (its log, else its stderr)."""
         details = error_lines(self.log)
         if not details:
             try:

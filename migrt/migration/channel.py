@@ -12,6 +12,7 @@ import hmac
 import os
 import secrets
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +26,7 @@ CHUNK = 8 << 20
 TLS_HANDSHAKE = b"\x16"  # first byte of a TLS ClientHello record
 CONNECT_TIMEOUT = 15.0
 HANDSHAKE_TIMEOUT = 15.0
-IDLE_TIMEOUT = 600.0  # a peer may spend minutes dumping or restoring GBs between two messages
+STALL_TIMEOUT = 10.0  # default: no byte and no message from the peer for this long = it is gone or stuck
 
 Progress = Callable[[int], None]
 
@@ -61,6 +62,14 @@ def _io(what: str) -> Iterator[None]:
         raise TransferError(f"{what}: {exc.strerror or exc}") from exc
 
 
+def _sendall(sock: socket.socket, data) -> None:
+    """sendall whose timeout counts from the last byte that left, not from the start (socket.sendall's
+    timeout bounds the whole call: 8 MiB over a slow link would time out while bytes still flow)."""
+    mv = memoryview(data).cast("B")
+    while mv:
+        mv = mv[sock.send(mv):]
+
+
 def _keepalive(sock: socket.socket) -> None:
     """Notice a vanished peer within about 30 s even while we wait on it for minutes."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -84,9 +93,16 @@ def _punch_hole(fd: int, offset: int, length: int) -> None:
 
 
 class Channel:
-    """One authenticated connection. `peer` is "host:port" of the other side."""
+    """One authenticated connection. `peer` is "host:port" of the other side.
 
-    def __init__(self, sock: socket.socket, session: bytes, *, is_server: bool) -> None:
+    Liveness: every wait on the peer ends after `stall` seconds without a byte or a message from it
+    (TransferError). A side busy with long local work (dumping, committing, restoring) says so with
+    `busy()`, which sends an `alive` message every `stall / 4` seconds; `recv` skips them. So a
+    peer that died, hangs or lost the network is noticed within `stall` seconds, however long the
+    work of a healthy one takes."""
+
+    def __init__(self, sock: socket.socket, session: bytes, *, is_server: bool,
+                 stall: float = STALL_TIMEOUT) -> None:
         self.sock = sock
         self.peer = "%s:%s" % sock.getpeername()[:2]
         self.local_host = sock.getsockname()[0]
@@ -95,25 +111,52 @@ class Channel:
         self._in = p.Sealer(session, theirs)
         self._buf = bytearray(CHUNK)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="migrt-hash")
-        sock.settimeout(IDLE_TIMEOUT)
+        self._send_lock = threading.Lock()  # a message or a whole file at a time (busy() sends from a thread)
+        self.stall = stall
+        sock.settimeout(stall)
 
     # -- messages ----------------------------------------------------------------------------
     def send(self, msg: dict) -> None:
-        body = self._out.seal(p.encode(msg))
-        with _io(f"sending {msg.get('type')} to {self.peer}"):
-            self.sock.sendall(p.HEADER.pack(p.SEALED, len(body)) + body)
+        with self._send_lock:
+            body = self._out.seal(p.encode(msg))
+            with _io(f"sending {msg.get('type')} to {self.peer}"):
+                _sendall(self.sock, p.HEADER.pack(p.SEALED, len(body)) + body)
 
     def recv(self, *expected: str) -> dict:
-        """The next message; an `error` message from the peer is raised as TransferError."""
-        kind, payload = _recv_frame(self.sock, self.peer)
-        if kind != p.SEALED:
-            raise TransferError(f"{self.peer} sent an unsealed message after authentication")
-        msg = p.decode(self._in.open(payload))
+        """The next message (`alive` ones skipped); an `error` message from the peer is raised as
+        RemoteError. No message for `stall` seconds raises TransferError."""
+        while True:
+            kind, payload = _recv_frame(self.sock, self.peer)
+            if kind != p.SEALED:
+                raise TransferError(f"{self.peer} sent an unsealed message after authentication")
+            msg = p.decode(self._in.open(payload))
+            if msg["type"] != "alive":
+                break
         if msg["type"] == "error":
             raise RemoteError(f"{self.peer}: {msg.get('error', 'unknown error')}", msg.get("exit_code"))
         if expected and msg["type"] not in expected:
             raise TransferError(f"{self.peer} sent {msg['type']!r}, expected {' or '.join(expected)}")
         return msg
+
+    @contextlib.contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        """Tell the peer every stall/4 seconds that we are working on `what` (and not gone)."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(self.stall / 4):
+                try:
+                    self.send({"type": "alive", "doing": what})
+                except TransferError:
+                    return
+
+        t = threading.Thread(target=beat, daemon=True, name="migrt-alive")
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
 
     def error(self, text: str, exit_code: int | None = None) -> None:
         """Tell the peer why we give up (best effort: the connection may already be gone)."""
@@ -128,30 +171,36 @@ class Channel:
             fd = os.open(path, (os.O_RDWR if release else os.O_RDONLY) | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
-            self.send({"type": "file", "path": rel, "size": size})
-            h = TreeHasher()
-            mv = memoryview(self._buf)
-            off = 0
-            while off < size:
-                with _io(f"reading {path}"):
-                    n = os.preadv(fd, [mv[: min(CHUNK, size - off)]], off)
-                if n <= 0:
-                    raise TransferError(f"{path} shrank while being sent ({off} of {size} bytes)")
-                chunk = mv[:n]
-                hashing = self._pool.submit(h.update, chunk)
-                try:
-                    with _io(f"sending {rel} to {self.peer}"):
-                        self.sock.sendall(chunk)
-                finally:
-                    hashing.result()
-                if release:
-                    _punch_hole(fd, off, n)
-                off += n
-                if progress:
-                    progress(n)
-            return make_entry(size, h.hexdigest())
+            with self._send_lock:
+                return self._send_file(fd, path, rel, size, progress, release)
         finally:
             os.close(fd)
+
+    def _send_file(self, fd: int, path: str, rel: str, size: int, progress: Progress | None, release: bool) -> dict:
+        body = self._out.seal(p.encode({"type": "file", "path": rel, "size": size}))
+        with _io(f"sending file to {self.peer}"):
+            _sendall(self.sock, p.HEADER.pack(p.SEALED, len(body)) + body)
+        h = TreeHasher()
+        mv = memoryview(self._buf)
+        off = 0
+        while off < size:
+            with _io(f"reading {path}"):
+                n = os.preadv(fd, [mv[: min(CHUNK, size - off)]], off)
+            if n <= 0:
+                raise TransferError(f"{path} shrank while being sent ({off} of {size} bytes)")
+            chunk = mv[:n]
+            hashing = self._pool.submit(h.update, chunk)
+            try:
+                with _io(f"sending {rel} to {self.peer}"):
+                    _sendall(self.sock, chunk)
+            finally:
+                hashing.result()
+            if release:
+                _punch_hole(fd, off, n)
+            off += n
+            if progress:
+                progress(n)
+        return make_entry(size, h.hexdigest())
 
     def recv_file(self, fd: int, size: int, *, progress: Progress | None = None) -> str:
         """Receive exactly `size` raw bytes into fd; return their manifest digest (see store.fsutil)."""
@@ -237,7 +286,8 @@ def _hex(msg: dict, field: str, peer: str) -> bytes:
     return val
 
 
-def connect(address: str, key: bytes, *, timeout: float = CONNECT_TIMEOUT, tls: TLSFiles | None = None) -> Channel:
+def connect(address: str, key: bytes, *, timeout: float = CONNECT_TIMEOUT, tls: TLSFiles | None = None,
+            stall: float = STALL_TIMEOUT) -> Channel:
     """Connect to a receiver and authenticate both ways (client side), inside TLS when `tls` is given."""
     host, port = parse_address(address)
     peer = f"{host}:{port}"
@@ -261,13 +311,13 @@ def connect(address: str, key: bytes, *, timeout: float = CONNECT_TIMEOUT, tls: 
         welcome = _recv_plain(sock, peer, "welcome")
         if not hmac.compare_digest(_hex(welcome, "mac", peer), p.server_proof(key, cs, cc)):
             raise AuthError(f"{peer} does not hold the migration key (its proof is wrong); refusing to send to it")
-        return Channel(sock, p.session_key(key, cs, cc), is_server=False)
+        return Channel(sock, p.session_key(key, cs, cc), is_server=False, stall=stall)
     except BaseException:
         sock.close()
         raise
 
 
-def accept(sock: socket.socket, key: bytes, *, tls: TLSFiles | None = None) -> Channel:
+def accept(sock: socket.socket, key: bytes, *, tls: TLSFiles | None = None, stall: float = STALL_TIMEOUT) -> Channel:
     """Authenticate a freshly accepted connection (server side). Raises AuthError for a wrong key."""
     peer = "%s:%s" % sock.getpeername()[:2]
     _keepalive(sock)
@@ -297,4 +347,4 @@ def accept(sock: socket.socket, key: bytes, *, tls: TLSFiles | None = None) -> C
                            "error": "authentication failed: the migration keys of the two nodes differ"}, peer)
         raise AuthError(f"{peer} failed authentication (wrong migration key); connection refused")
     _send_plain(sock, {"type": "welcome", "mac": p.server_proof(key, cs, cc).hex()}, peer)
-    return Channel(sock, p.session_key(key, cs, cc), is_server=True)
+    return Channel(sock, p.session_key(key, cs, cc), is_server=True, stall=stall)

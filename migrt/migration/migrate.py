@@ -9,14 +9,18 @@
     target restores                   (if the receiver was started with --restore)
     destroy the frozen source         only once the target holds the state
 
-Until the target holds the state, any failure resumes the source container: it keeps running with
-its state intact and the target keeps nothing. (If even the resume fails, the error says so and how to
-resume by hand.) The source's images live in a staging directory of the local store that is removed
-at the end; sent ranges are released at once, so a tmpfs store does not double the memory footprint.
+Who runs the container after a failure follows one rule (handover.py): before the target is asked
+to restore, the source is resumed; after, the source stays frozen until it knows (from the target's
+answer, or by asking again on a new connection) whether the target runs it. A guard process
+(guard.py) applies the same rule if this process is killed. Every wait on the target ends after
+`migration_stall_timeout` seconds without a byte or message from it (a busy target says it is alive).
+The source's images live in a staging directory of the local store that is removed at the end; sent
+ranges are released at once, so a tmpfs store does not double the memory footprint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -36,7 +40,10 @@ from migrt.runtime import control
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
-from migrt.migration.wire import Channel, connect, load_key
+from migrt.migration import handover
+from migrt.migration.channel import RemoteError
+from migrt.migration.guard import Guard
+from migrt.migration.wire import Channel, TransferError, connect, load_key
 from migrt.migration.tls import TLSFiles
 
 MODES = ("stop-and-copy", "lazy")
@@ -110,17 +117,36 @@ def _payload(path: str) -> list[tuple[str, str]]:
 
 
 class _Source:
-    """The container on this node and what may be done to it."""
+    """The container on this node and what may be done to it; keeps the guard's instruction in step."""
 
-    def __init__(self, runtime: str, root: str, cid: str, was_paused: bool) -> None:
+    def __init__(self, runtime: str, root: str, cid: str, was_paused: bool, guard: Guard) -> None:
         self.runtime, self.root, self.cid = runtime, root, cid
         self.was_paused = was_paused
         self.frozen = False
+        self.guard = guard
+        self.page_server: tuple[str, int] | None = None
+        self.staging: str | None = None
 
-    def freeze(self) -> None:
+    def _where(self) -> dict:
+        return {"runtime": self.runtime, "root": self.root, "cid": self.cid, "page_server": self.page_server,
+                "remove": [self.staging] if self.staging else []}
+
+    def freeze(self, staging: str) -> None:
+        self.staging = staging
+        # armed before the pause: a kill between the two leaves a container that resumes harmlessly
+        self.guard.arm({"do": "settle" if self.was_paused else "resume", **self._where()})
         if not self.was_paused:
             control.pause(self.runtime, self.root, self.cid)
         self.frozen = True
+
+    def serving(self, page_server: tuple[str, int]) -> None:
+        self.page_server = page_server
+        self.guard.arm({**self.guard.current, "page_server": page_server})
+
+    def handing_over(self, cfg: Config, to: str, name: str, target_cid: str | None) -> None:
+        """From here on, only the target's answer decides (see handover.py)."""
+        self.guard.arm({"do": "resolve", **self._where(), "config": cfg.path, "to": to, "name": name,
+                        "target_cid": target_cid, "was_paused": self.was_paused})
 
     def rollback(self, target_kept: bool = False) -> str:
         """Resume after a failure; returns a sentence for the error message."""
@@ -128,17 +154,21 @@ class _Source:
         if not self.frozen:
             return f"container {self.cid} was not touched and keeps running{kept}"
         if self.was_paused:
+            self.guard.arm({"do": "remove", "remove": [self.staging] if self.staging else []})
             return f"container {self.cid} was left paused, as it was{kept}"
         try:
             control.resume(self.runtime, self.root, self.cid)
         except MigrtError as exc:
             return (f"container {self.cid} could NOT be resumed ({exc}); it is frozen with its state intact: "
                     f"run 'runc --root {self.root} resume {self.cid}'")
+        self.guard.arm({"do": "remove", "remove": [self.staging] if self.staging else []})
         self.frozen = False
         return f"container {self.cid} was resumed on this node{kept}"
 
     def destroy(self) -> None:
+        self.guard.arm({"do": "destroy", **self._where()})
         control.destroy(self.runtime, self.root, self.cid)
+        self.guard.arm({"do": "remove", "remove": [self.staging] if self.staging else []})
         self.frozen = False
 
 
@@ -170,13 +200,16 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
 
     progress("phase", name="connect", to=req.to)
     t0 = time.monotonic()
-    ch = connect(req.to, key, tls=TLSFiles(**cfg.migration_tls) if cfg.migration_tls else None)
+    ch = connect(req.to, key, tls=TLSFiles(**cfg.migration_tls) if cfg.migration_tls else None,
+                 stall=cfg.migration_stall_timeout)
+    guard: Guard | None = None
     try:
         ch.send({"type": "offer", "name": name, "mode": mode, "container_id": req.container_id,
                  "schema": mf.SCHEMA})
         ready = ch.recv("ready")
         result["phases"]["connect_s"] = round(time.monotonic() - t0, 3)
         progress("done", name="connect", seconds=result["phases"]["connect_s"], peer=ch.peer)
+        guard = Guard(f"source:{req.container_id}", cfg.log_file)  # starts while we prepare, before the freeze
         with store.writer(name) as staging:
             fields = {
                 "created": _utc(time.time()),
@@ -189,11 +222,16 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
                            for m in bundle.mounts],
                 "timings": result["phases"],
             }
-            run = _Run(ch, ready, _Source(runtime.path, root, req.container_id, state.get("status") == "paused"),
-                       staging, opts, fields, bundle, req, result, progress)
+            guard.arm({"do": "remove", "remove": [staging.path]})  # killed before the freeze: nothing else to undo
+            source = _Source(runtime.path, root, req.container_id, state.get("status") == "paused", guard)
+            source.staging = staging.path
+            run = _Run(ch, ready, source, staging, opts, fields, bundle, req, result, progress, cfg)
             run.lazy() if req.lazy else run.stop_and_copy()
+            guard.arm({"do": "nothing"})
     finally:
         ch.close()
+        if guard:  # it acts on its last instruction: "nothing" unless we leave the source in doubt
+            guard.release(wait=cfg.migration_stall_timeout * 3)
     result["total_s"] = round(time.monotonic() - t_start, 3)
     return result
 
@@ -203,10 +241,11 @@ class _Run:
     channel, and the result being filled in."""
 
     def __init__(self, ch: Channel, ready: dict, source: _Source, staging, opts: CriuOptions, fields: dict,
-                 bundle: Bundle, req: MigrateRequest, result: dict, progress: Progress) -> None:
+                 bundle: Bundle, req: MigrateRequest, result: dict, progress: Progress, cfg: Config) -> None:
         self.ch, self.ready, self.source, self.staging = ch, ready, source, staging
         self.opts, self.fields, self.bundle, self.req = opts, fields, bundle, req
         self.result, self.phases, self.progress = result, result["phases"], progress
+        self.cfg = cfg
         self.upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle.path else None
         self.t_freeze = 0.0
 
@@ -245,18 +284,43 @@ class _Run:
                            target={"container_id": restored.get("container_id"), "pid": restored.get("pid")},
                            downtime_s=round(t_running - self.t_freeze, 3), frozen_s=round(t_running - self.t_freeze, 3))
 
+    def _hand_over(self) -> None:
+        self.source.handing_over(self.cfg, self.req.to, self.result["name"], self.ready.get("container_id"))
+
+    def _lost_target(self, exc: BaseException, what: str) -> None:
+        """The connection broke (or stalled) after the target was asked to restore: ask it again on a
+        new connection whether it runs the container, and apply the answer (handover.py). Returns
+        when the target runs it (the migration happened); raises otherwise."""
+        source = self.source
+        state, outcome = handover.resolve_source(
+            self.cfg, runtime=source.runtime, root=source.root, cid=source.cid, to=self.req.to,
+            name=self.result["name"], target_cid=self.ready.get("container_id"), page_server=source.page_server,
+            was_paused=source.was_paused)
+        self.result["handover"] = {"lost": str(exc), "target": state, "outcome": outcome}
+        if state == handover.RUNNING:
+            source.frozen = False
+            source.guard.arm({"do": "remove", "remove": [source.staging] if source.staging else []})
+            self.result.update(restored=True, target={"container_id": self.ready.get("container_id"), "pid": None})
+            return
+        if state == handover.ABSENT:
+            source.frozen = False
+            source.guard.arm({"do": "remove", "remove": [source.staging] if source.staging else []})
+        cause = exc if isinstance(exc, MigrtError) else TransferError(f"interrupted ({exc!r})")
+        raise MigrationFailed(f"{what}: {exc}; {outcome}", cause) from exc
+
     def stop_and_copy(self) -> None:
         req, ch, source = self.req, self.ch, self.source
         failed = f"migration of {req.container_id} to {req.to} failed"
         self.progress("phase", name="dump", container=req.container_id)
         self.t_freeze = time.monotonic()
         try:
-            source.freeze()
-            LowerRuntime(source.runtime).checkpoint(source.root, req.container_id, image_path=self.staging.images,
-                                                    work_path=self.staging.work, options=self.opts,
-                                                    leave_running=True)
-            self._timed("dump", self.t_freeze)
-            self._dump_extras()
+            source.freeze(self.staging.path)
+            with ch.busy("dump"):
+                LowerRuntime(source.runtime).checkpoint(source.root, req.container_id, image_path=self.staging.images,
+                                                        work_path=self.staging.work, options=self.opts,
+                                                        leave_running=True)
+                self._timed("dump", self.t_freeze)
+                self._dump_extras()
             files = self._send_all(release=True)
             self.progress("phase", name="commit")
             t0 = time.monotonic()
@@ -280,16 +344,25 @@ class _Run:
             return
         self.progress("phase", name="restore", target=self.ready.get("container_id"))
         t0 = time.monotonic()
+        name = self.result["name"]
+        where = (f"the checkpoint {name} is committed in the target's store; restore it there "
+                 f"('migrt restore {name} ...' or MIGRT_RESTORE={name})")
+        if source.frozen:
+            self._hand_over()
         try:
             ch.send({"type": "restore"})
             restored = ch.recv("restored")
-        except MigrtError as exc:
-            name = self.result["name"]
-            where = (f"the checkpoint {name} is committed in the target's store; restore it there "
-                     f"('migrt restore {name} ...' or MIGRT_RESTORE={name})")
+        except RemoteError as exc:  # the target says its restore failed: it runs nothing
             if source.frozen:
                 where += "; " + source.rollback(target_kept=True)
             raise MigrationFailed(f"restore on the target failed: {exc}; {where}", exc) from exc
+        except (MigrtError, KeyboardInterrupt) as exc:
+            if not source.frozen:  # --free-source-early: nothing here to decide about
+                raise MigrationFailed(f"restore on the target failed: {exc}; {where}",
+                                      exc if isinstance(exc, MigrtError) else TransferError(str(exc))) from exc
+            self._lost_target(exc, f"lost the target while it restored {req.container_id}")
+            self._timed("restore", t0)
+            return
         t_running = time.monotonic()
         self._timed("restore", t0)
         if source.frozen:
@@ -309,19 +382,16 @@ class _Run:
         self.t_freeze = time.monotonic()
         dump = None
         try:
-            source.freeze()
-            dump = control.LazyCheckpoint(source.runtime, source.root, req.container_id,
-                                          image_path=self.staging.images, work_path=self.staging.work,
-                                          options=self.opts, page_server=(host, port))
-            dump.wait_ready(LAZY_READY_TIMEOUT)
-            self._timed("dump", self.t_freeze)
-            self._dump_extras()
+            source.freeze(self.staging.path)
+            source.serving((host, port))
+            with ch.busy("dump"):
+                dump = control.LazyCheckpoint(source.runtime, source.root, req.container_id,
+                                              image_path=self.staging.images, work_path=self.staging.work,
+                                              options=self.opts, page_server=(host, port))
+                dump.wait_ready(LAZY_READY_TIMEOUT)
+                self._timed("dump", self.t_freeze)
+                self._dump_extras()
             files = self._send_all(release=False)
-            self.progress("phase", name="restore", target=self.ready.get("container_id"))
-            t0 = time.monotonic()
-            ch.send({"type": "commit", "manifest": {**self.fields, "files": files},
-                     "page_server": {"address": host, "port": port}})
-            restored = ch.recv("restored")
         except MigrtError as exc:
             ch.error(f"source aborted: {exc}", exc.exit_code)
             if dump:
@@ -333,20 +403,32 @@ class _Run:
                 dump.abort()
             source.rollback()
             raise
-        t_running = time.monotonic()
-        self._timed("restore", t0)
-        self._running(restored, t_running)
-        # The target runs; its memory still arrives from here. Wait until every page is across.
-        self.progress("phase", name="pages")
+        self.progress("phase", name="restore", target=self.ready.get("container_id"))
         t0 = time.monotonic()
+        self._hand_over()
+        running = False
         try:
-            dump.wait()
+            ch.send({"type": "commit", "manifest": {**self.fields, "files": files},
+                     "page_server": {"address": host, "port": port}})
+            restored = ch.recv("restored")
+            t_running = time.monotonic()
+            running = True
+            self._timed("restore", t0)
+            self._running(restored, t_running)
+            # The target runs; its memory still arrives from here. Wait until every page is across.
+            self.progress("phase", name="pages")
+            t0 = time.monotonic()
             done = ch.recv("done")
-        except MigrtError as exc:
+        except RemoteError as exc:  # the target failed, and removed its copy before saying so
             dump.abort()
-            raise MigrationFailed(
-                f"lazy migration of {req.container_id}: the target already runs but its memory pages did not all "
-                f"arrive: {exc}; {source.rollback(target_kept=True)} (the target copy is broken: delete it there)", exc) from exc
+            lost = (" (it had run there since the restore: what it did there is lost; it continues from the freeze)"
+                    if running else "")
+            raise MigrationFailed(f"{failed}: {exc}; {source.rollback(target_kept=True)}{lost}", exc) from exc
+        except (MigrtError, KeyboardInterrupt) as exc:
+            self._lost_target(exc, f"lost the target during the lazy migration of {req.container_id}")
+            return
+        with contextlib.suppress(MigrtError):  # the target confirmed every page: CRIU's exit status adds nothing
+            dump.wait(self.cfg.migration_stall_timeout * 3)
         self._timed("pages", t0)
         self.result["lazy_pages_s"] = done.get("pages_s")
         source.destroy()

@@ -1,4 +1,4 @@
-"""Wire format and authentication of migrt's transfer protocol (version 1).
+"""Wire format and authentication of migrt's transfer protocol (version 2).
 
 A connection carries frames and, after a `file` message, that file's raw bytes:
 
@@ -8,9 +8,9 @@ A connection carries frames and, after a `file` message, that file's raw bytes:
 
 Handshake (the receiver is the server, the sender the client; key = the shared secret):
 
-    C -> S  {"type": "hi", "proto": 1}      (without TLS; with TLS the client's first bytes are its ClientHello)
-    S -> C  {"type": "hello", "proto": 1, "challenge": cs}
-    C -> S  {"type": "auth", "proto": 1, "challenge": cc, "mac": HMAC(key, "migrt-client" | cs | cc)}
+    C -> S  {"type": "hi", "proto": 2}      (without TLS; with TLS the client's first bytes are its ClientHello)
+    S -> C  {"type": "hello", "proto": 2, "challenge": cs}
+    C -> S  {"type": "auth", "proto": 2, "challenge": cc, "mac": HMAC(key, "migrt-client" | cs | cc)}
     S -> C  {"type": "welcome", "mac": HMAC(key, "migrt-server" | cs | cc)}     (or an error, then close)
 
 Both sides prove they hold the key; neither sends it. session key = HMAC(key, "migrt-session" | cs | cc);
@@ -18,6 +18,10 @@ every later JSON message is sealed with it and numbered, so it cannot be altered
 File bytes are not sealed one by one: the sealed `commit` message carries the sha256 of every file,
 and the receiver checks what it received against them before anything becomes visible.
 Without TLS the bytes travel in clear (authenticated, not secret).
+
+Version 2 added `alive` messages (a busy side's heartbeat; see Channel.busy) and `query` (a source
+that lost its connection asks the receiver, on a new one, whether it runs the container); version 1
+peers are refused at the handshake with a clear message.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import struct
 
 from migrt.errors import ConfigError, MigrtError
 
-PROTOCOL = 1
+PROTOCOL = 2
 HEADER = struct.Struct("!BI")
 PLAIN, SEALED = 1, 2
 MAX_JSON = 8 << 20  # a manifest of many files stays far below this

@@ -9,15 +9,25 @@ One connection = one migration:
     commit  -> verify against the sender's manifest, atomic commit -> committed
     restore -> restored                (stop-and-copy; lazy restores right at commit, pages then flow
                                        until `done`)
+    or, on a new connection:
+    query   -> answer                  does a container restored from that checkpoint run here?
 Any failure before the commit discards the staging directory: nothing becomes visible.
+
+A restored copy is kept unless it fails here (its restore, or a lazy copy's pages), in which case it
+is killed before the sender hears about it; a cut connection changes nothing (handover.py has the
+rule). runc restore and criu lazy-pages are watched: no progress for `migration_stall_timeout`
+seconds (or the lazy daemon gone) and they are killed and cleaned up (watchdog.py). A guard process
+(guard.py) does the same cleaning if the receiver itself is killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -34,12 +44,15 @@ from migrt.runtime.lower import default_root
 from migrt.store import Store
 from migrt.store import manifest as mf
 from migrt.store.importer import importing
+from migrt.migration import handover, watchdog
+from migrt.migration.guard import Guard, wait_for_guards
 from migrt.migration.wire import Channel, TransferError, accept, load_key, parse_address
 from migrt.migration.protocol import AuthError
 from migrt.migration.tls import TLSFiles
+from migrt.runtime.markers import marker_path
 
 MODES = ("stop-and-copy", "lazy")
-LAZY_PAGES_TIMEOUT = 3600.0
+DECIDE_TIMEOUT = 3600.0  # a query waits for the migration it asks about (which progress deadlines bound)
 
 Report = Callable[[dict], None]
 
@@ -70,6 +83,9 @@ class Receiver:
         self.store.gc()
         self.runtime = cfg.runtime_path()
         self.root = opts.root or default_root(self.runtime)
+        self.stall = cfg.migration_stall_timeout
+        self._deciding: dict[str, threading.Event] = {}  # checkpoint name -> set once its fate is known
+        self._queries_only = False
         if opts.restore_bundle:
             Bundle.load(os.path.abspath(opts.restore_bundle))  # fail now, not at the first migration
             # Imports a restore needs (pycriu alone takes ~0.4 s here) are paid now, not in a downtime.
@@ -86,15 +102,33 @@ class Receiver:
             raise TransferError(f"cannot listen on {self.opts.listen}: {exc.strerror or exc}") from exc
 
     def serve(self, server: socket.socket) -> dict | None:
-        """Accept forever (or one connection with --once; then return its result)."""
+        """Accept forever (or one migration with --once; then return its result)."""
         while True:
             try:
                 conn, _ = server.accept()
             except OSError as exc:
                 raise TransferError(f"accept on {self.opts.listen}: {exc.strerror or exc}") from exc
             if self.opts.once:
-                return self.handle(conn)
+                res = self.handle(conn)
+                if res.get("unsettled"):
+                    self._linger(server)
+                return res
             threading.Thread(target=self.handle, args=(conn,), daemon=True, name="migrt-receive").start()
+
+    def _linger(self, server: socket.socket) -> None:
+        """--once, and the sender's connection broke while we restored: it will ask on a new connection
+        whether the container runs here. Answer such queries (and nothing else) for a while."""
+        self._queries_only = True
+        deadline = time.monotonic() + 3 * self.stall
+        while (left := deadline - time.monotonic()) > 0:
+            server.settimeout(left)
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.settimeout(None)
+            if self.handle(conn).get("answer"):
+                return
 
     # -- one migration ---------------------------------------------------------------------------
     def handle(self, conn: socket.socket) -> dict:
@@ -107,7 +141,7 @@ class Receiver:
                      "bytes": 0, "timings": {}, "error": None}
         ch: Channel | None = None
         try:
-            ch = accept(conn, self.key, tls=self.tls)
+            ch = accept(conn, self.key, tls=self.tls, stall=self.stall)
             self._migration(ch, out)
         except AuthError as exc:
             out.update(error=str(exc), exit_code=exc.exit_code, refused=True)
@@ -130,7 +164,12 @@ class Receiver:
         return out
 
     def _migration(self, ch: Channel, out: dict) -> None:
-        offer = ch.recv("offer")
+        offer = ch.recv("offer", "query")
+        if offer["type"] == "query":
+            self._answer(ch, offer, out)
+            return
+        if self._queries_only:
+            raise Conflict("this receiver (--once) has handled its migration; it only answers queries now")
         name = names.validate(offer.get("name"))
         mode = offer.get("mode")
         out.update(name=name, mode=mode)
@@ -141,8 +180,7 @@ class Receiver:
                              f"{mf.SCHEMA}: upgrade migrt here")
         restore_id = self.opts.container_id or offer.get("container_id")
         if self.opts.restore_bundle:
-            if not restore_id or "/" in restore_id or restore_id in (".", ".."):
-                raise UsageError(f"invalid container id {restore_id!r} to restore into")
+            _check_id(restore_id)
             if os.path.exists(os.path.join(self.root, restore_id)):
                 raise Conflict(f"container {restore_id} already exists in {self.root} on the target")
         if mode == "lazy":
@@ -150,8 +188,22 @@ class Receiver:
                 raise UsageError("lazy migration needs a target that restores at once: start 'migrt receive' "
                                  "with --restore BUNDLE")
             lazy_mod.lazy_preflight("target")
+        if name in self._deciding:
+            raise Conflict(f"checkpoint {name} is being received from another sender")
+        decided = self._deciding[name] = threading.Event()
+        guard = Guard(f"target:{name}", self.cfg.log_file)
+        try:
+            self._receive(ch, offer, name, mode, restore_id, guard, decided, out)
+        finally:
+            decided.set()
+            self._deciding.pop(name, None)
+            guard.release(wait=self.stall * 3)
+
+    def _receive(self, ch: Channel, offer: dict, name: str, mode: str, restore_id: str, guard: Guard,
+                 decided: threading.Event, out: dict) -> None:
         t0 = time.monotonic()
         with importing(self.store, name) as imp:
+            guard.arm({"do": "remove", "remove": [imp.path]})
             ch.send({"type": "ready", "restore": bool(self.opts.restore_bundle), "container_id": restore_id})
             while True:
                 msg = ch.recv("file", "commit")
@@ -175,9 +227,11 @@ class Receiver:
                 fields["lazy"] = {"pages": "on the source's page server", **page_server}
                 imp.verify(manifest.get("files"))  # CRIU never reads an unverified image
                 lazy = self._start_lazy_daemon(name, imp.images, page_server)
+                guard.arm({"do": "remove", "remove": [imp.path, lazy.workdir], "pids": [lazy.daemon.proc.pid]})
             t1 = time.monotonic()
             try:
-                imp.commit(fields, manifest.get("files"), durable=mode != "lazy")
+                with ch.busy("commit"):
+                    imp.commit(fields, manifest.get("files"), durable=mode != "lazy")
             except BaseException:
                 if lazy:
                     lazy.close()
@@ -185,22 +239,66 @@ class Receiver:
             out["timings"]["commit_s"] = round(time.monotonic() - t1, 3)
         out["committed"] = True
         if lazy:
-            self._restore_lazy(ch, name, restore_id, lazy, out)
+            out["unsettled"] = True  # until the sender's bye: it may have to ask again
+            guard.arm({"do": "remove", "remove": [lazy.workdir], "pids": [lazy.daemon.proc.pid],
+                       "store": self.store.root, "name": name})
+            self._restore_lazy(ch, name, restore_id, lazy, guard, decided, out)
             return
+        guard.arm({"do": "nothing"})  # the committed checkpoint stays, whatever happens next
         ch.send({"type": "committed", "name": name})
         try:
             nxt = ch.recv("restore", "bye")
         except TransferError:
             return  # the source went away after the commit: the checkpoint is safely here
-        if nxt["type"] == "restore":
-            if not self.opts.restore_bundle:
-                raise UsageError("this receiver was not started with --restore")
-            res = self._restore(name, restore_id)
-            out.update(restored=True, container_id=restore_id, pid=res["pid"])
-            out["timings"]["restore_s"] = res["timings"].get("total_s")
+        if nxt["type"] != "restore":
+            return
+        if not self.opts.restore_bundle:
+            raise UsageError("this receiver was not started with --restore")
+        out["unsettled"] = True  # until the sender's bye: it may have to ask again
+        with ch.busy("restore"):
+            res = self._restore(name, restore_id, guard)
+        # The copy runs here and stays: from now on a broken connection changes nothing (the sender
+        # asks again if it has to).
+        guard.arm({"do": "nothing"})
+        decided.set()
+        out.update(restored=True, container_id=restore_id, pid=res["pid"])
+        out["timings"]["restore_s"] = res["timings"].get("total_s")
+        try:
             ch.send({"type": "restored", "container_id": restore_id, "pid": res["pid"], "timings": res["timings"]})
-            with contextlib.suppress(TransferError):
-                ch.recv("bye")
+            ch.recv("bye")
+            out["unsettled"] = False
+        except TransferError as exc:
+            out["handover"] = f"connection lost after the restore ({exc}); the container runs here"
+
+    def _answer(self, ch: Channel, msg: dict, out: dict) -> None:
+        """A sender lost us while we restored: tell it, once that migration is decided, whether a
+        container restored from the checkpoint runs here."""
+        name = names.validate(msg.get("name"))
+        cid = msg.get("container_id")
+        out.update(name=name, mode="query")
+        with ch.busy("deciding"):
+            decided = self._deciding.get(name)
+            if decided:
+                decided.wait(DECIDE_TIMEOUT)
+            wait_for_guards(f"target:{name}", DECIDE_TIMEOUT)  # a killed receiver's guard still cleaning
+            state = handover.RUNNING if self._runs(cid, name) else handover.ABSENT
+        out["answer"] = state
+        ch.send({"type": "answer", "state": state})
+
+    def _runs(self, cid: object, name: str) -> bool:
+        try:
+            _check_id(cid)
+            with open(marker_path(self.root, cid), encoding="utf-8") as fh:
+                if json.load(fh).get("checkpoint") != name:
+                    return False
+        except (MigrtError, OSError, ValueError):
+            return False
+        res = subprocess.run([self.runtime, "--root", self.root, "state", cid], capture_output=True, text=True,
+                             timeout=30, check=False)
+        try:
+            return res.returncode == 0 and json.loads(res.stdout).get("status") in ("running", "paused")
+        except ValueError:
+            return False
 
     @staticmethod
     def _page_server(msg: dict, ch: Channel) -> dict:
@@ -211,11 +309,49 @@ class Receiver:
             raise UsageError(f"lazy migration: page server {ps!r} is not on the sending node {peer_host}")
         return {"address": peer_host, "port": ps["port"]}
 
-    def _restore(self, name: str, restore_id: str, **seams) -> dict:
-        with open(os.devnull, "rb") as devnull, open(self.opts.output, "ab") as sink:
-            return restore_checkpoint(self.cfg, name, RestoreTarget(
-                container_id=restore_id, bundle=Bundle.load(os.path.abspath(self.opts.restore_bundle)),
-                root=self.root, stdio=(devnull, sink, sink), verified=True, **seams))
+    def _restore(self, name: str, restore_id: str, guard: Guard, lazy: "_LazyDaemon | None" = None,
+                 **seams) -> dict:
+        """restore_checkpoint under the progress deadline; a stuck or failed restore is killed and
+        everything it left (mounts in its work directory, the container's state) removed."""
+        where: dict = {}
+        before = seams.pop("before_restore", None)
+        extra_pids = [lazy.daemon.proc.pid] if lazy else []
+
+        def prepare(view: str, work: str) -> None:
+            where["work"] = work
+            if before:
+                before(view, work)
+
+        def daemon_gone() -> str | None:
+            rc = lazy.daemon.proc.poll() if lazy else None
+            return None if rc in (None, 0) else f"criu lazy-pages exited (status {rc}) while the restore needed it"
+
+        def supervise(proc) -> int:
+            guard.arm({**guard.current, "do": "kill-restore", "runtime": self.runtime, "root": self.root,
+                       "cid": restore_id, "pids": [proc.pid, *extra_pids], "work": where.get("work")})
+            try:
+                return watchdog.supervise(proc, stall=self.stall, what=f"runc restore of {restore_id}",
+                                          also=lambda: extra_pids, check=daemon_gone)
+            except watchdog.Stuck:
+                if lazy:
+                    lazy.daemon.stop()
+                if where.get("work"):
+                    watchdog.unmount_under(where["work"])
+                # before restore_checkpoint's `runc delete` (see watchdog.clear_container: it would
+                # delete the bundle's rootfs through runc's criu-root bind mount)
+                watchdog.unmount_under(os.path.join(self.root, restore_id))
+                raise
+
+        try:
+            with open(os.devnull, "rb") as devnull, open(self.opts.output, "ab") as sink:
+                return restore_checkpoint(self.cfg, name, RestoreTarget(
+                    container_id=restore_id, bundle=Bundle.load(os.path.abspath(self.opts.restore_bundle)),
+                    root=self.root, stdio=(devnull, sink, sink), verified=True, before_restore=prepare,
+                    supervise=supervise, **seams))
+        except BaseException:
+            watchdog.clear_container(self.runtime, self.root, restore_id)
+            guard.arm({**guard.current, "do": "remove", "pids": [], "cid": None})  # cleaned up already
+            raise
 
     def _start_lazy_daemon(self, name: str, images: str, page_server: dict) -> "_LazyDaemon":
         """`criu lazy-pages` for the images just verified: started before the commit and the restore's
@@ -232,9 +368,12 @@ class Receiver:
             raise
         return _LazyDaemon(daemon, workdir)
 
-    def _restore_lazy(self, ch: Channel, name: str, restore_id: str, lazy: "_LazyDaemon", out: dict) -> None:
+    def _restore_lazy(self, ch: Channel, name: str, restore_id: str, lazy: "_LazyDaemon", guard: Guard,
+                      decided: threading.Event, out: dict) -> None:
         """Restore at once from a checkpoint without memory pages; `criu lazy-pages` fetches them from
-        the source while the container already runs. The pageless checkpoint is removed afterwards."""
+        the source while the container already runs. The copy is kept only if every page arrives;
+        otherwise it is killed before the sender hears about it. The pageless checkpoint is removed
+        afterwards."""
         daemon = lazy.daemon
 
         def link_daemon(view: str, work: str) -> None:
@@ -242,22 +381,53 @@ class Receiver:
             os.symlink(daemon.socket, os.path.join(work, "lazy-pages.socket"))
 
         try:
-            res = self._restore(name, restore_id, extra=["--lazy-pages"], before_restore=link_daemon)
+            with ch.busy("restore"):
+                res = self._restore(name, restore_id, guard, lazy, extra=["--lazy-pages"], before_restore=link_daemon)
+            # A receiver killed from here on takes the copy with it (its pages would never all arrive).
+            guard.arm({**guard.current, "do": "kill-restore", "runtime": self.runtime, "root": self.root,
+                       "cid": restore_id, "pids": [daemon.proc.pid], "work": None})
             out.update(restored=True, container_id=restore_id, pid=res["pid"])
             out["timings"]["restore_s"] = res["timings"].get("total_s")
             out["timings"]["restore"] = res["timings"]
-            ch.send({"type": "restored", "container_id": restore_id, "pid": res["pid"], "timings": res["timings"]})
+            connected = True
+            try:
+                ch.send({"type": "restored", "container_id": restore_id, "pid": res["pid"], "timings": res["timings"]})
+            except TransferError:
+                connected = False  # the pages do not travel on this connection: carry on without it
             t0 = time.monotonic()
-            daemon.wait(LAZY_PAGES_TIMEOUT)
+            try:
+                with ch.busy("pages") if connected else contextlib.nullcontext():
+                    rc = watchdog.supervise(daemon.proc, stall=self.stall,
+                                            what="criu lazy-pages (fetching memory pages from the source)")
+                if rc != 0:
+                    raise daemon.failure(f"criu lazy-pages failed (exit status {rc})")
+            except MigrtError as exc:
+                watchdog.clear_container(self.runtime, self.root, restore_id)
+                guard.arm({**guard.current, "do": "remove", "pids": [], "cid": None})
+                out.update(restored=False)
+                raise MigrtError(f"the restored copy {restore_id} did not get all its memory pages and was removed: "
+                                 f"{exc}") from exc
+            finally:
+                decided.set()
+            guard.arm({"do": "nothing"})
             out["timings"]["pages_s"] = round(time.monotonic() - t0, 3)
-            ch.send({"type": "done", "pages_s": out["timings"]["pages_s"]})
-            with contextlib.suppress(TransferError):
-                ch.recv("bye")
+            if connected:
+                try:
+                    ch.send({"type": "done", "pages_s": out["timings"]["pages_s"]})
+                    ch.recv("bye")
+                    out["unsettled"] = False
+                except TransferError as exc:
+                    out["handover"] = f"connection lost after the pages arrived ({exc}); the container runs here"
         finally:
             lazy.close()
             with contextlib.suppress(MigrtError, OSError):
                 self.store.remove(name)
             out["committed"] = False  # a checkpoint without its pages is not kept
+
+
+def _check_id(cid: object) -> None:
+    if not isinstance(cid, str) or not cid or "/" in cid or cid in (".", ".."):
+        raise UsageError(f"invalid container id {cid!r} to restore into")
 
 
 class _LazyDaemon:

@@ -40,9 +40,11 @@ class RestoreTarget:
     log_path: str | None = None
     extra: list[str] = field(default_factory=list)
     # Migration seams: `verified` skips re-hashing a checkpoint just imported and verified on the fly;
-    # `before_restore(image_view, work_dir)` runs right before runc restore (lazy pages: the daemon).
+    # `before_restore(image_view, work_dir)` runs right before runc restore (lazy pages: the daemon);
+    # `supervise(proc)` waits for runc restore and may kill it (a migration's progress deadline).
     verified: bool = False
     before_restore: Callable[[str, str], None] | None = None
+    supervise: Callable | None = None
 
 
 def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: Progress = null_progress) -> dict:
@@ -110,7 +112,8 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
             t0 = time.monotonic()
             try:
                 pid = runtime.restore(spec, global_tokens=global_tokens, stdio=target.stdio, log_path=log_path,
-                                      env=gpu_steps.runtime_env(gpu))
+                                      env=gpu_steps.runtime_env(gpu),
+                                      **({"supervise": target.supervise} if target.supervise else {}))
                 timings["restore_s"] = round(time.monotonic() - t0, 3)
                 progress("done", name="restore", seconds=timings["restore_s"])
                 if gpu is not None:

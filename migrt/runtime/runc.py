@@ -8,6 +8,7 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from migrt.criu.logs import error_lines
@@ -127,16 +128,22 @@ class LowerRuntime:
             )
 
     def restore(self, spec: RestoreSpec, *, global_tokens: list[str], stdio: tuple | None = None,
-                log_path: str | None = None, env: dict[str, str] | None = None) -> int:
+                log_path: str | None = None, env: dict[str, str] | None = None,
+                supervise: Callable[[subprocess.Popen], int] | None = None) -> int:
         """Run `restore --detach`; return the restored init's pid (from the pid file when given).
         stdio: (stdin, stdout, stderr) for runc, which CRIU hands to the restored process;
-        None inherits ours (the shim's pipes at create). env: runc's environment (None: ours)."""
+        None inherits ours (the shim's pipes at create). env: runc's environment (None: ours).
+        supervise: waits for runc (started in its own session) and returns its exit status; it may
+        kill it (a migration's deadline) by raising a MigrtError."""
         argv = [self.path, *global_tokens, *spec.argv()]
         kw = {}
         if stdio is not None:
             kw = {"stdin": stdio[0], "stdout": stdio[1], "stderr": stdio[2]}
         try:
-            rc = subprocess.run(argv, check=False, env=env, **kw).returncode
+            if supervise:
+                rc = supervise(subprocess.Popen(argv, env=env, start_new_session=True, **kw))
+            else:
+                rc = subprocess.run(argv, check=False, env=env, **kw).returncode
         except OSError as exc:
             raise RuntimeFailed(f"cannot run {self.path}: {exc}") from exc
         if rc != 0:

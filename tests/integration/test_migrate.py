@@ -10,177 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import select
-import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
-from tests.helpers.bundles import make_bundle
-from tests.helpers.twohosts import ADDR_A, ADDR_B, in_ns, lazy_pipe_limit, two_hosts
+from tests.helpers.migration import (Receiver, assert_continues, env_of, hosts, lazy_capable, migrate, nodes,  # noqa: F401
+                                     staged_bytes, staging_entries, start_source, target_cli, visible, wait_ticks)
+from tests.helpers.twohosts import ADDR_A, ADDR_B, in_ns
 from tests.integration.conftest import CLI
-from tests.integration.workloads import COUNTER, parse_ticks
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def hosts(stack):
-    with two_hosts() as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
-def nodes(stack, tmp_path_factory):
-    """Configs for host A (source), host B (target) and an intruder whose key differs."""
-    base = tmp_path_factory.mktemp("migrate")
-    out = {"base": base}
-    secret, other = os.urandom(32).hex(), os.urandom(32).hex()
-    for node, key in (("a", secret), ("b", secret), ("intruder", other)):
-        d = base / node
-        d.mkdir()
-        (d / "key").write_text(key + "\n")
-        (d / "key").chmod(0o600)
-        (d / "root").mkdir()
-        (d / "config.yaml").write_text(
-            f"runtime: runc\nstore: {d / 'store'}\nlog_file: {d / 'migrt.log'}\nlog_level: debug\n"
-            f"migration_key_file: {d / 'key'}\n")
-        out[node] = {"config": str(d / "config.yaml"), "store": str(d / "store"), "root": str(d / "root")}
-    out["b"]["bundle"] = make_bundle(str(base / "b" / "bundle"), ["sh", "-c", "echo fresh; exit 3"])
-    yield out
-    for node in ("a", "b"):
-        root = out[node]["root"]
-        for cid in os.listdir(root):
-            subprocess.run(["runc", "--root", root, "delete", "--force", cid], capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def lazy_capable():
-    with lazy_pipe_limit():
-        yield
-
-
-def _env(node: dict) -> dict:
-    return {**os.environ, "MIGRT_CONFIG": node["config"]}
-
-
-class Counter:
-    """The busybox counter under runc with pipes as stdio; the test keeps the read end."""
-
-    def __init__(self, root: str, bundle: str, cid: str) -> None:
-        self.root, self.cid = root, cid
-        r_in, w_in = os.pipe()
-        self.r_out, w_out = os.pipe()
-        rc = subprocess.run(["runc", "--root", root, "run", "-d", "--bundle", bundle, cid], stdin=r_in,
-                            stdout=w_out, stderr=w_out, timeout=60).returncode
-        for fd in (r_in, w_in, w_out):
-            os.close(fd)
-        assert rc == 0
-        self.buf = b""
-
-    def read_for(self, seconds: float) -> list[tuple[int, str, str]]:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            ready, _, _ = select.select([self.r_out], [], [], 0.05)
-            if ready:
-                chunk = os.read(self.r_out, 65536)
-                if not chunk:
-                    break
-                self.buf += chunk
-        return parse_ticks(self.buf.decode(errors="replace"))
-
-    def status(self) -> str | None:
-        res = subprocess.run(["runc", "--root", self.root, "state", self.cid], capture_output=True, text=True)
-        return json.loads(res.stdout)["status"] if res.returncode == 0 else None
-
-    def close(self) -> None:
-        os.close(self.r_out)
-
-
-class Receiver:
-    """`migrt receive` in host B's network namespace."""
-
-    def __init__(self, nodes, hosts, port: int, *args: str, once: bool = True) -> None:
-        self.port = port
-        self.dir = nodes["base"] / f"recv-{port}-{uuid.uuid4().hex[:4]}"
-        self.dir.mkdir()
-        self.stdout, self.stderr = self.dir / "stdout", self.dir / "stderr"
-        argv = in_ns(hosts["b"], CLI, "receive", "--listen", f"{ADDR_B}:{port}", "--json", *args)
-        if once:
-            argv.append("--once")
-        with open(self.stdout, "wb") as out, open(self.stderr, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=_env(nodes["b"]))
-        deadline = time.monotonic() + 20
-        while b"listening on" not in self.stderr.read_bytes():
-            assert self.proc.poll() is None, self.stderr.read_text()
-            assert time.monotonic() < deadline, "receiver did not start"
-            time.sleep(0.05)
-
-    def results(self) -> list[dict]:
-        return [json.loads(line) for line in self.stdout.read_text().splitlines() if line.startswith("{")]
-
-    def wait(self, timeout: float = 60) -> int:
-        return self.proc.wait(timeout)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def migrate(nodes, hosts, port: int, cid: str, *args: str, node: str = "a") -> subprocess.CompletedProcess:
-    argv = in_ns(hosts["a"], CLI, "migrate", cid, "--to", f"{ADDR_B}:{port}", "--root", nodes["a"]["root"],
-                 "--json", *args)
-    return subprocess.run(argv, capture_output=True, text=True, timeout=180, env=_env(nodes[node]))
-
-
-def target_cli(nodes, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=120, env=_env(nodes["b"]))
-
-
-def staging_entries(nodes) -> list[str]:
-    path = os.path.join(nodes["b"]["store"], ".staging")
-    return os.listdir(path) if os.path.isdir(path) else []
-
-
-def visible(nodes) -> list[str]:
-    return [c["name"] for c in json.loads(target_cli(nodes, "ls", "--json").stdout)]
-
-
-def _wait_ticks(path, n: int = 3, timeout: float = 10) -> list[tuple[int, str, str]]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ticks = parse_ticks(path.read_text()) if path.exists() else []
-        if len(ticks) >= n:
-            return ticks
-        time.sleep(0.1)
-    raise AssertionError(f"no ticks in {path}: {path.read_text() if path.exists() else 'missing'}")
-
-
-def _assert_continues(before: list, after: list) -> None:
-    assert before and after
-    last = before[-1]
-    assert after[0][0] == last[0] + 1, (before[-3:], after[:3])  # the very next tick: no step lost or repeated
-    assert all(t[1] == last[1] and t[2] == last[1] for t in after)  # the in-memory data came along intact
-
-
-def _source(nodes, tag: str) -> tuple[Counter, str]:
-    cid = f"mig-{tag}-{uuid.uuid4().hex[:6]}"
-    bundle = make_bundle(str(nodes["base"] / "a" / f"bundle-{cid}"), ["sh", "-c", COUNTER])
-    src = Counter(nodes["a"]["root"], bundle, cid)
-    assert len(src.read_for(1.2)) >= 3
-    return src, cid
-
-
 def test_stop_and_copy_continues_on_target(nodes, hosts):
-    src, cid = _source(nodes, "sc")
+    src, cid = start_source(nodes, "sc")
     out = nodes["base"] / f"{cid}.out"
     recv = Receiver(nodes, hosts, 7901, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
                     "--container-id", f"{cid}-b", "--output", str(out))
@@ -194,7 +39,7 @@ def test_stop_and_copy_continues_on_target(nodes, hosts):
     before = src.read_for(0.5)
     src.close()
     assert src.status() is None  # the source is gone once the target runs
-    _assert_continues(before, _wait_ticks(out))
+    assert_continues(before, wait_ticks(out))
     assert data["mode"] == "stop-and-copy" and data["restored"] is True
     assert data["target"]["container_id"] == f"{cid}-b"
     assert set(data["phases"]) >= {"connect_s", "dump_s", "transfer_s", "commit_s", "restore_s"}
@@ -214,7 +59,7 @@ def test_stop_and_copy_continues_on_target(nodes, hosts):
 
 def test_received_checkpoint_restores_later(nodes, hosts):
     """Without --restore the receiver only stores; `migrt restore` brings it up later on host B."""
-    src, cid = _source(nodes, "later")
+    src, cid = start_source(nodes, "later")
     recv = Receiver(nodes, hosts, 7902)
     try:
         res = migrate(nodes, hosts, 7902, cid, "--name", f"{cid}-ck", "--pre-dump", "0")
@@ -233,11 +78,11 @@ def test_received_checkpoint_restores_later(nodes, hosts):
     res = target_cli(nodes, "restore", f"{cid}-ck", f"{cid}-b", "--bundle", nodes["b"]["bundle"],
                      "--root", nodes["b"]["root"], "--output", str(out), "--json")
     assert res.returncode == 0, res.stderr
-    _assert_continues(before, _wait_ticks(out))
+    assert_continues(before, wait_ticks(out))
 
 
 def test_lazy_migration_continues_on_target(nodes, hosts, lazy_capable):
-    src, cid = _source(nodes, "lazy")
+    src, cid = start_source(nodes, "lazy")
     out = nodes["base"] / f"{cid}.out"
     recv = Receiver(nodes, hosts, 7903, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
                     "--container-id", f"{cid}-b", "--output", str(out))
@@ -251,7 +96,7 @@ def test_lazy_migration_continues_on_target(nodes, hosts, lazy_capable):
     before = src.read_for(0.5)
     src.close()
     assert src.status() is None
-    _assert_continues(before, _wait_ticks(out))
+    assert_continues(before, wait_ticks(out))
     assert data["mode"] == "lazy" and data["restored"] is True
     assert 0 < data["downtime_s"] < data["total_s"]
     assert data["phases"]["pages_s"] >= 0 and data["lazy_pages_s"] is not None
@@ -261,7 +106,7 @@ def test_lazy_migration_continues_on_target(nodes, hosts, lazy_capable):
 
 
 def test_wrong_key_is_refused_and_receiver_keeps_serving(nodes, hosts):
-    src, cid = _source(nodes, "key")
+    src, cid = start_source(nodes, "key")
     recv = Receiver(nodes, hosts, 7904, once=False)
     try:
         res = migrate(nodes, hosts, 7904, cid, node="intruder")
@@ -309,18 +154,18 @@ def test_sender_closing_midway_leaves_target_clean(nodes, hosts):
 
 def test_receiver_killed_during_transfer_source_keeps_running(nodes, hosts):
     """A throttled link (tc tbf, 1 Mbit/s) stretches the transfer; the receiver dies with SIGKILL in the
-    middle of it. The source container is resumed with its state; the target shows nothing, and its
-    next start sweeps the orphaned staging directory."""
-    src, cid = _source(nodes, "cut")
+    middle of it. The source container is resumed with its state; the target shows nothing, and the
+    receiver's guard has removed the orphaned staging directory."""
+    src, cid = start_source(nodes, "cut")
     subprocess.run(in_ns(hosts["a"], "tc", "qdisc", "add", "dev", hosts["veth_a"], "root", "tbf", "rate", "1mbit",
                "burst", "32kbit", "latency", "400ms"), check=True)
     recv = Receiver(nodes, hosts, 7906)
     try:
         proc = subprocess.Popen(in_ns(hosts["a"], CLI, "migrate", cid, "--to", f"{ADDR_B}:7906", "--root",
                                       nodes["a"]["root"], "--name", f"{cid}-ck"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(nodes["a"]))
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_of(nodes["a"]))
         deadline = time.monotonic() + 30
-        while not _staged_bytes(nodes) > 100_000:  # data is arriving
+        while not staged_bytes(nodes) > 100_000:  # data is arriving
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "transfer never started"
             time.sleep(0.02)
@@ -338,21 +183,10 @@ def test_receiver_killed_during_transfer_source_keeps_running(nodes, hosts):
     src.close()
     assert f"{cid}-ck" not in visible(nodes)  # never visible on the target
     assert os.listdir(os.path.join(nodes["a"]["store"], ".staging")) == []  # nor left on the source
-    # SIGKILL left the staging directory; the next receiver start removes it (its lock is free)
+    # the killed receiver's guard removed its staging directory at once; had it not, the next start would
+    assert staging_entries(nodes) == []
     Receiver(nodes, hosts, 7907, once=False).stop()
     assert staging_entries(nodes) == []
-
-
-def _staged_bytes(nodes) -> int:
-    top = os.path.join(nodes["b"]["store"], ".staging")
-    total = 0
-    for dirpath, _, files in os.walk(top):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(dirpath, f))
-            except OSError:
-                pass
-    return total
 
 
 def test_tls_migration(nodes, hosts, tmp_path):
@@ -372,7 +206,7 @@ def test_tls_migration(nodes, hosts, tmp_path):
                        f"  key: {tmp_path}/{node}.key\n  ca: {tmp_path}/ca.crt\n")
     tls = {n: {**nodes[n], "config": str(tmp_path / f"{n}.yaml")} for n in ("a", "b")}
     tls["base"] = nodes["base"]
-    src, cid = _source(nodes, "tls")
+    src, cid = start_source(nodes, "tls")
     recv = Receiver(tls, hosts, 7908)
     try:
         res = migrate(tls, hosts, 7908, cid, "--name", f"{cid}-ck")
@@ -385,7 +219,7 @@ def test_tls_migration(nodes, hosts, tmp_path):
     # a node without TLS cannot talk to it
     recv = Receiver(tls, hosts, 7909)
     try:
-        src2, cid2 = _source(nodes, "notls")
+        src2, cid2 = start_source(nodes, "notls")
         res = migrate(nodes, hosts, 7909, cid2)
         assert res.returncode == 9 and "requires TLS" in res.stderr
         assert src2.status() == "running"

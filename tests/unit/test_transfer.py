@@ -104,7 +104,7 @@ def test_client_refuses_a_server_without_the_key():
 
     def rogue(conn):
         chmod._recv_frame(conn, "client")  # hi
-        conn.sendall(_plain({"type": "hello", "proto": 1, "challenge": os.urandom(32).hex()}))
+        conn.sendall(_plain({"type": "hello", "proto": p.PROTOCOL, "challenge": os.urandom(32).hex()}))
         chmod._recv_frame(conn, "client")  # auth
         conn.sendall(_plain({"type": "welcome", "mac": os.urandom(32).hex()}))
         return conn.recv(1)  # b"": the client hung up without sending anything

@@ -153,7 +153,8 @@ def test_failed_restore_on_target_resumes_the_source(lab, monkeypatch):
     assert "committed in the target's store" in msg and "was resumed on this node" in msg
     assert "target kept nothing" not in msg
     assert info.value.exit_code == 5  # the target's RuntimeFailed, carried across
-    assert lab.subcommands() == ["state", "pause", "checkpoint", "restore", "resume"]
+    # the target removes whatever its failed restore left ("delete") before the source resumes
+    assert lab.subcommands() == ["state", "pause", "checkpoint", "restore", "delete", "resume"]
     assert Store(lab.b.store).exists("kept")
 
 
