@@ -2,7 +2,8 @@
 that broke installations: python3 moving to another version, the venv's interpreter replaced by one
 that does not see the venv, the interpreter removed. The installation must survive the first; for the
 others migrt-runc, migrt and the CRIU hook must say what is broken and name the repair, `migrt doctor`
-(from a working migrt) must find it, and re-running setup-host.sh must repair it.
+(from a working migrt) must find it, and re-running setup-host.sh must repair it. Last, what a real
+containerd shows when migrt-runc's Python side cannot start.
 
 The interpreter the venv is made with is a copy of this one's base interpreter under the temporary
 directory, so it can be moved, replaced and removed without touching the system's Python.
@@ -15,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ import pytest
 from migrt.node import launchers
 from migrt.node.doctor_containerd import containerd_handler_check
 from migrt.node.doctor_install import installation_check, launcher_check
-from tests.unit.support import write_bundle
+from tests.unit.support import make_executable, write_bundle
 
 pytestmark = pytest.mark.integration
 
@@ -157,3 +159,27 @@ def test_setup_host_twice_survives_python3_moving_and_repairs_a_broken_interpret
     (bindir / "migrt-runc").unlink()
     h = containerd_handler_check(str(ctd))
     assert h["status"] == "fail" and "missing or not executable" in h["detail"], h
+
+
+@pytest.mark.parametrize("broken", ["interpreter gone", "migrt not importable"])
+def test_containerd_shows_the_broken_python_side(containerd, tmp_path, broken):
+    """Through a real containerd and its runc shim: a create that needs Python fails with our one line
+    as "OCI runtime create failed: ..." (no traceback); an ordinary container still runs."""
+    if broken == "interpreter gone":
+        python, expect = str(tmp_path / "gone" / "python"), "migrt's Python interpreter"
+    else:  # an interpreter that runs but does not see migrt (like a venv whose python3 moved)
+        python = str(make_executable(tmp_path / "py" / "python",
+                                     f"#!/bin/sh\nexec {os.path.realpath(sys.executable)} -S \"$@\"\n"))
+        expect = "migrt does not import with"
+    repair = "sh packaging/setup-host.sh"
+    shim = make_executable(tmp_path / "bin" / "migrt-runc", launchers.render("migrt-runc", python, repair))
+    cid = f"broken-{uuid.uuid4().hex[:6]}"
+    res = containerd.ctr("run", "--rm", "--runc-binary", str(shim), "--env", "MIGRT_RESTORE=ck-1",
+                         containerd.image, cid, "sh", "-c", "echo fresh", check=False)
+    assert res.returncode != 0 and "fresh" not in res.stdout
+    assert "OCI runtime create failed" in res.stderr and expect in res.stderr, res.stderr
+    assert f"repair: {repair}" in res.stderr and "Traceback" not in res.stderr
+    containerd.ctr("rm", cid, check=False)
+    res = containerd.ctr("run", "--rm", "--runc-binary", str(shim), containerd.image, cid + "-ok",
+                         "sh", "-c", "echo fine", check=False)
+    assert res.returncode == 0 and "fine" in res.stdout, res.stderr
