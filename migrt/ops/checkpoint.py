@@ -100,6 +100,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
     created = time.time()
     timings: dict[str, float] = {}
     upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle_dir else None  # while still mounted
+    root_mode = rootfs.root_mode(bundle.rootfs) if bundle_dir else None  # what CRIU records for "/"
     work = _work_dir()
     kept = []  # the journal entry, when it must outlive us (then recovery removes `work`)
     try:
@@ -140,6 +141,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                 total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(staging.images) for f in fs)
                 fields = _fields(req, root, state, bundle, bundle_dir, opts, layer, timings, created, runtime, est)
                 fields["op_id"] = journal.id  # recovery's proof that this commit is the interrupted one
+                fields["root_mode"] = root_mode
                 if gpu:
                     fields["gpu"] = gpu.section
                     timings.update(gpu.timings)

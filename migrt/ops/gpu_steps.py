@@ -45,6 +45,11 @@ def _usable_backend(cfg, what: str) -> GpuBackend:
     return backend
 
 
+def has_gpu_state(section: dict | None) -> bool:
+    """Whether a checkpoint's GPU record holds CUDA processes (known before any preflight)."""
+    return bool(section and section.get("processes"))
+
+
 def runtime_env(active) -> dict[str, str] | None:
     """The lower runtime's environment: ours plus MIGRT_GPU_HANDLED=1 when migrt drives the GPU."""
     if not active:
@@ -166,18 +171,33 @@ class GpuRestore:
         return {"gpu_restore_s": seconds}
 
 
-def plan_restore(cfg, section: dict | None, config: dict, what: str) -> GpuRestore | None:
-    """Preflight: None for a checkpoint without GPU state; PreconditionFailed on any mismatch."""
-    if not section or not section.get("processes"):
+def plan_restore(cfg, section: dict | None, config: dict, what: str, *,
+                 load_driver: bool = True) -> GpuRestore | None:
+    """Preflight: None for a checkpoint without GPU state; PreconditionFailed on any mismatch.
+    load_driver=False leaves loading libcuda (cuInit, the slow part) to check_driver(), which the
+    restore runs while CRIU restores (ops/restore_checks.py)."""
+    if not has_gpu_state(section):
         return None
-    inv = inventory.take()
+    inv = inventory.take(with_processes=False)
     try:
         targets = visible.from_config(config, inv) if inv.available else None
     except visible.VisibleError as exc:
         raise PreconditionFailed(f"{what}: {exc}") from exc
     placement = preflight.check(section, inv, targets, what=what)
-    backend = _usable_backend(cfg, f"{what} holds GPU state")
+    if load_driver:
+        backend = _usable_backend(cfg, f"{what} holds GPU state")
+    elif select.override is not None or backend_choice(cfg) == "none":
+        backend = select.get_backend(backend_choice(cfg))
+    else:
+        backend = select.get_backend("cuda")  # "cuda" does not load the library yet; "auto" would
     return GpuRestore(section=section, backend=backend, placement=placement, inv=inv, what=what)
+
+
+def check_driver(gpu: GpuRestore | None) -> None:
+    """The driver part of the preflight: libcuda loads (cuInit) with the checkpoint API."""
+    if gpu is not None and not gpu.backend.available():
+        raise PreconditionFailed(f"{gpu.what} holds GPU state, but the CUDA checkpoint API is not usable here: "
+                                 f"{select.unavailable_reason(gpu.backend)}")
 
 
 def resume_restored(gpu: GpuRestore | None, init_pid: int, timings: dict, progress: Progress = null_progress) -> None:

@@ -18,7 +18,7 @@ from migrt.config import POLICIES, Config
 from migrt.criu.options import CriuOptions
 from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
-from migrt.ops import gpu_steps, recover
+from migrt.ops import gpu_steps, recover, restore_checks
 from migrt.pods import engines, namespaces, rootfs
 from migrt.registry import pull, reference
 from migrt.progress import Progress, null_progress
@@ -70,16 +70,21 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
     progress("phase", name="verify", checkpoint=name)
     entry.update("verifying")
     t0 = time.monotonic()
-    if not target.verified:
-        ckpt.verify()
     store.check_images_dir(ckpt)
+    background: list[str] = []
+    if not target.verified:  # up front: every file there with its size, the small ones hashed
+        front, background = restore_checks.split_for_background(ckpt.manifest.get("files") or {}, ckpt.path)
+        ckpt.verify_structure()
+        ckpt.verify_hashes(front)
     timings["verify_s"] = round(time.monotonic() - t0, 3)
     progress("done", name="verify", seconds=timings["verify_s"])
     state_dir = os.path.join(target.root, target.container_id)
     if os.path.exists(state_dir):
         raise Conflict(f"container {target.container_id} already exists in {target.root}")
-    # GPU preflight, before anything is touched (None: the checkpoint has no GPU state)
-    gpu = gpu_steps.plan_restore(cfg, ckpt.manifest.get("gpu"), target.bundle.config, f"checkpoint {name}")
+    # GPU preflight, before anything is touched (None: the checkpoint has no GPU state); loading the
+    # driver (cuInit) is left to a check that runs while CRIU restores
+    gpu = gpu_steps.plan_restore(cfg, ckpt.manifest.get("gpu"), target.bundle.config, f"checkpoint {name}",
+                                 load_driver=False)
     check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore)
     options = CriuOptions.from_dict(ckpt.manifest.get("options"))
     work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
@@ -90,6 +95,14 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
     if global_tokens is None:
         log_path = os.path.join(work, "runc.log")
         global_tokens = ["--root", target.root, "--log", log_path, "--log-format", "json"]
+    # While runc and CRIU restore: the large image files hashed, the CUDA driver loaded; the restored
+    # tree waits at CRIU's post-restore for their verdict (ops/restore_checks.py).
+    checks = restore_checks.RestoreChecks(work)
+    if background:
+        checks.add("verify_background", lambda: ckpt.verify_hashes(background))
+    if gpu is not None:
+        checks.add("gpu_driver", lambda: gpu_steps.check_driver(gpu))
+    checks.start()
     try:
         if (ckpt.manifest.get("rootfs") or {}).get("captured"):
             t0 = time.monotonic()
@@ -99,7 +112,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
             rootfs.apply_devshm(os.path.join(ckpt.path, engines.DEVSHM_TAR), target.bundle.mounts)
         with store.restore_view(ckpt) as view:
             hostname = namespaces.retarget_uts(view, target.bundle)
-            rootfs.align_root_mode(view, target.bundle.rootfs)
+            rootfs.align_root_mode(view, target.bundle.rootfs, recorded=ckpt.manifest.get("root_mode"))
             spec = RestoreSpec(
                 container_id=target.container_id, bundle=target.bundle.path, image_path=view,
                 work_path=work, pid_file=target.pid_file or os.path.join(work, "init.pid"), console_socket=target.console_socket,
@@ -107,30 +120,54 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
             )
             if target.before_restore:
                 target.before_restore(view, work)
+            env = gpu_steps.runtime_env(gpu)
+            if checks.pending:
+                env = checks.gate_env(env)
             entry.update("restoring", view=view)
             progress("phase", name="restore", checkpoint=name)
+            timings["criu_call_after_start_s"] = _process_age_s()  # the shim's own start, for bench/
             t0 = time.monotonic()
             try:
                 pid = runtime.restore(spec, global_tokens=global_tokens, stdio=target.stdio, log_path=log_path,
-                                      env=gpu_steps.runtime_env(gpu),
+                                      env=env,
                                       **({"supervise": target.supervise} if target.supervise else {}))
                 timings["restore_s"] = round(time.monotonic() - t0, 3)
+                checks.raise_failure()  # CRIU's gate already held the tree for it; this is the second lock
                 progress("done", name="restore", seconds=timings["restore_s"])
                 if gpu is not None:
                     entry.update("gpu-restore", pid=pid)
                 gpu_steps.resume_restored(gpu, pid, timings, progress)  # GPU restore (remap) + unlock
-            except (MigrtError, OSError):
+            except (MigrtError, OSError) as exc:
                 if os.path.exists(state_dir):  # ours: it did not exist before
                     runtime.delete_force(target.root, target.container_id)
+                cause = checks.failure()
+                if cause is not None and cause is not exc:
+                    raise cause from exc  # a failed check is the reason, whatever CRIU said
                 raise
         write_marker(target.root, target.container_id,
                      {"checkpoint": name, "restored_at": time.time(), "pid": pid})
         entry.update("restored")
     finally:
+        checks.failure()  # every check thread has ended before the lock goes
+        timings.update({f"{k}_s": v for k, v in checks.seconds().items()})
+        # whether CRIU ran the gate (held the tree until the checks passed); migrt checked them too
+        gate = ("held" if checks.gate_ran else "not run") if checks.pending else None
         shutil.rmtree(work, ignore_errors=True)
     timings["total_s"] = round(time.monotonic() - t_all, 3)
     return {"checkpoint": name, "container_id": target.container_id, "pid": pid, "hostname": hostname,
-            "timings": timings}
+            "timings": timings, "restore_gate": gate}
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (exec keeps the start: migrt-runc's sh fast path counts),
+    at the kernel's clock-tick resolution (10 ms); None where /proc says nothing."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return round(time.clock_gettime(time.CLOCK_BOOTTIME) - started, 3)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def check_target(manifest: dict, bundle: Bundle, name: str, *, allow_cross_namespace: bool) -> None:

@@ -54,6 +54,39 @@ def target_uts(bundle: Bundle) -> tuple[str, str | None] | None:
     return None  # the container shares the host's UTS namespace: CRIU does not restore one
 
 
+_UTSNS_MAGICS = bytes.fromhex("19435654" "03324754")  # CRIU's common image magic, then UTSNS's (little endian)
+
+
+def _uts_names(path: str) -> tuple[str, str] | None:
+    """(nodename, domainname) of a utsns image read without pycriu: two magics, one entry (u32 size,
+    then protobuf fields 1 and 2, both strings). None for anything else (the caller uses pycriu)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(4096)
+        if data[:8] != _UTSNS_MAGICS or len(data) < 12:
+            return None
+        size = int.from_bytes(data[8:12], "little")
+        msg, pos, fields = data[12:12 + size], 0, {}
+        if len(msg) != size:
+            return None
+        while pos < len(msg):
+            tag, length = msg[pos], msg[pos + 1]
+            if tag not in (0x0A, 0x12) or length > 0x7F:
+                return None
+            fields[tag] = msg[pos + 2:pos + 2 + length].decode()
+            pos += 2 + length
+        if pos != len(msg) or set(fields) != {0x0A, 0x12}:
+            return None
+        return fields[0x0A], fields[0x12]
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def _uts_current(path: str, node: str, domain: str | None) -> bool:
+    names = _uts_names(path)
+    return names is not None and names[0] == node and (domain is None or names[1] == domain)
+
+
 def retarget_uts(view: str, bundle: Bundle) -> str | None:
     """Rewrite the view's utsns image to the new container's hostname. Returns the hostname set."""
     images = glob.glob(os.path.join(view, "utsns-*.img"))
@@ -62,9 +95,11 @@ def retarget_uts(view: str, bundle: Bundle) -> str | None:
     target = target_uts(bundle)
     if target is None:
         return None
+    node, domain = target
+    if all(_uts_current(p, node, domain) for p in images):
+        return node  # already this hostname: no rewrite (and no pycriu/protobuf import on the restore path)
     import pycriu
 
-    node, domain = target
     for path in images:
         with open(path, "rb") as fh:
             img = pycriu.images.load(fh)

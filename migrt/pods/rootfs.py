@@ -179,7 +179,15 @@ def bind_destinations(mounts: list[dict]) -> list[str]:
 
 
 
-def align_root_mode(view: str, rootfs: str) -> int | None:
+def root_mode(rootfs: str) -> int | None:
+    """The mode of a container's root directory (recorded at checkpoint as the manifest's root_mode)."""
+    try:
+        return os.stat(rootfs).st_mode
+    except OSError:
+        return None
+
+
+def align_root_mode(view: str, rootfs: str, recorded: int | None = None) -> int | None:
     """CRIU checks the mode of every directory it reopens by path, the container's root (its cwd or
     root) included; the root directory comes from the engine, not from the image (containerd's
     snapshots: 0755; podman's containers/storage: 0555). So the root's mode recorded in the view's
@@ -188,9 +196,11 @@ def align_root_mode(view: str, rootfs: str) -> int | None:
     path = os.path.join(view, "files.img")
     if not os.path.isfile(path):
         return None
+    mode = os.stat(rootfs).st_mode
+    if recorded is not None and recorded == mode:
+        return None  # `recorded`: the manifest's root_mode, what CRIU saw; no pycriu on the restore path
     import pycriu
 
-    mode = os.stat(rootfs).st_mode
     with open(path, "rb") as fh:
         img = pycriu.images.load(fh)
     changed = False

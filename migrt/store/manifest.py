@@ -5,7 +5,9 @@ Schema 1:
   cri {pod_namespace, pod_name, container_name, ...}}, versions {migrt, runc, criu, kernel},
   options {leave_running, tcp_established, ext_unix_sk, shell_job, file_locks, ...},
   size_bytes, files {relpath: {size, sha256 (files up to 64 MiB) or sha256_tree (sha256 over the
-  sha256 of each 64 MiB chunk)}}, timings {phase: seconds}, gpu (GPU issue; optional).
+  sha256 of each 64 MiB chunk)}}, timings {phase: seconds}, gpu (GPU issue; optional),
+  root_mode (st_mode of the container's root directory at checkpoint; optional: a restore whose new
+  root has the same mode leaves CRIU's files.img as it is).
 A manifest from a newer schema is refused rather than misread.
 """
 
@@ -66,6 +68,12 @@ def list_payload(path: str) -> list[str]:
 
 def verify(path: str, data: dict, name: str, *, progress=None) -> None:
     """Raise CheckpointInvalid naming the first problem: missing, extra, resized or altered file."""
+    verify_structure(path, data, name)
+    verify_hashes(path, data, name, sorted(data["files"]), progress=progress)
+
+
+def verify_structure(path: str, data: dict, name: str) -> None:
+    """The cheap part of verify: every file listed is there with its size, nothing else is."""
     listed: dict = data["files"]
     hint = f"; run 'migrt inspect --verify {name}'"
     present = set(list_payload(path))
@@ -81,7 +89,13 @@ def verify(path: str, data: dict, name: str, *, progress=None) -> None:
             raise CheckpointInvalid(
                 f"checkpoint {name}: size mismatch in {rel} ({actual} bytes, manifest says {meta.get('size')}){hint}"
             )
-    hashed = hash_tree(path, sorted(listed), progress=progress)
-    for rel in sorted(listed):
+
+
+def verify_hashes(path: str, data: dict, name: str, rels: list[str], *, progress=None) -> None:
+    """The sha256 of the files `rels` (listed in the manifest) against the manifest."""
+    listed: dict = data["files"]
+    hint = f"; run 'migrt inspect --verify {name}'"
+    hashed = hash_tree(path, rels, progress=progress)
+    for rel in rels:
         if digest_of(hashed[rel]) != digest_of(listed[rel]):
             raise CheckpointInvalid(f"checkpoint {name}: sha256 mismatch in {rel}{hint}")

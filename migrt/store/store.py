@@ -98,6 +98,12 @@ class Checkpoint:
     def verify(self, progress: Callable[[int], None] | None = None) -> None:
         mf.verify(self.path, self.manifest, self.name, progress=progress)
 
+    def verify_structure(self) -> None:
+        mf.verify_structure(self.path, self.manifest, self.name)
+
+    def verify_hashes(self, rels: list[str], progress: Callable[[int], None] | None = None) -> None:
+        mf.verify_hashes(self.path, self.manifest, self.name, rels, progress=progress)
+
 
 class Staging:
     """A checkpoint being written. Nothing here is visible to readers until commit()."""

@@ -193,3 +193,85 @@ def test_criu_failure_keeps_checkpoint(runc_root, migrt_config, tmp_path):
     time.sleep(1.0)
     assert _state(runc_root, nid)["status"] == "running"
     assert parse_ticks(out.read_text())
+
+
+def test_tampered_pages_caught_while_criu_restores_never_resume(runc_root, migrt_config, tmp_path):
+    """The large page images are hashed while CRIU restores (ops/restore_checks.py); a flipped byte in
+    one makes CRIU's post-restore gate abort the restore: the restored process never runs one more
+    step, the error names the file, no container is left, the checkpoint stays. Put right, the same
+    checkpoint restores, held at the gate until the hashes matched."""
+    from migrt.ops import restore_checks
+
+    data = tmp_path / "data"
+    data.mkdir()
+    mount = [{"destination": "/data", "type": "bind", "source": str(data), "options": ["rbind", "rw"]}]
+    hog = ("x=$(head -c 3000000 /dev/urandom | od -An -tx1); i=0; "
+           "while true; do i=$((i+1)); echo $i > /data/tick; sleep 0.05; done")
+    sid = _uid("tp")
+    src = Piped(["runc", "--root", runc_root, "create", sid], make_bundle(str(tmp_path / "s"), ["sh", "-c", hog],
+                                                                          extra_mounts=mount))
+    assert src.rc == 0, src.read_for(0.5)
+    subprocess.run(["runc", "--root", runc_root, "start", sid], check=True)
+    def ticks() -> int:  # the loop rewrites the file: an empty read is a write in progress
+        for _ in range(50):
+            text = (data / "tick").read_text().strip() if (data / "tick").exists() else ""
+            if text:
+                return int(text)
+            time.sleep(0.01)
+        return 0
+
+    for _ in range(100):
+        if ticks() > 3:
+            break
+        time.sleep(0.1)
+    name = _uid("tpck")
+    run_cli("checkpoint", sid, "--root", runc_root, "--name", name)
+    src.close()
+    tick = ticks()
+    images = os.path.join(migrt_config["store"], name, "images")
+    pages = max((f for f in os.listdir(images) if f.startswith("pages-")),
+                key=lambda f: os.path.getsize(os.path.join(images, f)))
+    target = os.path.join(images, pages)
+    size = os.path.getsize(target)
+    assert size >= restore_checks.BACKGROUND_MIN_BYTES  # hashed in the background, not up front
+
+    def flip() -> None:
+        with open(target, "r+b") as fh:
+            fh.seek(size // 2)
+            b = fh.read(1)
+            fh.seek(size // 2)
+            fh.write(bytes([b[0] ^ 0xFF]))
+
+    def create(cid: str) -> tuple[Piped, str, str]:
+        bundle = make_bundle(str(tmp_path / cid), ["sh", "-c", "echo fresh"], env=[f"MIGRT_RESTORE={name}"],
+                             extra_mounts=mount)
+        log = str(tmp_path / f"{cid}.json")
+        return Piped([SHIM, "--root", runc_root, "--log", log, "--log-format", "json", "create", "--bundle", bundle,
+                      cid], bundle), log, bundle
+
+    flip()
+    bad, log, bundle = create(_uid("tpbad"))
+    bad.close()
+    assert bad.rc != 0
+    text = open(log).read()
+    assert f"sha256 mismatch in images/{pages}" in text, text
+    assert not [c for c in os.listdir(runc_root) if c.startswith("tpbad")]
+    assert not [f for f in os.listdir(bundle) if f.startswith(".migrt")]
+    time.sleep(0.5)
+    assert ticks() == tick  # the restored tree was killed before it ran a step
+    assert os.path.exists(target)
+
+    flip()  # put right: the same checkpoint restores
+    good, log, _ = create(_uid("tpok"))
+    try:
+        assert good.rc == 0, open(log).read() if os.path.exists(log) else ""
+        for _ in range(50):
+            if ticks() > tick:
+                break
+            time.sleep(0.1)
+        assert ticks() > tick
+        restored = [json.loads(ln) for ln in open(migrt_config["log"]) if '"restored"' in ln]
+        assert restored[-1]["restore_gate"] == "held"
+        assert "verify_background_s" in restored[-1]["timings"]
+    finally:
+        good.close()

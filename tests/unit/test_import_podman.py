@@ -191,3 +191,15 @@ def test_convert_devshm_skips_the_root(tmp_path):
     with pytest.raises(CheckpointInvalid):
         (tmp_path / "junk.tar").write_bytes(b"not a tar" * 100)
         engines.convert_devshm(str(tmp_path / "junk.tar"), str(tmp_path / "out2.tar"))
+
+
+def test_align_root_mode_trusts_a_recorded_equal_mode_without_reading_files_img(tmp_path):
+    """The manifest's root_mode equal to the new root's: nothing to align, files.img not even parsed
+    (garbage here would make pycriu fail), so the restore path does not import pycriu."""
+    view, new_root = tmp_path / "view", tmp_path / "root"
+    view.mkdir()
+    new_root.mkdir(mode=0o755)
+    (view / "files.img").write_bytes(b"not an image")
+    mode = os.stat(new_root).st_mode
+    assert rootfs.align_root_mode(str(view), str(new_root), recorded=mode) is None
+    assert (view / "files.img").read_bytes() == b"not an image"

@@ -88,7 +88,7 @@ PROBE = textwrap.dedent("""\
             report[name] = "returned"
         except Exec:
             report[name] = sorted(m for m in HEAVY if m in sys.modules)
-    import migrt.cli.main, migrt.log  # positive control: the check does see heavy imports
+    import migrt.cli.main  # positive control: the check does see heavy imports
     report["control"] = sorted(m for m in HEAVY if m in sys.modules)
     print(json.dumps(report))
     """)
@@ -112,7 +112,7 @@ def test_shim_entry_point_imports_no_third_party_module(migrt_env, tmp_path):
     assert report["import"] == []
     for name, _ in calls:
         assert report[name] == [], f"{name}: pass-through imported {report[name]}"
-    assert {"click", "structlog"} <= set(report["control"])
+    assert "click" in set(report["control"])
 
 
 # -- (b) the Python shim passes everything else through, byte-identical ------------------------------
