@@ -210,23 +210,24 @@ class MigrtBox:
         return rig.make_bundle(str(self.node.base / "bundles" / cid), args=self.argv, data_dir=str(self.data),
                                needed=self.node.needed, gpu_minors=None, env=envs)
 
-    def round_trip(self, k: int) -> dict:
+    def round_trip(self, k: int, pages: str | None = None) -> dict:
+        """One checkpoint + restore; `pages` sets MIGRT_RESTORE_PAGES for the restore (the page filler)."""
         from tests.gpu.harness import Container
 
-        node, name = self.node, f"{self.tag}-ck{k}"
+        node, name = self.node, f"{self.tag}-ck{k}{pages or ''}"
         t0 = time.monotonic()
         r = node.cli("checkpoint", self.box.cid, "--root", str(node.runc_root), "--name", name, "--json")
         ck_wall = time.monotonic() - t0
         assert json.loads(r.stdout)["name"] == name
         manifest = json.loads(node.cli("inspect", name, "--json").stdout)["manifest"]
         self.box.remove()
-        cid = f"{self.tag}-{k + 1}"
+        cid = f"{self.tag}-{k + 1}{pages or ''}"
         bundle = self.bundle(cid, [f"MIGRT_RESTORE={name}"])
         logf = os.path.join(bundle, "log.json")
         t0 = time.monotonic()
         c = Container(node, cid, [node.shim, "--root", str(node.runc_root), "--log", logf, "--log-format", "json",
                                   "create", "--bundle", bundle, "--pid-file", os.path.join(bundle, "init.pid"), cid],
-                      bundle)
+                      bundle, env={**node.env, "MIGRT_RESTORE_PAGES": pages} if pages else None)
         create_wall = time.monotonic() - t0
         if c.rc != 0:
             err = Path(logf).read_text() if os.path.exists(logf) else ""
@@ -244,6 +245,8 @@ class MigrtBox:
                "round_trip_s": ck_wall + rs_wall}
         for key, value in rt.items():  # whatever else migrt records (e.g. the shim's start)
             out.setdefault(f"m_{key}", value)
+        out["restore_gate"] = restored.get("restore_gate")
+        out["pages"] = restored.get("pages")
         return out
 
     def remove(self) -> None:
@@ -272,7 +275,9 @@ def one_size(node, args, gb: float, thp: str, kind: str, budget: Budget) -> dict
     tag = f"{kind}{gb:g}{thp[0]}".replace(".", "p")
     base = node.base / tag
     images = Path(args.raw_images) / f"migrt-rt-{os.getpid()}-{tag}"
-    res = {"gb": gb, "thp": thp, "kind": kind, "raw": [], "migrt": [], "errors": []}
+    modes = [m for m in (args.restore_pages or "").split(",") if m]
+    paths = ["raw", "migrt", *(f"migrt+{m}" for m in modes)]
+    res = {"gb": gb, "thp": thp, "kind": kind, "paths": paths, "errors": [], **{p: [] for p in paths}}
     boxes = []
     t_start = time.monotonic()
     try:
@@ -310,14 +315,15 @@ def one_size(node, args, gb: float, thp: str, kind: str, budget: Budget) -> dict
                                      f"a run takes ~{est:.0f} s")
                 break
             t_run = time.monotonic()
-            for path, obj in (("raw", raw), ("migrt", box)):
+            for path in paths:
+                wl = "raw" if path == "raw" else "migrt"  # the migrt paths take turns on one container
                 wait_memory(int(gb * GIB) * 2 + 4 * GIB, f"{tag} {path} run {k + 1}")
-                count = ws[path].status()["count"]
-                figs = obj.round_trip(k)
-                after = ws[path].counting_past(count, timeout=120)
-                check = ws[path].verify(timeout=300)
-                if check["checksum"] != ready[path]["checksum"] or after["gpu_count"] != after["count"]:
-                    raise RuntimeError(f"{tag} {path} run {k + 1}: data changed: {check} vs {ready[path]}")
+                count = ws[wl].status()["count"]
+                figs = raw.round_trip(k) if path == "raw" else box.round_trip(k, path.partition("+")[2] or None)
+                after = ws[wl].counting_past(count, timeout=120)
+                check = ws[wl].verify(timeout=300)
+                if check["checksum"] != ready[wl]["checksum"] or after["gpu_count"] != after["count"]:
+                    raise RuntimeError(f"{tag} {path} run {k + 1}: data changed: {check} vs {ready[wl]}")
                 res[path].append(figs)
                 log(f"{tag} {path} run {k + 1}: checkpoint {figs['checkpoint_s']:.2f} s, restore "
                     f"{figs['restore_s']:.2f} s, round trip {figs['round_trip_s']:.2f} s; checksum equal")
@@ -344,7 +350,8 @@ def harness_workload(node) -> Path:
 
 # -- table ------------------------------------------------------------------------------------------
 COLS = [("gpu_checkpoint_s", "GPU ckpt"), ("dump_s", "dump"), ("commit_s", "commit"), ("checkpoint_s", "ckpt wall"),
-        ("verify_s", "verify"), ("criu_restore_s", "CRIU/runc restore"), ("gpu_restore_s", "GPU restore"),
+        ("verify_s", "verify"), ("m_criu_call_after_start_s", "start to CRIU"),
+        ("m_verify_background_s", "bg verify"), ("criu_restore_s", "CRIU/runc restore"), ("gpu_restore_s", "GPU restore"),
         ("restore_s", "restore wall"), ("round_trip_s", "round trip")]
 
 
@@ -357,26 +364,30 @@ def table(results: list[dict]) -> list[str]:
              "|---|---|---|---|---|" + "---|" * len(COLS) + "---|---|"]
     for r in results:
         base = median(r["raw"], "round_trip_s")
-        for path in ("raw", "migrt"):
+        for path in r.get("paths", ("raw", "migrt")):
             rows = r[path]
             if not rows:
                 continue
             meds = {k: median(rows, k) for k, _ in COLS}
             gbps = (median(rows, "image_bytes") or 0) / 1e9 / meds["restore_s"] if meds["restore_s"] else None
-            ratio = f"{meds['round_trip_s'] / base:.2f}" if path == "migrt" and base else "1.00" if base else "-"
+            ratio = f"{meds['round_trip_s'] / base:.2f}" if path != "raw" and base else "1.00" if base else "-"
             lines.append(f"| {r['gb']:g} | {r['thp']} | {r['kind']} | {path} | {len(rows)} | "
                          + " | ".join(fmt(meds[k]) for k, _ in COLS) + f" | {fmt(gbps)} | {ratio} |")
     return lines
 
 
 def summary_line(results: list[dict]) -> str:
+    """The largest GPU size at THP madvise (else the first setting run); migrt's fastest path there."""
     gpu = [r for r in results if r["kind"] == "gpu" and r["raw"] and r["migrt"]]
     pick = [r for r in gpu if r["thp"] == "madvise"] or gpu
     if not pick:
         return "gpu_roundtrip gb=nan migrt_s=nan baseline_s=nan restore_s=nan"
     r = max(pick, key=lambda x: x["gb"])
-    return (f"gpu_roundtrip gb={r['gb']:g} migrt_s={median(r['migrt'], 'round_trip_s'):.2f} "
-            f"baseline_s={median(r['raw'], 'round_trip_s'):.2f} restore_s={median(r['migrt'], 'restore_s'):.2f}")
+    best = min((p for p in r.get("paths", ("migrt",)) if p != "raw" and r[p]),
+               key=lambda p: median(r[p], "round_trip_s"))
+    return (f"gpu_roundtrip gb={r['gb']:g} migrt_s={median(r[best], 'round_trip_s'):.2f} "
+            f"baseline_s={median(r['raw'], 'round_trip_s'):.2f} restore_s={median(r[best], 'restore_s'):.2f} "
+            f"path={best}")
 
 
 def report(paths: list[str]) -> int:
@@ -439,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-sizes", help="GiB for the CPU rows (default: the sizes up to 16)")
     ap.add_argument("--runs", type=int, default=3, help="round trips per path and size (default 3)")
     ap.add_argument("--budget-s", type=float, default=520, help="stop starting runs after this (default 520)")
+    ap.add_argument("--restore-pages", help="also restore with MIGRT_RESTORE_PAGES=MODE[,MODE] (the page filler), "
+                    "as paths migrt+MODE on the same container")
     ap.add_argument("--raw-images", default="/dev/shm", help="where the raw path's images go (default /dev/shm)")
     ap.add_argument("--json-out", help="write the results here")
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print one table from result files and exit")
@@ -467,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                     for gb in sizes_for(args, kind):
                         need = gb * (6 if kind == "gpu" else 4) + 20  # start + one run of each path, roughly
                         if budget.left() < need:
-                            results.append({"gb": gb, "thp": thp, "kind": kind, "raw": [], "migrt": [],
+                            results.append({"gb": gb, "thp": thp, "kind": kind, "raw": [], "migrt": [], "paths": [],
                                             "errors": [f"skipped: {budget.left():.0f} s of the time budget left, "
                                                        f"~{need:.0f} s needed"]})
                             continue

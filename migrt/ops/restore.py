@@ -20,7 +20,7 @@ from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
 from migrt.ops import gpu_steps, recover, restore_checks
 from migrt.pods import engines, namespaces, rootfs
-from migrt.registry import pull, reference
+from migrt.registry import reference
 from migrt.progress import Progress, null_progress
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
@@ -240,6 +240,8 @@ def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, l
         name = request.name
         if reference.is_reference(name):  # oci:REF: pulled into the store once per node, then restored
             t0 = time.monotonic()
+            from migrt.registry import pull  # http.client, ssl: only for oci: references
+
             name = pull.ensure_local(cfg, name)
             log.info("restore_image_ready", container=cid, reference=request.name, checkpoint=name,
                      seconds=round(time.monotonic() - t0, 3))
