@@ -16,7 +16,8 @@ from migrt.cli.render import ConsoleProgress, emit_json, human_size
 @handle_errors
 def import_cmd(archive, name, as_json):
     """Import a checkpoint archive written by kubelet's checkpoint API (CRI CheckpointContainer,
-    e.g. containerd 2.1+) into the store; prints the checkpoint name, ready for MIGRT_RESTORE."""
+    e.g. containerd 2.1+) or by `podman container checkpoint --export` (plain, gzip or zstd) into
+    the store; prints the checkpoint name, ready for MIGRT_RESTORE."""
     from migrt.pods.import_cri import import_archive
 
     cfg = load_config()

@@ -13,8 +13,11 @@ the same layout) leaves a tar at the requested location:
   dump.log, stats-dump   CRIU's log and statistics
   container.log      the container's log up to the checkpoint (not imported)
 
-The archive is read in one pass (plain, gzip, bzip2 or xz; the data of a plain tar is copied by the
-kernel, sendfile) and nothing in it is trusted:
+Podman's archives add devshm-checkpoint.tar, network.status, ctr.log and artifacts/ and are zstd by
+default; what differs between the engines is in migrt.pods.engines.
+
+The archive is read in one pass (plain, gzip, bzip2, xz or zstd; the data of a plain tar is copied by
+the kernel, sendfile) and nothing in it is trusted:
 every member name must be a relative path without '..'; links, devices and fifos are refused (a
 checkpoint archive holds plain files and directories); metadata files are size-capped before they
 are parsed; the member count is capped; written bytes are checked against the store's free space as
