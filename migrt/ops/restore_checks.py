@@ -45,7 +45,7 @@ while [ ! -e {ok} ]; do
     [ -e {failed} ] && exit 1
     i=$((i + 1))
     [ $i -gt {polls} ] && exit 1
-    sleep 0.01
+    sleep 0.01 2>/dev/null || {{ sleep 1; i=$((i + 99)); }}  # a sleep without fractions: whole seconds
 done
 exit 0
 """
