@@ -429,6 +429,19 @@ def criu_options(images: str, terminal: bool) -> tuple[dict, str | None]:
     return opts, None
 
 
+def recorded_root_mode(images: str) -> int | None:
+    """The mode of the container's root directory as CRIU recorded it (files.img, the "/" entry):
+    the manifest's root_mode, so that a restore into a root of the same mode needs no image rewrite."""
+    try:
+        files = _load_entries(images, "files.img")
+    except Exception:  # pycriu missing or the image unreadable: the restore reads files.img itself
+        return None
+    modes = {(f.get("reg") or {}).get("mode") for f in files
+             if f.get("type") == "REG" and (f.get("reg") or {}).get("name") == "/"}
+    modes.discard(None)
+    return modes.pop() if len(modes) == 1 else None
+
+
 def log_versions(dump_log: str | None) -> dict:
     """CRIU's version and the kernel, as the dump's log records them (null when it does not)."""
     out: dict = {"migrt": None, "runtime": None, "runtime_path": None, "criu": None, "kernel": None}
@@ -571,6 +584,9 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
         fields["gpu"] = gpu
     if devshm:
         fields["devshm"] = devshm
+    root_mode = recorded_root_mode(staging.images)
+    if root_mode is not None:
+        fields["root_mode"] = root_mode
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(staging.path) for f in fs)
     progress("phase", name="commit", total_bytes=total)
     t0 = time.monotonic()

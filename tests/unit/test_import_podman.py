@@ -108,6 +108,7 @@ def test_podman_zstd_archive_imports(migrt_env, tmp_path):
     assert m["devshm"] == {"entries": 1, "bytes": len(b"shared-memory")}
     ckpt = Store(str(migrt_env.store)).get("web")
     ckpt.verify()
+    assert ckpt.manifest["root_mode"] == 0o40555  # podman's root, as CRIU recorded it
     assert "/run/.containerenv" not in [x["destination"] for x in ckpt.manifest["mounts"]]
     with open(os.path.join(ckpt.images, "mountpoints-13.img"), "rb") as fh:
         assert [e["mountpoint"] for e in pycriu.images.load(fh)["entries"]] == ["/", "/etc/hosts"]
