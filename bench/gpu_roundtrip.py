@@ -134,8 +134,8 @@ class RawProc:
 
             self.backend = CudaDriverBackend()
 
-    def round_trip(self, k: int) -> dict:
-        img = self.images / f"raw-{k}"
+    def round_trip(self, k: int, images: Path | None = None) -> dict:
+        img = (images or self.images) / f"raw-{k}"
         shutil.rmtree(img, ignore_errors=True)
         img.mkdir(parents=True)
         t: dict[str, float] = {}
@@ -276,7 +276,7 @@ def one_size(node, args, gb: float, thp: str, kind: str, budget: Budget) -> dict
     base = node.base / tag
     images = Path(args.raw_images) / f"migrt-rt-{os.getpid()}-{tag}"
     modes = [m for m in (args.restore_pages or "").split(",") if m]
-    paths = ["raw", "migrt", *(f"migrt+{m}" for m in modes)]
+    paths = ["raw", *(["raw@hugetmpfs"] if args.raw_huge_images else []), "migrt", *(f"migrt+{m}" for m in modes)]
     res = {"gb": gb, "thp": thp, "kind": kind, "paths": paths, "errors": [], **{p: [] for p in paths}}
     boxes = []
     t_start = time.monotonic()
@@ -316,10 +316,15 @@ def one_size(node, args, gb: float, thp: str, kind: str, budget: Budget) -> dict
                 break
             t_run = time.monotonic()
             for path in paths:
-                wl = "raw" if path == "raw" else "migrt"  # the migrt paths take turns on one container
+                wl = "raw" if path.startswith("raw") else "migrt"  # paths of one kind take turns on one process
                 wait_memory(int(gb * GIB) * 2 + 4 * GIB, f"{tag} {path} run {k + 1}")
                 count = ws[wl].status()["count"]
-                figs = raw.round_trip(k) if path == "raw" else box.round_trip(k, path.partition("+")[2] or None)
+                if path == "raw":
+                    figs = raw.round_trip(k)
+                elif path == "raw@hugetmpfs":
+                    figs = raw.round_trip(k, Path(args.raw_huge_images))
+                else:
+                    figs = box.round_trip(k, path.partition("+")[2] or None)
                 after = ws[wl].counting_past(count, timeout=120)
                 check = ws[wl].verify(timeout=300)
                 if check["checksum"] != ready[wl]["checksum"] or after["gpu_count"] != after["count"]:
@@ -370,7 +375,7 @@ def table(results: list[dict]) -> list[str]:
                 continue
             meds = {k: median(rows, k) for k, _ in COLS}
             gbps = (median(rows, "image_bytes") or 0) / 1e9 / meds["restore_s"] if meds["restore_s"] else None
-            ratio = f"{meds['round_trip_s'] / base:.2f}" if path != "raw" and base else "1.00" if base else "-"
+            ratio = f"{meds['round_trip_s'] / base:.2f}" if base else "-"
             lines.append(f"| {r['gb']:g} | {r['thp']} | {r['kind']} | {path} | {len(rows)} | "
                          + " | ".join(fmt(meds[k]) for k, _ in COLS) + f" | {fmt(gbps)} | {ratio} |")
     return lines
@@ -383,7 +388,7 @@ def summary_line(results: list[dict]) -> str:
     if not pick:
         return "gpu_roundtrip gb=nan migrt_s=nan baseline_s=nan restore_s=nan"
     r = max(pick, key=lambda x: x["gb"])
-    best = min((p for p in r.get("paths", ("migrt",)) if p != "raw" and r[p]),
+    best = min((p for p in r.get("paths", ("migrt",)) if not p.startswith("raw") and r[p]),
                key=lambda p: median(r[p], "round_trip_s"))
     return (f"gpu_roundtrip gb={r['gb']:g} migrt_s={median(r[best], 'round_trip_s'):.2f} "
             f"baseline_s={median(r['raw'], 'round_trip_s'):.2f} restore_s={median(r[best], 'restore_s'):.2f} "
@@ -452,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=520, help="stop starting runs after this (default 520)")
     ap.add_argument("--restore-pages", help="also restore with MIGRT_RESTORE_PAGES=MODE[,MODE] (the page filler), "
                     "as paths migrt+MODE on the same container")
+    ap.add_argument("--raw-huge-images", help="also run the raw steps with the image in DIR (a huge=always tmpfs "
+                    "the runner mounts privately), as path raw@hugetmpfs")
     ap.add_argument("--raw-images", default="/dev/shm", help="where the raw path's images go (default /dev/shm)")
     ap.add_argument("--json-out", help="write the results here")
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print one table from result files and exit")

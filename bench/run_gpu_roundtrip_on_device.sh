@@ -59,11 +59,19 @@ if [ -n "$missing" ]; then
     echo "run_gpu_roundtrip_on_device: missing: $missing" | tee -a "$OUT/gpu_roundtrip-$TAG.log" >&2
     exit 2
 fi
+# GPU_RT_HUGE_TMPFS_GIB=N: a private huge=always tmpfs of N GiB for the raw@hugetmpfs path (unmounted at the end;
+# a mount of our own, no node-wide setting)
+HUGE_ARGS=()
+if [ -n "${GPU_RT_HUGE_TMPFS_GIB:-}" ]; then
+    HUGE_DIR=$(mktemp -d /tmp/migrt-huge.XXXXXX)
+    mount -t tmpfs -o "huge=always,size=${GPU_RT_HUGE_TMPFS_GIB}G,mode=0700" migrt-huge "$HUGE_DIR" && HUGE_ARGS=(--raw-huge-images "$HUGE_DIR")
+    trap 'umount "$HUGE_DIR" 2>/dev/null; rmdir "$HUGE_DIR" 2>/dev/null' EXIT
+fi
 THP_BEFORE=$(sed 's/.*\[\(.*\)\].*/\1/' /sys/kernel/mm/transparent_hugepage/enabled)
 echo "setup took $(( $(date +%s) - T0 )) s; benchmark budget $BUDGET s, hard limit $LIMIT s"
 # SIGTERM at the limit: gpu_roundtrip.py removes its processes and directories and puts THP back.
 PYTHONUNBUFFERED=1 timeout -k 20 "$LIMIT" "$PY" bench/gpu_roundtrip.py --budget-s "$BUDGET" \
-    --json-out "$OUT/gpu_roundtrip-$TAG.json" "$@" 2>&1 | tee "$OUT/gpu_roundtrip-$TAG.log"
+    --json-out "$OUT/gpu_roundtrip-$TAG.json" "${HUGE_ARGS[@]}" "$@" 2>&1 | tee "$OUT/gpu_roundtrip-$TAG.log"
 rc=${PIPESTATUS[0]}
 # the benchmark puts THP back itself; this catches a SIGKILL at the hard limit
 if [ "$(sed 's/.*\[\(.*\)\].*/\1/' /sys/kernel/mm/transparent_hugepage/enabled)" != "$THP_BEFORE" ]; then
