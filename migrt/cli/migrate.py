@@ -64,7 +64,18 @@ def migrate(container_id, to, root, pre_dump, lazy, name, free_source_early, as_
     click.echo(f"migrated {container_id} to {to} ({res['mode']}): {where}; {down}; "
                f"{human_size(res['bytes'])} sent at {_rate(res['bytes'], transfer)}; total {res['total_s']:.3f} s",
                err=True)
+    if res.get("gpu"):
+        click.echo(f"  GPU: checkpoint {res['phases'].get('gpu_checkpoint_s', 0):.3f} s; " + _gpu_line(res["gpu"]), err=True)
     click.echo(res["name"])
+
+
+def _gpu_line(gpu: dict) -> str:
+    """The receiver's GPU preflight answer, for people."""
+    pairs = ", ".join(f"{p['old']} -> {p['new']}" for p in gpu.get("pairs") or [])
+    gpus = ", ".join(f"{g.get('name')} ({human_size(g.get('memory_free'))} free)" for g in gpu.get("gpus") or [])
+    if not gpu.get("restore_here"):
+        return f"stored on the target (driver {gpu.get('driver') or 'none'}), not restored there"
+    return f"target GPU(s) {gpus}, driver {gpu.get('driver')}; {pairs}"
 
 
 @cli.command()
@@ -105,6 +116,10 @@ def receive(listen, once, restore_bundle, root, container_id, output, as_json):
                 else f"committed as checkpoint {r['name']}")
         click.echo(f"migrt receive: {r['name']} from {r['peer']} ({r['mode']}): {human_size(r['bytes'])} "
                    f"received in {t.get('receive_s', 0):.3f} s; {what}; total {t.get('total_s', 0):.3f} s", err=True)
+        if r.get("gpu"):
+            restored = (t.get("restore") or {}).get("gpu_restore_s")
+            click.echo(f"  GPU: {_gpu_line(r['gpu'])}" + (f"; GPU restore {restored:.3f} s" if restored else ""),
+                       err=True)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     receiver = Receiver(cfg, ReceiveOptions(listen=listen, once=once, restore_bundle=restore_bundle, root=root,

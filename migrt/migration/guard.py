@@ -9,6 +9,9 @@ current phase needs, so that exactly one copy of the container runs and nothing 
     target, restoring                                 kill runc restore / CRIU / criu lazy-pages, clean
                                                       up, remove the container
 
+A source container with CUDA processes (migration/gpu.py): whenever the guard leaves it running
+(resumed, or never frozen), it also brings the processes' GPU state back (`gpu_pids`).
+
 The owner writes the current instruction as one JSON line on the guard's stdin (`arm`); `disarm`
 writes "nothing" and closes the pipe. The guard acts on the last instruction when the pipe closes,
 which happens whether the owner exits or is killed. It runs in its own session, so signals aimed at
@@ -134,6 +137,10 @@ def act(action: dict) -> str:
         _, outcome = handover.resolve_source(load(action["config"]), runtime=rt, root=root, cid=cid, to=action["to"],
                                              name=action["name"], target_cid=action.get("target_cid"), page_server=ps,
                                              was_paused=bool(action.get("was_paused")))
+    if action.get("gpu_pids") and (do == "remove" or "was resumed" in outcome):  # running again: its GPU too
+        from migrt.migration.gpu import resume_pids
+
+        outcome += resume_pids(action["gpu_pids"])
     for pid in action.get("pids") or []:  # kill-restore, remove: runc restore, CRIU, criu lazy-pages
         for proc in watchdog.tree(pid):
             _kill(proc.pid)

@@ -42,6 +42,7 @@ from migrt.store import Store
 from migrt.store import manifest as mf
 from migrt.migration import handover
 from migrt.migration.channel import RemoteError
+from migrt.migration.gpu import GpuSource
 from migrt.migration.guard import Guard
 from migrt.migration.wire import Channel, TransferError, connect, load_key
 from migrt.migration.tls import TLSFiles
@@ -119,17 +120,20 @@ def _payload(path: str) -> list[tuple[str, str]]:
 class _Source:
     """The container on this node and what may be done to it; keeps the guard's instruction in step."""
 
-    def __init__(self, runtime: str, root: str, cid: str, was_paused: bool, guard: Guard) -> None:
+    def __init__(self, runtime: str, root: str, cid: str, was_paused: bool, guard: Guard,
+                 gpu: GpuSource | None = None) -> None:
         self.runtime, self.root, self.cid = runtime, root, cid
         self.was_paused = was_paused
         self.frozen = False
         self.guard = guard
         self.page_server: tuple[str, int] | None = None
         self.staging: str | None = None
+        self.gpu = gpu  # its CUDA processes (migration/gpu.py), if any
 
     def _where(self) -> dict:
         return {"runtime": self.runtime, "root": self.root, "cid": self.cid, "page_server": self.page_server,
-                "remove": [self.staging] if self.staging else []}
+                "remove": [self.staging] if self.staging else [],
+                "gpu_pids": self.gpu.pids if self.gpu and self.gpu.section is not None else []}
 
     def freeze(self, staging: str) -> None:
         self.staging = staging
@@ -149,7 +153,13 @@ class _Source:
                         "target_cid": target_cid, "was_paused": self.was_paused})
 
     def rollback(self, target_kept: bool = False) -> str:
-        """Resume after a failure; returns a sentence for the error message."""
+        """Resume after a failure (thaw, then the GPU state back onto its own GPU); returns a sentence."""
+        said = self._thaw(target_kept)
+        if self.gpu and not self.frozen:  # the driver's restore needs running tasks
+            said += self.gpu.resume()
+        return said
+
+    def _thaw(self, target_kept: bool) -> str:
         kept = "" if target_kept else "; the target kept nothing"
         if not self.frozen:
             return f"container {self.cid} was not touched and keeps running{kept}"
@@ -191,6 +201,8 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
     except MigrtError:
         bundle = Bundle(bundle_dir, {})
     opts = CriuOptions.from_dict(cfg.criu_options).merged(shell_job=bundle.terminal)
+    gpu = GpuSource(cfg, req.container_id, state.get("pid"), bundle.config)
+    gpu_offer = gpu.probe(lazy=req.lazy, paused=state.get("status") == "paused")  # before anything is touched
     store = Store(cfg.store)
     store.ensure()
     store.gc()
@@ -205,8 +217,9 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
     guard: Guard | None = None
     try:
         ch.send({"type": "offer", "name": name, "mode": mode, "container_id": req.container_id,
-                 "schema": mf.SCHEMA})
+                 "schema": mf.SCHEMA, **({"gpu": gpu_offer} if gpu_offer else {})})
         ready = ch.recv("ready")
+        result["gpu"] = gpu.check_answer(ready, req.to)  # the receiver's GPU preflight (None: no GPU)
         result["phases"]["connect_s"] = round(time.monotonic() - t0, 3)
         progress("done", name="connect", seconds=result["phases"]["connect_s"], peer=ch.peer)
         guard = Guard(f"source:{req.container_id}", cfg.log_file)  # starts while we prepare, before the freeze
@@ -223,7 +236,7 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
                 "timings": result["phases"],
             }
             guard.arm({"do": "remove", "remove": [staging.path]})  # killed before the freeze: nothing else to undo
-            source = _Source(runtime.path, root, req.container_id, state.get("status") == "paused", guard)
+            source = _Source(runtime.path, root, req.container_id, state.get("status") == "paused", guard, gpu)
             source.staging = staging.path
             run = _Run(ch, ready, source, staging, opts, fields, bundle, req, result, progress, cfg)
             run.lazy() if req.lazy else run.stop_and_copy()
@@ -305,6 +318,8 @@ class _Run:
         if state == handover.ABSENT:
             source.frozen = False
             source.guard.arm({"do": "remove", "remove": [source.staging] if source.staging else []})
+            if source.gpu:  # thawed by the handover: now its GPU state, onto its own GPU
+                outcome += source.gpu.resume()
         cause = exc if isinstance(exc, MigrtError) else TransferError(f"interrupted ({exc!r})")
         raise MigrationFailed(f"{what}: {exc}; {outcome}", cause) from exc
 
@@ -314,12 +329,17 @@ class _Run:
         self.progress("phase", name="dump", container=req.container_id)
         self.t_freeze = time.monotonic()
         try:
+            if source.gpu.section is not None:  # a kill from here on: the guard also brings the GPU state back
+                source.guard.arm({"do": "remove", "remove": [self.staging.path], "gpu_pids": source.gpu.pids})
+            with ch.busy("gpu-checkpoint"):  # GPU first: the driver's lock needs running tasks
+                source.gpu.suspend(self.progress)
             source.freeze(self.staging.path)
             with ch.busy("dump"):
                 LowerRuntime(source.runtime).checkpoint(source.root, req.container_id, image_path=self.staging.images,
                                                         work_path=self.staging.work, options=self.opts,
-                                                        leave_running=True)
+                                                        leave_running=True, env=source.gpu.env())
                 self._timed("dump", self.t_freeze)
+                source.gpu.write(self.staging.images, self.fields, self.phases)
                 self._dump_extras()
             files = self._send_all(release=True)
             self.progress("phase", name="commit")
@@ -347,6 +367,8 @@ class _Run:
         name = self.result["name"]
         where = (f"the checkpoint {name} is committed in the target's store; restore it there "
                  f"('migrt restore {name} ...' or MIGRT_RESTORE={name})")
+        if source.gpu.section is not None:  # a GPU migration: the target removes it (see receive.py)
+            where = "the target removed what it received"
         if source.frozen:
             self._hand_over()
         try:

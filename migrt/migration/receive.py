@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from migrt import names
+from migrt import faults, names
 from migrt.config import Config
 from migrt.criu import lazy as lazy_mod
 from migrt.errors import Conflict, MigrtError, UsageError
@@ -46,6 +46,7 @@ from migrt.store import manifest as mf
 from migrt.store.importer import importing
 from migrt.migration import handover, watchdog
 from migrt.migration.guard import Guard, wait_for_guards
+from migrt.migration.gpu import target_preflight
 from migrt.migration.wire import Channel, TransferError, accept, load_key, parse_address
 from migrt.migration.protocol import AuthError
 from migrt.migration.tls import TLSFiles
@@ -183,6 +184,10 @@ class Receiver:
             _check_id(restore_id)
             if os.path.exists(os.path.join(self.root, restore_id)):
                 raise Conflict(f"container {restore_id} already exists in {self.root} on the target")
+        gpu = target_preflight(self.cfg, offer.get("gpu"), Bundle.load(os.path.abspath(self.opts.restore_bundle)).config
+                               if self.opts.restore_bundle else None, f"migration of {offer.get('container_id')}")
+        if gpu is not None:
+            out["gpu"] = gpu
         if mode == "lazy":
             if not self.opts.restore_bundle:
                 raise UsageError("lazy migration needs a target that restores at once: start 'migrt receive' "
@@ -204,7 +209,8 @@ class Receiver:
         t0 = time.monotonic()
         with importing(self.store, name) as imp:
             guard.arm({"do": "remove", "remove": [imp.path]})
-            ch.send({"type": "ready", "restore": bool(self.opts.restore_bundle), "container_id": restore_id})
+            ch.send({"type": "ready", "restore": bool(self.opts.restore_bundle), "container_id": restore_id,
+                     **({"gpu": out["gpu"]} if out.get("gpu") is not None else {})})
             while True:
                 msg = ch.recv("file", "commit")
                 if msg["type"] == "commit":
@@ -216,6 +222,7 @@ class Receiver:
                     digest = ch.recv_file(fd, size)
                 imp.record(rel, size, digest)
                 out["bytes"] += size
+                faults.point("receive:file")  # test seam: a receiver killed mid-transfer
             out["timings"]["receive_s"] = round(time.monotonic() - t0, 3)
             manifest = msg.get("manifest") or {}
             fields = dict(manifest)
@@ -256,13 +263,22 @@ class Receiver:
             raise UsageError("this receiver was not started with --restore")
         out["unsettled"] = True  # until the sender's bye: it may have to ask again
         with ch.busy("restore"):
-            res = self._restore(name, restore_id, guard)
+            try:
+                res = self._restore(name, restore_id, guard)
+            except MigrtError as exc:
+                if out.get("gpu") is not None:  # the source resumes on its own GPU: nothing of it stays here
+                    with contextlib.suppress(MigrtError, OSError):
+                        self.store.remove(name)
+                        out["committed"] = False
+                        exc.message += f"; the target removed checkpoint {name}"
+                raise
         # The copy runs here and stays: from now on a broken connection changes nothing (the sender
         # asks again if it has to).
         guard.arm({"do": "nothing"})
         decided.set()
         out.update(restored=True, container_id=restore_id, pid=res["pid"])
         out["timings"]["restore_s"] = res["timings"].get("total_s")
+        out["timings"]["restore"] = res["timings"]
         try:
             ch.send({"type": "restored", "container_id": restore_id, "pid": res["pid"], "timings": res["timings"]})
             ch.recv("bye")

@@ -89,7 +89,23 @@ def gpu_checks(runtime: str | None = None, *, backend: CudaDriverBackend | None 
                           "on the GPU, the whole GPU round trip was 1.57x faster (37.4 s -> 23.8 s)"))
     out.append(_runtime_check(runtime))
     out.append(_hook_check())
+    out.append(_target_check(out, inv, version))
     return out
+
+
+def _target_check(found: list[dict], inv: inventory.Inventory, version: tuple) -> dict:
+    """One line for `migrt migrate`'s sender and for people: can this node take GPU containers?"""
+    name = "gpu containers (restore and migrate here)"
+    blocking = [c for c in found if c["name"] in ("gpu driver", "gpu checkpoint API") and c["status"] == "fail"]
+    if blocking:
+        return _check(name, "fail", "no: " + "; ".join(f"{c['name']}: {c['detail']}" for c in blocking),
+                      blocking[0]["fix"])
+    free = ", ".join(f"GPU {g.index} {g.name} {g.memory_free / (1 << 30):.1f} GiB free" for g in inv.gpus
+                     if g.memory_free is not None) or "free memory unknown (no NVML: the preflight cannot check it)"
+    remap = ("onto any GPU of the same model (UUID remap)" if version >= REMAP_DRIVER
+             else "only onto the GPUs they left (driver < r580: no UUID remap)")
+    return _check(name, "ok" if inv.source == "nvml" else "warn", f"yes, {remap}; {free}",
+                  "" if inv.source == "nvml" else "install nvidia-ml-py so that the preflight checks free memory")
 
 
 def _runtime_check(runtime: str | None) -> dict:

@@ -379,6 +379,22 @@ def test_doctor_on_a_gpu_node(monkeypatch, tmp_path):
                                 inv=inventory(h100(0, U0), driver="575.51.03"))
     names = {c["name"]: c["status"] for c in old}
     assert names["gpu checkpoint API"] == "warn" and names["gpu container runtime"] == "ok"
+    # the one-line answer for a migration target
+    target = checks["gpu containers (restore and migrate here)"]
+    assert target["status"] == "ok" and target["detail"].startswith("yes, onto any GPU of the same model")
+    assert "GPU 0 NVIDIA H100 80GB HBM3 70.0 GiB free" in target["detail"]
+    assert "only onto the GPUs they left" in {c["name"]: c for c in old}["gpu containers (restore and migrate here)"]["detail"]
+
+    class NoApi(Api):
+        def available(self):
+            return False
+
+        def unavailable_reason(self):
+            return "libcuda.so.1 has no cuCheckpointProcessLock"
+
+    none = {c["name"]: c for c in doctor_gpu.gpu_checks("/usr/sbin/runc", backend=NoApi(), inv=inventory(g))}
+    assert none["gpu containers (restore and migrate here)"]["status"] == "fail"
+    assert "no cuCheckpointProcessLock" in none["gpu containers (restore and migrate here)"]["detail"]
 
 
 def test_gpu_report_table(tmp_path):
