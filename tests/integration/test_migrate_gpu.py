@@ -79,7 +79,11 @@ class Counter:
     def __init__(self, nodes) -> None:
         self.cid = f"gmig-{uuid.uuid4().hex[:6]}"
         self.root = nodes["a"]["root"]
-        bundle = make_bundle(str(nodes["base"] / "a" / f"bundle-{self.cid}"), ["sh", "-c", COUNTER],
+        # The shell is the one "CUDA process": its `sleep`s drop the marker (a CUDA process's forks hold no
+        # GPU context either), so that none is born between the GPU checkpoint and the dump.
+        counter = COUNTER.replace("sleep 0.2", "env -u FAKE_CUDA sleep 0.2")
+        assert counter != COUNTER
+        bundle = make_bundle(str(nodes["base"] / "a" / f"bundle-{self.cid}"), ["sh", "-c", counter],
                              env=[nodes["marker"], f"NVIDIA_VISIBLE_DEVICES={UA}"])
         r_in, w_in = os.pipe()
         self.r_out, w_out = os.pipe()
@@ -281,4 +285,26 @@ def test_lazy_migration_of_a_gpu_container_is_refused_up_front(nodes, hosts):
     res = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_env(nodes["a"]))
     assert res.returncode == 2 and "lazy migration of GPU containers is not supported" in res.stderr
     assert src.status() == "running" and not driver(nodes["a"]["gpu"])["calls"]
+    src.close()
+
+
+def test_migrate_killed_during_the_gpu_checkpoint_its_guard_brings_the_gpu_state_back(nodes, hosts):
+    src = Counter(nodes)
+    with fakenode.locked(nodes["a"]["gpu"]) as d:  # SIGKILL of `migrt migrate` inside the driver's checkpoint
+        d["fail"].append({"call": "checkpoint", "crash": True})
+    recv = Receiver(nodes, hosts, 7937, "--restore", target_bundle(nodes), "--root", nodes["b"]["root"])
+    try:
+        res = migrate(nodes, hosts, 7937, src.cid)
+    finally:
+        recv.stop()
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    pid = init_pid(src.root, src.cid)
+    deadline = time.monotonic() + 30  # the guard acts once its owner is gone
+    while states_of(nodes["a"]["gpu"], pid) != "running" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert states_of(nodes["a"]["gpu"], pid) == "running"
+    assert src.status() == "running"
+    n = len(parse_ticks(src.buf.decode()))
+    assert len(src.read_for(1.0)) > n
+    assert target_store(nodes) == []
     src.close()
