@@ -69,21 +69,76 @@ class Config:
         return path
 
 
+_NOT_FLAT = object()
+_BOOLS = {**dict.fromkeys(("true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON"), True),
+          **dict.fromkeys(("false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF"), False)}
+_NULLS = ("", "~", "null", "Null", "NULL")
+_WORD = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./-")
+
+
+def _flat_scalar(v: str):
+    """A value as PyYAML's safe_load reads it, for the plain scalars a config has; _NOT_FLAT otherwise."""
+    if v in _NULLS:
+        return None
+    if v in _BOOLS:
+        return _BOOLS[v]
+    if v in ("[]", "{}"):
+        return [] if v == "[]" else {}
+    if not set(v) <= _WORD:
+        return _NOT_FLAT  # quotes, spaces, flow collections, anchors, tags...: YAML decides
+    if v[0] in "0123456789+-.":  # numbers: only plain decimal integers here (YAML 1.1 octal, floats, dates...)
+        return int(v) if v == "0" or (v[0] != "0" and v.isdigit()) else _NOT_FLAT
+    return v
+
+
+def _flat_yaml(text: str) -> dict | None:
+    """The config when every line is blank, a comment or `key: plain scalar` at the left margin (what
+    configs/config.yaml looks like), read without importing PyYAML (tens of ms on the restore path's
+    start); None for anything else, which PyYAML reads. Same result as yaml.safe_load (a unit test
+    compares them on generated files)."""
+    out: dict = {}
+    for line in text.split("\n"):
+        body = line.rstrip(" \r")
+        if "\t" in body:
+            return None  # PyYAML refuses tabs in places; let it say so
+        if not body or body.lstrip(" ").startswith("#"):
+            continue
+        key, sep, rest = body.partition(":")
+        if not sep or not key or not (key[0].isalpha() or key[0] == "_") or not set(key) <= _WORD or key in out \
+                or key in _BOOLS or key in _NULLS or (rest and rest[0] != " "):
+            return None
+        value = rest.strip(" ")
+        if "#" in value:
+            cut = value.find(" #")
+            if cut < 0 and not value.startswith("#"):
+                return None  # a '#' inside a word
+            value = "" if value.startswith("#") else value[:cut].rstrip(" ")
+        parsed = _flat_scalar(value)
+        if parsed is _NOT_FLAT:
+            return None
+        out[key] = parsed
+    return out or None
+
+
 def load(path: str | None = None) -> Config:
     """Load and validate. A missing file means defaults; a broken one raises ConfigError."""
-    import yaml
-
     path = path or config_path()
     cfg = Config(path=path)
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            text = fh.read()
     except FileNotFoundError:
         return cfg
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config {path}: cannot read: {exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path}: invalid YAML: {exc}") from exc
+    data = _flat_yaml(text)
+    if data is None:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path}: invalid YAML: {exc}") from exc
     cfg.loaded = True
     if data is None:
         return cfg

@@ -287,3 +287,50 @@ def test_real_runc_is_found_on_the_default_path(monkeypatch, tmp_path):
     path, warning = lower.lower_runtime()
     assert path is not None and os.path.basename(path) == "runc"
     assert path == lower.resolve(shutil.which("runc"))
+
+
+# -- the config read without PyYAML (restore path's start) must read exactly as PyYAML does ----------------
+def test_flat_config_reads_as_pyyaml_does_or_defers_to_it():
+    import random
+
+    import yaml
+
+    from migrt import config as config_mod
+
+    keys = ["runtime", "store", "log_level", "on", "null", "a-b", "_x", "x1", "  nested", "-", "k y", "---"]
+    values = ["", "runc", "/var/lib/migrt", "/opt/x y", "true", "True", "TRUE", "yes", "no", "On", "off", "y", "n",
+              "~", "null", "Null", "NULL", "nULL", "0", "00", "017", "12", "-3", "+4", "1.5", "1e3", ".inf", "nan",
+              "0x1f", "1_000", "2001-12-14", "1:30", "[]", "{}", "[a]", "{a: 1}", "'q'", '"q"', "a#b", "#c", "a #c",
+              "a\t#c", "&a x", "*a", "!!str 1", "runc.v2", "-", ".", "a:b", "- x", "|", ">", "@x", "`x`", "%x"]
+    rnd = random.Random(9)
+    flat = 0
+    for _ in range(5000):
+        lines = []
+        for _ in range(rnd.randint(0, 5)):
+            kind = rnd.random()
+            if kind < 0.1:
+                lines.append(rnd.choice(["", "# comment", "   # indented comment", "\t"]))
+            else:
+                sep = rnd.choice([": ", ":", ":  ", ":\t", ": "])
+                key = rnd.choice(keys[:6] if rnd.random() < 0.9 else keys)
+                value = rnd.choice(values[:36] if rnd.random() < 0.9 else values)
+                lines.append(f"{key}{sep}{value}".rstrip() if rnd.random() < 0.9 else f"{key}{sep}{value}")
+        text = "\n".join(lines) + rnd.choice(["", "\n"])
+        got = config_mod._flat_yaml(text)
+        if got is None:
+            continue
+        flat += 1
+        assert got == yaml.safe_load(text), text
+        assert all(type(v) is type(w) for v, w in zip(got.values(), yaml.safe_load(text).values())), text
+    assert flat > 150  # the fast path is taken often enough for this to mean something
+
+
+def test_the_shipped_config_is_read_without_pyyaml():
+    from pathlib import Path
+
+    from migrt import config as config_mod
+
+    text = (Path(__file__).resolve().parents[2] / "configs" / "config.yaml").read_text()
+    assert config_mod._flat_yaml(text) == {"runtime": "runc", "store": "/var/lib/migrt",
+                                           "restore_failure_policy": "fail", "log_file": "/var/log/migrt/migrt.log",
+                                           "log_level": "info", "runtime_roots": [], "criu_options": {}}

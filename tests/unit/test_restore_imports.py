@@ -1,6 +1,7 @@
 """What the restore path (migrt-runc create -> restore swap) imports before its first CRIU call: the
-standard library, migrt, and PyYAML for the config. Each third-party package or heavy stdlib
-package listed here cost the shim's start measurably on the GPU machine (bench/restore_start.py)."""
+standard library and migrt (PyYAML only for a config that is not flat `key: value` lines). Each
+third-party package or heavy stdlib package listed here cost the shim's start measurably on the GPU
+machine (bench/restore_start.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import textwrap
 
 from migrt.store import Store
 
-# structlog pulled in asyncio; pycriu pulls in protobuf; click, psutil, pynvml, zstandard are not
+# structlog pulled in asyncio; pycriu pulls in protobuf; click, psutil, pynvml, zstandard, yaml are not
 # needed before CRIU runs (pynvml is imported by the GPU preflight only for checkpoints with GPU state)
-NOT_BEFORE_CRIU = ("click", "structlog", "asyncio", "pycriu", "google.protobuf", "psutil", "pynvml", "zstandard",
+NOT_BEFORE_CRIU = ("click", "structlog", "asyncio", "pycriu", "google.protobuf", "psutil", "pynvml", "zstandard", "yaml",
                    "ssl", "http", "email")
 
 PROBE = textwrap.dedent("""\
