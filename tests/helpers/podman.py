@@ -18,7 +18,6 @@ class Podman:
     def __init__(self, base: str, runtime: str | None = None) -> None:
         self.base = base
         self.runtime = runtime
-        self.env = {**os.environ, "PODMAN_IGNORE_CGROUPSV1_WARNING": "1"}
 
     def argv(self, *args: str, runtime: str | None = None) -> list[str]:
         rt = runtime or self.runtime
@@ -30,7 +29,8 @@ class Podman:
     def __call__(self, *args: str, check: bool = True, timeout: float = 120,
                  runtime: str | None = None) -> subprocess.CompletedProcess:
         argv = self.argv(*args, runtime=runtime)
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env,
+        env = {**os.environ, "PODMAN_IGNORE_CGROUPSV1_WARNING": "1"}  # MIGRT_CONFIG reaches migrt-runc
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,
                              stdin=subprocess.DEVNULL)
         if check and res.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}): {res.stderr.strip()}")

@@ -5,7 +5,8 @@
   containerd's CRI with MIGRT_RESTORE: the counter goes on with the same in-memory data, the
   writable-layer changes (a new file, a deleted one) and the /dev/shm files come back;
 - podman running a container with `--runtime migrt-runc` through `podman container checkpoint` and
-  `podman container restore` (podman asks `migrt-runc checkpoint --help` first).
+  `podman container restore` (podman asks `migrt-runc checkpoint --help` first);
+- a checkpoint taken under containerd restored by podman through migrt-runc (MIGRT_RESTORE).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 from tests.helpers.cri import read_cri_log
 from tests.helpers.podman import Podman
 from tests.integration.conftest import SHIM, run_cli
+from tests.integration.test_containerd import _checkpointed_counter
 from tests.integration.workloads import COUNTER, parse_ticks
 
 pytestmark = pytest.mark.integration
@@ -135,3 +137,22 @@ def test_podman_runs_migrt_runc_through_checkpoint_and_restore(podman, migrt_con
         assert all(t[1] == last[1] and t[2] == last[1] for t in ticks)
     finally:
         podman("rm", "--force", "--time", "0", ctr, check=False)
+
+
+def test_podman_restores_a_containerd_checkpoint_through_migrt_runc(podman, containerd, migrt_config, tmp_path):
+    """The other way round: a counter checkpointed with `migrt checkpoint` under containerd comes back
+    in podman (`podman run --runtime migrt-runc -e MIGRT_RESTORE=<name>`), across the engines'
+    different root directory modes (containerd 0755, podman 0555)."""
+    _src, name, before = _checkpointed_counter(containerd, tmp_path)
+    ctr = f"pmrs-{uuid.uuid4().hex[:6]}"
+    podman.run_detached(ctr, podman.image, "echo started-fresh; exit 3", "-e", f"MIGRT_RESTORE={name}", runtime=SHIM)
+    try:
+        ticks = _wait_ticks(lambda: podman.logs(ctr), 3)
+        assert podman.state(ctr) == "running"
+        last = before[-1]
+        assert last[0] < ticks[0][0] <= last[0] + 2, (ticks[0], last)
+        assert all(t[1] == last[1] and t[2] == last[1] for t in ticks)
+        assert "started-fresh" not in podman.logs(ctr)
+    finally:
+        podman("rm", "--force", "--time", "0", ctr, check=False)
+    run_cli("inspect", name, "--verify")
