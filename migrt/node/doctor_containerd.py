@@ -41,6 +41,9 @@ def containerd_handler_check(config: str | None = None, root: str = "/") -> dict
     if launcher["status"] == "fail":
         return _check(name, "fail", f"BinaryName {binary}: {launcher['detail']}", launcher["fix"])
     detail = f"{binary} (config version {cfg.version}); containerd reads it at start"
+    if cfg.version == 2:  # containerd 1.x (README "Neighbours")
+        detail += ("; containerd 1.x does not serve kubelet's checkpoint API (CRI CheckpointContainer, 2.1+): "
+                   "checkpoint with 'migrt checkpoint' on the node")
     try:
         plan = plan_containerd(config, root=root, binary=binary)
     except MigrtError:

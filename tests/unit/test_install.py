@@ -238,7 +238,8 @@ def test_v2_rerun_picks_up_cri_changes_and_doctor_notices_drift(root):
     _write(root, MAIN, V2_MAIN)
     _install(root)
     _write(root, "/usr/local/bin/migrt-runc", "#!/bin/sh\n").chmod(0o755)
-    assert containerd_handler_check(MAIN, root=str(root))["status"] == "ok"
+    check = containerd_handler_check(MAIN, root=str(root))
+    assert check["status"] == "ok" and "does not serve kubelet's checkpoint API" in check["detail"], check
     main = _host(root, MAIN)
     main.write_text(main.read_text().replace("pause:3.9", "pause:3.10"))
     check = containerd_handler_check(MAIN, root=str(root))
