@@ -69,10 +69,12 @@ def driver(path) -> dict:
         return json.loads(json.dumps(d))
 
 
-def states(path, root: str, cid: str) -> set[str]:
-    pid = _state(root, cid)["pid"]
+def states(path, root_or_pid, cid: str | None = None):
+    """The driver state of a container's init ({state}, by runc root and id), or of a pid (state)."""
+    pid = _state(root_or_pid, cid)["pid"] if cid else root_or_pid
     procs = driver(path)["processes"]
-    return {p["state"] for k, p in procs.items() if k == str(pid)}
+    found = {p["state"] for k, p in procs.items() if k == str(pid)}
+    return found if cid else next(iter(found), None)
 
 
 def test_pause_releases_the_gpu_and_resume_brings_it_back(runc_root, fake_gpu, tmp_path):
@@ -157,3 +159,89 @@ def test_cli_suspend_resume_of_a_running_container(runc_root, fake_gpu, tmp_path
         assert json.loads(run_cli("gpu", "status", "--root", runc_root, "--json").stdout) == []
     finally:
         p.close()
+
+
+# -- through containerd, unmodified: `ctr task pause` / `ctr task resume` ----------------------------
+@pytest.fixture(scope="module")
+def gpu_containerd(stack, migrt_config, tmp_path_factory):
+    """A private containerd whose shims (and so migrt-runc) see a simulated GPU node."""
+    from tests.helpers.containerd import Containerd
+
+    base = tmp_path_factory.mktemp("ctd-gpu")
+    fake = base / "fake-gpu.json"
+    marker = f"FAKE_CUDA={uuid.uuid4().hex}"
+    fake.write_text(json.dumps({"driver_version": "580.159", "process_bytes": 4 * GIB, "marker": marker,
+                                "gpus": [{"uuid": U0, "name": "NVIDIA H100 80GB HBM3", "memory_total": 80 * GIB}]}))
+    old = os.environ.get(fakenode.ENV)
+    os.environ[fakenode.ENV] = str(fake)  # containerd's environment, passed on to its shims and runtimes
+    ctd = None
+    try:
+        ctd = Containerd(str(base / "ctd"), namespace=f"migrt-gpu-{uuid.uuid4().hex[:6]}").start()
+        ctd.image = ctd.import_busybox()
+        ctd.fake, ctd.marker = fake, marker
+        yield ctd
+    finally:
+        if old is None:
+            os.environ.pop(fakenode.ENV, None)
+        else:
+            os.environ[fakenode.ENV] = old
+        if ctd:
+            ctd.cleanup_containers()
+            ctd.stop()
+
+
+def _task(ctd, cid: str) -> tuple[int, str]:
+    for line in ctd.ctr("task", "ls").stdout.splitlines()[1:]:
+        parts = line.split()
+        if parts and parts[0] == cid:
+            return int(parts[1]), parts[2]
+    raise AssertionError(f"task {cid} not listed")
+
+
+@pytest.mark.parametrize("how", [("--annotation", "migrt.io/gpu-release-on-pause=true"),
+                                 ("--env", "MIGRT_GPU_RELEASE_ON_PAUSE=1"), None])
+def test_ctr_task_pause_resume(gpu_containerd, how):
+    ctd = gpu_containerd
+    cid = f"ctr-gpu-{uuid.uuid4().hex[:6]}"
+    counter = COUNTER.replace("sleep 0.2", "env -u FAKE_CUDA sleep 0.2")  # the shell is the one CUDA process
+    ctd.ctr("run", "-d", "--runc-binary", SHIM, "--env", ctd.marker, *(how or ()), ctd.image, cid, "sh", "-c", counter)
+    try:
+        pid, status = _task(ctd, cid)
+        assert status == "RUNNING" and states(ctd.fake, pid) == "running"
+        n = len([c for c in driver(ctd.fake)["calls"] if c[1] == pid and c[0] != "state"])
+        ctd.ctr("task", "pause", cid)
+        assert _task(ctd, cid)[1] == "PAUSED"
+        assert states(ctd.fake, pid) == ("checkpointed" if how else "running")
+        ctd.ctr("task", "resume", cid)
+        assert _task(ctd, cid)[1] == "RUNNING" and states(ctd.fake, pid) == "running"
+        calls = [c[0] for c in driver(ctd.fake)["calls"] if c[1] == pid and c[0] != "state"][n:]
+        assert calls == (["lock", "checkpoint", "restore", "unlock"] if how else [])
+    finally:
+        ctd.ctr("task", "kill", "-s", "KILL", cid, check=False)
+        for _ in range(50):
+            if ctd.ctr("task", "delete", cid, check=False).returncode == 0:
+                break
+            time.sleep(0.1)
+        ctd.ctr("containers", "delete", cid, check=False)
+
+
+def test_ctr_task_pause_refused_by_the_driver_keeps_the_task_running(gpu_containerd):
+    ctd = gpu_containerd
+    cid = f"ctr-gpu-{uuid.uuid4().hex[:6]}"
+    counter = COUNTER.replace("sleep 0.2", "env -u FAKE_CUDA sleep 0.2")
+    ctd.ctr("run", "-d", "--runc-binary", SHIM, "--env", ctd.marker, "--annotation",
+            "migrt.io/gpu-release-on-pause=true", ctd.image, cid, "sh", "-c", counter)
+    try:
+        pid, _ = _task(ctd, cid)
+        with fakenode.locked(str(ctd.fake)) as d:
+            d["fail"].append({"call": "lock", "pid": pid, "message": "CUDA_ERROR_TIMEOUT (injected)"})
+        res = ctd.ctr("task", "pause", cid, check=False)
+        assert res.returncode != 0 and "was not paused (it keeps running)" in res.stderr, res.stderr
+        assert _task(ctd, cid)[1] == "RUNNING" and states(ctd.fake, pid) == "running"
+    finally:
+        ctd.ctr("task", "kill", "-s", "KILL", cid, check=False)
+        for _ in range(50):
+            if ctd.ctr("task", "delete", cid, check=False).returncode == 0:
+                break
+            time.sleep(0.1)
+        ctd.ctr("containers", "delete", cid, check=False)
