@@ -53,7 +53,9 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
     names.validate(name)
     store = Store(cfg.store)
     try:
+        _mark("restore")
         recover.recover(cfg)
+        _mark("recovered")
         with store.reading(name) as ckpt:
             with journal.recording(store.root, "restore", name=name, container=target.container_id,
                                    root=target.root) as entry:
@@ -76,6 +78,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
         front, background = restore_checks.split_for_background(ckpt.manifest.get("files") or {}, ckpt.path)
         ckpt.verify_structure()
         ckpt.verify_hashes(front)
+    _mark("verified")
     timings["verify_s"] = round(time.monotonic() - t0, 3)
     progress("done", name="verify", seconds=timings["verify_s"])
     state_dir = os.path.join(target.root, target.container_id)
@@ -85,6 +88,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
     # driver (cuInit) is left to a check that runs while CRIU restores
     gpu = gpu_steps.plan_restore(cfg, ckpt.manifest.get("gpu"), target.bundle.config, f"checkpoint {name}",
                                  load_driver=False)
+    _mark("gpu_preflight")
     check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore)
     options = CriuOptions.from_dict(ckpt.manifest.get("options"))
     work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
@@ -111,6 +115,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
         if ckpt.manifest.get("devshm"):
             rootfs.apply_devshm(os.path.join(ckpt.path, engines.DEVSHM_TAR), target.bundle.mounts)
         with store.restore_view(ckpt) as view:
+            _mark("view")
             hostname = namespaces.retarget_uts(view, target.bundle)
             rootfs.align_root_mode(view, target.bundle.rootfs, recorded=ckpt.manifest.get("root_mode"))
             spec = RestoreSpec(
@@ -125,7 +130,8 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                 env = checks.gate_env(env)
             entry.update("restoring", view=view)
             progress("phase", name="restore", checkpoint=name)
-            timings["criu_call_after_start_s"] = _process_age_s()  # the shim's own start, for bench/
+            timings["criu_call_after_start_s"] = _mark("criu")  # the shim's own start, for bench/
+            timings["start_marks"] = dict(_MARKS)
             t0 = time.monotonic()
             try:
                 pid = runtime.restore(spec, global_tokens=global_tokens, stdio=target.stdio, log_path=log_path,
@@ -156,6 +162,16 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
     timings["total_s"] = round(time.monotonic() - t_all, 3)
     return {"checkpoint": name, "container_id": target.container_id, "pid": pid, "hostname": hostname,
             "timings": timings, "restore_gate": gate}
+
+
+_MARKS: dict[str, float | None] = {}
+
+
+def _mark(step: str) -> float | None:
+    """The process's age when `step` was reached (the restore path's start, step by step, in the
+    `restored` log event's timings.start_marks)."""
+    _MARKS[step] = age = _process_age_s()
+    return age
 
 
 def _process_age_s() -> float | None:
@@ -223,7 +239,9 @@ def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, l
         return exc.exit_code
 
     try:
+        _mark("imported")
         cfg = config_mod.load()
+        _mark("config")
     except MigrtError as exc:  # fail closed: never guess a store or policy
         return fail(exc)
     log = log_mod.setup(cfg.log_file, cfg.log_level, component="migrt-runc")
