@@ -36,7 +36,7 @@ from migrt.oci.bundle import Bundle
 from migrt.pods import rootfs
 from migrt.ops.checkpoint import default_name
 from migrt.progress import Progress, null_progress
-from migrt.runtime import control
+from migrt.runtime import control, markers
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
@@ -187,6 +187,8 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
     key = load_key(cfg.migration_key_file)
     runtime = LowerRuntime(cfg.runtime_path())
     root = req.root or find_root(req.container_id, cfg.runtime_roots)
+    if markers.gpu_suspended(root, req.container_id):
+        raise Conflict(markers.gpu_suspended_message(req.container_id))
     state = runtime.state(root, req.container_id)
     if state.get("status") not in ("running", "paused"):
         raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be migrated")

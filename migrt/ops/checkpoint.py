@@ -20,6 +20,7 @@ from migrt.oci.bundle import Bundle
 from migrt.ops import gpu_steps, recover, space
 from migrt.pods import rootfs
 from migrt.progress import Progress, null_progress
+from migrt.runtime import markers
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
@@ -63,6 +64,8 @@ def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_pr
     t_start = time.monotonic()
     runtime = LowerRuntime(cfg.runtime_path())
     root = req.root or find_root(req.container_id, cfg.runtime_roots)
+    if markers.gpu_suspended(root, req.container_id):
+        raise Conflict(markers.gpu_suspended_message(req.container_id))
     store = Store(cfg.store)
     store.ensure()
     recover.recover(cfg)  # a container frozen by a migrt that died must not look "paused by the user"

@@ -35,7 +35,7 @@ from migrt.runtime import markers
 from migrt.runtime.runc import candidate_roots
 from migrt.store.fsutil import write_json_atomic
 
-RECORD = "migrt-gpu-suspended.json"
+RECORD = markers.GPU_SUSPENDED_RECORD
 RELEASE_MARKER = markers.GPU_RELEASE_MARKER  # in runc's state dir: the shim's pause/resume test
 SUSPENDING, SUSPENDED, RESUMING = "suspending", "suspended", "resuming"
 
@@ -175,12 +175,15 @@ def _state_or_none(backend: GpuBackend, pid: int) -> str | None:
 
 
 def _frozen(state: dict) -> bool:
-    paths = state.get("cgroup_paths") or {}
-    d = paths.get("") or paths.get("freezer") if isinstance(paths, dict) else None
-    for name in ("cgroup.freeze", "freezer.state"):
+    """runc keeps no 'paused' in its state file: ask the freezer (v1 'freezer' or v2 unified, whichever
+    the container has; on a hybrid host runc freezes through v1)."""
+    paths = state.get("cgroup_paths") if isinstance(state.get("cgroup_paths"), dict) else {}
+    for d, name in ((paths.get("freezer"), "freezer.state"), (paths.get(""), "cgroup.freeze")):
+        if not d:
+            continue
         try:
-            with open(os.path.join(d or "/nonexistent", name), encoding="utf-8") as fh:
-                if fh.read().strip() in ("1", "FROZEN"):
+            with open(os.path.join(d, name), encoding="utf-8") as fh:
+                if fh.read().strip() in ("1", "FROZEN", "FREEZING"):
                     return True
         except OSError:
             continue

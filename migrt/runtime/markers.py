@@ -13,6 +13,20 @@ MARKER = "migrt-restored"
 # Beside it, for a container created with GPU release on pause (migrt/ops/gpu_pause.py): the shim's
 # pause/resume test, one stat on the fast path.
 GPU_RELEASE_MARKER = "migrt-gpu-release-on-pause"
+# migrt's record of a GPU suspend in place (migrt/ops/gpu_preempt.py): while it exists the container's
+# CUDA processes hold their GPU state in host memory, and a checkpoint or migration must wait.
+GPU_SUSPENDED_RECORD = "migrt-gpu-suspended.json"
+
+
+def gpu_suspended(root: str, container_id: str) -> bool:
+    if not container_id or "/" in container_id or container_id in (".", ".."):
+        return False
+    return os.path.isfile(os.path.join(root, container_id, GPU_SUSPENDED_RECORD))
+
+
+def gpu_suspended_message(container_id: str) -> str:
+    return (f"container {container_id} is GPU-suspended (migrt gpu suspend, or paused with GPU release): its GPU "
+            f"state is in host memory; run 'migrt gpu resume {container_id}' (or resume it) first")
 
 
 def marker_path(root: str, container_id: str) -> str:

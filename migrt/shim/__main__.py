@@ -15,7 +15,7 @@ import os
 import sys
 
 from migrt.runtime.markers import GPU_RELEASE_MARKER as RELEASE_MARKER
-from migrt.runtime.markers import is_restored
+from migrt.runtime.markers import gpu_suspended, gpu_suspended_message, is_restored
 from migrt.runtime import lower as _lower
 from migrt.runtime import runclog
 from migrt.shim.argv import RuncArgv
@@ -77,6 +77,11 @@ def _gpu(parsed: RuncArgv, lower: str) -> int | None:
         return None  # whoever called us drives the GPU
     cmd = parsed.command_args()
     if parsed.command == "checkpoint":
+        root = parsed.root or _lower.default_root(lower)
+        if gpu_suspended(root, cmd.container_id or ""):  # its GPU state sits in host memory: refuse
+            runclog.append(parsed.log_path, "error", f"migrt: {gpu_suspended_message(cmd.container_id)}",
+                           log_format=parsed.log_format)
+            return 6
         pids = procs.container_cuda_pids(parsed.root or _lower.default_root(lower), cmd.container_id or "")
         if not pids:
             return None

@@ -146,12 +146,24 @@ def test_cli_suspend_resume_of_a_running_container(runc_root, fake_gpu, tmp_path
         assert out["status"] == "suspended" and out["gpus"] == [U0] and out["gpu_memory_bytes"] == 4 * GIB * len(out["processes"])
         assert states(fake_gpu, runc_root, cid) == {"checkpointed"}
         assert _state(runc_root, cid)["status"] == "running"  # the processes stay alive (not frozen)
+        # a checkpoint must wait: the GPU state sits in host memory, outside what a restore would resume
+        r = run_cli("checkpoint", cid, "--root", runc_root, check=False)
+        assert r.returncode == 6 and "is GPU-suspended" in r.stderr, r.stderr
+        r = shim(runc_root, bundle, "checkpoint", "--image-path", os.path.join(bundle, "ck"), cid)
+        assert r.returncode == 6 and "is GPU-suspended" in open(os.path.join(bundle, "log.json")).read()
+        assert _state(runc_root, cid)["status"] == "running"
         # a pause now leaves the suspend alone (someone else made it), and so does the resume
         assert shim(runc_root, bundle, "pause", cid).returncode == 0
         assert shim(runc_root, bundle, "resume", cid).returncode == 0
         assert states(fake_gpu, runc_root, cid) == {"checkpointed"}
         done = json.loads(run_cli("gpu", "resume", cid, "--root", runc_root, "--json").stdout)
         assert done["gpus"] == [U0] and states(fake_gpu, runc_root, cid) == {"running"}
+        # a frozen container cannot be locked: refused, nothing touched
+        assert shim(runc_root, bundle, "pause", cid).returncode == 0
+        r = run_cli("gpu", "suspend", cid, "--root", runc_root, check=False)
+        assert r.returncode == 6 and "is paused" in r.stderr, r.stderr
+        assert states(fake_gpu, runc_root, cid) == {"running"}
+        assert shim(runc_root, bundle, "resume", cid).returncode == 0
         # delete removes migrt's record with runc's state directory
         run_cli("gpu", "suspend", cid, "--root", runc_root)
         subprocess.run(["runc", "--root", runc_root, "delete", "--force", cid], check=True)
