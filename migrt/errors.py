@@ -3,7 +3,8 @@
 Exit codes (also in README "Exit codes"):
   0 ok | 1 unexpected error | 2 usage error | 3 not found | 4 checkpoint invalid or corrupted
   5 runtime or CRIU failed | 6 conflict (exists, locked, container state) | 7 configuration error
-  8 precondition not met (e.g. GPU preflight) | 9 registry failed (unreachable, refused, denied)
+  8 precondition not met (e.g. GPU preflight) | 9 transfer failed (migration peer or registry:
+  unreachable, refused, credentials denied, connection broken)
 """
 
 from __future__ import annotations

@@ -255,14 +255,14 @@ def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, l
             raise UsageError(f"MIGRT_RESTORE_FALLBACK must be one of {POLICIES}, got {policy!r}")
         if not cid:
             raise UsageError("create without a container id")
-        name = request.name
+        name, just_pulled = request.name, False
         if reference.is_reference(name):  # oci:REF: pulled into the store once per node, then restored
             t0 = time.monotonic()
             from migrt.registry import pull  # http.client, ssl: only for oci: references
 
-            name = pull.ensure_local(cfg, name)
+            name, just_pulled = pull.ensure_local(cfg, name)
             log.info("restore_image_ready", container=cid, reference=request.name, checkpoint=name,
-                     seconds=round(time.monotonic() - t0, 3))
+                     pulled=just_pulled, seconds=round(time.monotonic() - t0, 3))
         names.validate(name)
         for flag in _check_create_flags(cmd):
             log.debug("create_flag_dropped", flag=flag)
@@ -272,6 +272,7 @@ def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, l
             global_tokens=[t for f in parsed.global_flags for t in f.tokens],
             pid_file=cmd.value("pid-file"), console_socket=cmd.value("console-socket"),
             no_pivot=cmd.has("no-pivot"), log_path=parsed.log_path,
+            verified=just_pulled,  # every byte was checked against its digest on arrival, a moment ago
         )
         try:
             result = restore_checkpoint(cfg, name, target)

@@ -285,11 +285,12 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
     return data
 
 
-def ensure_local(cfg: Config, reference: str, progress: Progress = null_progress) -> str:
-    """The store name of an image reference, pulled first if this node does not have it (the
-    `create` path of `oci:` restore requests). Errors are MigrtErrors."""
+def ensure_local(cfg: Config, reference: str, progress: Progress = null_progress) -> tuple[str, bool]:
+    """(store name, pulled now) of an image reference, pulled first if this node does not have it
+    (the `create` path of `oci:` restore requests). Errors are MigrtErrors."""
     try:
-        return pull(cfg, reference, progress=progress)["name"]
+        out = pull(cfg, reference, progress=progress)
+        return out["name"], not out["already_present"]
     except MigrtError:
         raise
     except Exception as exc:  # noqa: BLE001 - one boundary: the shim must get a MigrtError
