@@ -230,7 +230,8 @@ class Client:
                 if attempt == RETRIES:
                     raise RegistryError(f"registry {self.host}: {what} failed after {RETRIES + 1} tries: {exc}") from exc
                 self.stats.add(retries=1)
-                time.sleep(min(4, 2 ** attempt))
+                if attempt or not isinstance(exc, http.client.RemoteDisconnected):
+                    time.sleep(min(4, 2 ** attempt))  # an idle keep-alive connection the server closed: at once
 
     # -- API ---------------------------------------------------------------------------------
     def ping(self) -> None:

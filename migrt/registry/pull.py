@@ -21,6 +21,7 @@ caller waits and then reuses what the first committed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -33,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from migrt import names
 from migrt.config import Config
-from migrt.errors import CheckpointInvalid, Conflict, MigrtError
+from migrt.errors import CheckpointInvalid, Conflict, MigrtError, PreconditionFailed
 from migrt.progress import Progress, null_progress
 from migrt.registry import image
 from migrt.registry.client import Client
@@ -177,7 +178,7 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
                 os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
                 fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 try:
-                    os.ftruncate(fd, sum(c[1] for c in chunks))
+                    _allocate(fd, sum(c[1] for c in chunks))
                 finally:
                     os.close(fd)
             jobs = [(rel, off, size, digest) for rel, chunks in plan.items() for off, size, digest in chunks
@@ -222,6 +223,18 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
         raise
     _forget(partial, journal.path)  # committed: the directory was renamed away; the journal goes
     return data
+
+
+def _allocate(fd: int, size: int) -> None:
+    """The file at its final size, blocks reserved (a full disk fails here, not midway); data kept."""
+    os.ftruncate(fd, size)
+    if size:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise PreconditionFailed(f"the store has no room for {size >> 20} MiB more; free some space") from exc
+            # file systems without fallocate: a sparse file is fine
 
 
 def _resume(partial: str, plan: dict, journal: _Journal) -> dict[tuple[str, int, str], int]:
