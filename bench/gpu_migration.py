@@ -7,15 +7,18 @@ Node A and node B are network namespaces joined by a veth pair (tests/gpu/twonod
 its own config, key, store on /dev/shm and runc root. The container is the GPU test rig's PyTorch
 workload (tests/gpu/workload.py) holding GB GiB of tensors on GPU 0; node B's restore bundle gives
 it GPU 1 (GPU 0 where there is only one: then it says so). Without `ip` on the machine both nodes
-use the host's network namespace over loopback ("netns": false in the JSON). Per run: `migrt receive --once --restore`
-in B, `migrt migrate --json` (stop-and-copy) in A, then the workload's checksum over all its GPU
-memory must equal the one it had at start, on the new GPU.
+use the host's network namespace over loopback ("netns": false in the JSON). Per run: `migrt receive
+--once --restore` in B, `migrt migrate --json` (stop-and-copy) in A, then the workload's checksum
+over all its GPU memory must equal the one it had at start, on the new GPU.
 
 Figures per run: downtime_s (migrate's: from the GPU lock on the source until the target reports the
-container running), app_gap_s (the workload's own longest pause between two counts, sampled every
-20 ms from its status file), total_s, sent bytes, and the phases (GPU checkpoint, dump, transfer,
-commit, restore with the GPU restore). Medians over runs. Stop-and-copy only: lazy migration of GPU
-containers is refused by migrt. Targets at 16 GB (issue 10): downtime <= 10 s, total <= 20 s.
+container running), app_gap_s (the workload's own longest pause between two counts, sampled every 20
+ms from its status file), total_s, sent bytes, and the phases (GPU checkpoint, dump, transfer,
+commit, restore with the GPU restore). Medians over runs. Stop-and-copy only: on this rig lazy mode
+cannot run (its containers share the host's network namespace and the GPU machine has no iproute2
+for namespaces, so the source, which must stay frozen to serve pages while the target restores,
+holds abstract unix sockets the restored copy needs). Targets at 16 GB (issue 10): downtime <= 10 s,
+total <= 20 s.
 
 Prints a table, writes JSON, and as its last lines:
 

@@ -12,15 +12,18 @@ On a failure before the target runs, the source is thawed first and `resume` the
 unlocks the processes on their own GPU; once the target runs, the source is destroyed, which frees
 its GPU.
 
-Lazy migration of GPU containers is refused: the driver's restore reads each process's whole GPU
-backing memory at once, which lazy pages would fetch one fault at a time.
+Lazy mode takes the same GPU steps: the GPU checkpoint before the freeze, the GPU restore right after
+`runc restore --lazy-pages` returns on the target. The driver's restore then reads each process's
+GPU backing memory (in the process's host memory, still on the source): those pages come first,
+through the target's userfaultfd faults, while `criu lazy-pages` streams the rest in the background.
+Nothing prefetches the GPU ranges explicitly (CRIU's images do not say which ranges they are).
 """
 
 from __future__ import annotations
 
 import time
 
-from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
+from migrt.errors import Conflict, MigrtError, PreconditionFailed
 from migrt.gpu import inventory, procs, records, visible
 from migrt.ops import gpu_steps
 from migrt.progress import Progress, null_progress
@@ -35,15 +38,11 @@ class GpuSource:
         self.section: dict | None = None
         self.suspension: gpu_steps.GpuSuspension | None = None
 
-    def probe(self, *, lazy: bool, paused: bool) -> dict | None:
+    def probe(self, *, paused: bool) -> dict | None:
         """The offer's GPU section (None: no CUDA process, nothing GPU-related happens)."""
         self.pids = procs.cuda_pids(procs.container_pids(self.init_pid)) if self.init_pid else []
         if not self.pids:
             return None
-        if lazy:
-            raise UsageError(f"container {self.cid} has {len(self.pids)} CUDA process(es): lazy migration of GPU "
-                             "containers is not supported (the GPU restore needs each process's whole memory "
-                             "first); migrate it without --lazy")
         if paused:
             raise Conflict(f"container {self.cid} is paused and has CUDA processes: the GPU checkpoint needs "
                            "running tasks; resume it first")

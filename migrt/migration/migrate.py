@@ -204,7 +204,7 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
         bundle = Bundle(bundle_dir, {})
     opts = CriuOptions.from_dict(cfg.criu_options).merged(shell_job=bundle.terminal)
     gpu = GpuSource(cfg, req.container_id, state.get("pid"), bundle.config)
-    gpu_offer = gpu.probe(lazy=req.lazy, paused=state.get("status") == "paused")  # before anything is touched
+    gpu_offer = gpu.probe(paused=state.get("status") == "paused")  # before anything is touched
     store = Store(cfg.store)
     store.ensure()
     store.gc()
@@ -406,14 +406,19 @@ class _Run:
         self.t_freeze = time.monotonic()
         dump = None
         try:
+            if source.gpu.section is not None:  # as in stop_and_copy: GPU first, the guard knows
+                source.guard.arm({"do": "remove", "remove": [self.staging.path], "gpu_pids": source.gpu.pids})
+            with ch.busy("gpu-checkpoint"):
+                source.gpu.suspend(self.progress)
             source.freeze(self.staging.path)
             source.serving((host, port))
             with ch.busy("dump"):
                 dump = control.LazyCheckpoint(source.runtime, source.root, req.container_id,
                                               image_path=self.staging.images, work_path=self.staging.work,
-                                              options=self.opts, page_server=(host, port))
+                                              options=self.opts, page_server=(host, port), env=source.gpu.env())
                 dump.wait_ready(LAZY_READY_TIMEOUT)
                 self._timed("dump", self.t_freeze)
+                source.gpu.write(self.staging.images, self.fields, self.phases)
                 self._dump_extras()
             files = self._send_all(release=False)
         except MigrtError as exc:

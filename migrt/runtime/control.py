@@ -59,7 +59,7 @@ class LazyCheckpoint:
     so the caller decides: destroy it on success, resume it on failure."""
 
     def __init__(self, runtime: str, root: str, cid: str, *, image_path: str, work_path: str,
-                 options: CriuOptions, page_server: tuple[str, int]) -> None:
+                 options: CriuOptions, page_server: tuple[str, int], env: dict | None = None) -> None:
         self.cid = cid
         self.work_path = work_path
         self.log = os.path.join(work_path, "runc.log")
@@ -77,7 +77,7 @@ class LazyCheckpoint:
         try:
             with open(self.stderr_path, "wb") as err:
                 self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                             stderr=err, pass_fds=(w,))
+                                             stderr=err, pass_fds=(w,), env=env)
         except OSError as exc:
             os.close(r)
             raise RuntimeFailed(f"cannot run {runtime}: {exc}") from exc

@@ -4,7 +4,8 @@ different UUIDs, the busybox counter's processes carry the fake's CUDA marker, r
 real. Every failure point: the receiver's GPU preflight refuses (nothing frozen, GPU never locked),
 the transfer is cut (the receiver is killed), the GPU restore on the target fails; each time the
 source runs on with its GPU state restored and unlocked, and the target keeps nothing. And the
-success: the counter continues on host B with its GPU state remapped onto B's GPU; the source is gone.
+success, stop-and-copy and lazy: the counter continues on host B with its GPU state remapped onto B's
+GPU; the source is gone.
 (The real driver's side runs on the GPU machine: tests/gpu/test_gpu_migrate.py.)"""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 from migrt.gpu import fakenode
 from tests.helpers.bundles import make_bundle
-from tests.helpers.twohosts import ADDR_B, in_ns, two_hosts
+from tests.helpers.twohosts import ADDR_B, in_ns, lazy_pipe_limit, two_hosts
 from tests.integration.conftest import CLI
 from tests.integration.workloads import COUNTER, parse_ticks
 
@@ -278,14 +279,33 @@ def test_gpu_restore_failing_on_the_target_resumes_the_source(nodes, hosts):
     src.close()
 
 
-def test_lazy_migration_of_a_gpu_container_is_refused_up_front(nodes, hosts):
+def test_lazy_migration_moves_the_gpu_state_too(nodes, hosts):
     src = Counter(nodes)
-    argv = in_ns(hosts["a"], CLI, "migrate", src.cid, "--to", f"{ADDR_B}:7936", "--root", nodes["a"]["root"],
-                 "--lazy")
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_env(nodes["a"]))
-    assert res.returncode == 2 and "lazy migration of GPU containers is not supported" in res.stderr
-    assert src.status() == "running" and not driver(nodes["a"]["gpu"])["calls"]
+    out = nodes["base"] / "target-lazy.out"
+    with lazy_pipe_limit():
+        recv = Receiver(nodes, hosts, 7936, "--restore", target_bundle(nodes), "--root", nodes["b"]["root"],
+                        "--container-id", f"{src.cid}-b", "--output", str(out))
+        try:
+            argv = in_ns(hosts["a"], CLI, "migrate", src.cid, "--to", f"{ADDR_B}:7936", "--root", nodes["a"]["root"],
+                         "--lazy", "--json")
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=_env(nodes["a"]))
+            assert res.returncode == 0, res.stderr
+            assert recv.proc.wait(60) == 0
+        finally:
+            recv.stop()
+    data = json.loads(res.stdout)
+    before = src.read_for(0.3)
     src.close()
+    assert data["mode"] == "lazy" and data["restored"] and src.status() is None
+    assert data["gpu"]["pairs"] == [{"old": UA, "new": UB}] and data["phases"]["gpu_checkpoint_s"] >= 0
+    pid = init_pid(nodes["b"]["root"], f"{src.cid}-b")
+    p = driver(nodes["b"]["gpu"])["processes"][str(pid)]
+    assert p["state"] == "running" and p["gpu"] == UB and p["remap"] == [[UA, UB]]
+    deadline = time.monotonic() + 10
+    while len(parse_ticks(out.read_text() if out.exists() else "")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = parse_ticks(out.read_text())
+    assert after and after[0][0] == before[-1][0] + 1 and all(t[2] == before[-1][1] for t in after)
 
 
 def test_migrate_killed_during_the_gpu_checkpoint_its_guard_brings_the_gpu_state_back(nodes, hosts):
