@@ -68,10 +68,10 @@ class Box:
             "config": {"labels": [f"bundle={bundle}"]}}))
 
     def _settled(self, n: int) -> bool:
-        """n processes, each past its exec (its own command line, not pytest's)."""
+        """n processes, each past its exec (no longer with pytest's command line, a fork's before exec)."""
         pids = self.pids()
-        return len(pids) >= n and all(b"sleep" in _cmdline(p) or b"sh" in _cmdline(p).split(b"\0")[0]
-                                      for p in pids) and all(_cmdline(p)[:2] != b"/o" for p in pids)
+        ours = _cmdline(os.getpid())
+        return len(pids) >= n and all(_cmdline(p) not in (ours, b"") for p in pids)
 
     def pids(self) -> list[int]:
         from migrt.gpu import procs
