@@ -76,6 +76,17 @@ def containerd(migrt_config, tmp_path_factory):
         ctd.stop()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked cri_checkpoint_api are not collected for containerd 1.7 (no CRI CheckpointContainer
+    there): a capability the version lacks is not a missing prerequisite, so no skip is reported."""
+    drop = [it for it in items if it.get_closest_marker("cri_checkpoint_api")
+            and getattr(it, "callspec", None) is not None
+            and it.callspec.params.get("cri_containerd", "").startswith("1.")]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [it for it in items if it not in drop]
+
+
 def run_cli(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
     res = subprocess.run([CLI, *args], capture_output=True, text=True, timeout=300, **kw)
     if check and res.returncode != 0:
