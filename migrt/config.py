@@ -19,6 +19,10 @@ Keys (all optional):
   registry_parallel: 4               blobs moved at once by push and pull
   migration_stall_timeout: 10        seconds without progress (bytes, messages, CRIU I/O) after which a
                                      migration gives up on the peer or kills a stuck CRIU (docs/migration.md)
+  restore_pages: eager               auto | lazy | eager: how a restore fills memory (docs/restore-pages.md);
+                                     MIGRT_RESTORE_PAGES in the environment overrides it per call
+  fill_threads: 0                    copy threads of the page filler (0: min(8, CPUs))
+  fill_min_mib: 256                  'auto' uses the page filler from this much lazy memory on
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ CRIU_OPTION_KEYS = ("tcp_established", "ext_unix_sk", "file_locks", "shell_job")
 GPU_KEYS = ("gpu_backend", "gpu_lock_timeout_ms")
 GPU_BACKENDS = ("auto", "cuda", "none")
 REGISTRY_KEYS = ("registry_auth_file", "registry_ca_file", "registry_parallel")
+RESTORE_PAGES = ("auto", "lazy", "eager")
+PAGE_KEYS = ("restore_pages", "fill_threads", "fill_min_mib")
 
 
 @dataclass
@@ -57,6 +63,9 @@ class Config:
     registry_auth_file: str | None = None
     registry_ca_file: str | None = None
     registry_parallel: int = 4
+    restore_pages: str = "eager"
+    fill_threads: int = 0
+    fill_min_mib: int = 256
     loaded: bool = False  # False when the file did not exist (defaults in use)
 
     def runtime_path(self) -> str:
@@ -148,7 +157,7 @@ def load(path: str | None = None) -> Config:
              "allow_cross_namespace_restore", "migration_key_file", "migration_tls", "store_space_check",
              "migration_stall_timeout"}
     known |= set(REGISTRY_KEYS)
-    known |= set(GPU_KEYS)
+    known |= set(GPU_KEYS) | set(PAGE_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"config {path}: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
@@ -176,6 +185,7 @@ def load(path: str | None = None) -> Config:
         raise ConfigError(f"config {path}: 'criu_options' keys must be among {CRIU_OPTION_KEYS} with true/false values")
     cfg.criu_options = opts
     _load_gpu(cfg, data, path)
+    _load_pages(cfg, data, path)
     cross = data.get("allow_cross_namespace_restore", False)
     if not isinstance(cross, bool):
         raise ConfigError(f"config {path}: 'allow_cross_namespace_restore' must be true or false")
@@ -222,3 +232,15 @@ def _load_gpu(cfg: Config, data: dict, path: str) -> None:
     if not isinstance(timeout, int) or isinstance(timeout, bool) or not 0 <= timeout <= 3_600_000:
         raise ConfigError(f"config {path}: 'gpu_lock_timeout_ms' must be an integer from 0 (no timeout) to 3600000")
     cfg.gpu_lock_timeout_ms = timeout
+
+
+def _load_pages(cfg: Config, data: dict, path: str) -> None:
+    mode = data.get("restore_pages", cfg.restore_pages)
+    if mode not in RESTORE_PAGES:
+        raise ConfigError(f"config {path}: 'restore_pages' must be one of {RESTORE_PAGES}, got {mode!r}")
+    cfg.restore_pages = mode
+    for key, top in (("fill_threads", 256), ("fill_min_mib", 1 << 30)):
+        val = data.get(key, getattr(cfg, key))
+        if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val <= top:
+            raise ConfigError(f"config {path}: '{key}' must be an integer from 0 to {top}")
+        setattr(cfg, key, val)

@@ -160,21 +160,27 @@ def rm(name, wait_s, as_json):
 @click.option("--root", help="runc state root (default /run/runc).")
 @click.option("--output", type=click.Path(dir_okay=False), default=os.devnull, show_default=True,
               help="File receiving the restored container's stdout and stderr.")
+@click.option("--pages", type=click.Choice(["auto", "lazy", "eager"]), default=None,
+              help="How to fill the restored memory (default: the config's restore_pages).")
+@click.option("--wait-pages", is_flag=True, help="Lazy restore: return only once all memory is in.")
 @JSON
 @handle_errors
-def restore(name, container_id, bundle, root, output, as_json):
+def restore(name, container_id, bundle, root, output, pages, wait_pages, as_json):
     """Restore checkpoint NAME as container CONTAINER_ID from an OCI bundle (outside containerd)."""
     from migrt.oci.bundle import Bundle
     from migrt.ops.restore import RestoreTarget, restore_checkpoint
     from migrt.runtime.lower import default_root
 
     cfg = load_config()
+    if pages:
+        cfg.restore_pages = pages
+        os.environ.pop("MIGRT_RESTORE_PAGES", None)  # the flag wins
     runtime = cfg.runtime_path()
     progress = ConsoleProgress(enabled=None if not as_json else False)
     with open(os.devnull, "rb") as devnull, open(output, "ab") as out:
         result = restore_checkpoint(cfg, name, RestoreTarget(
             container_id=container_id, bundle=Bundle.load(os.path.abspath(bundle)),
-            root=root or default_root(runtime), stdio=(devnull, out, out),
+            root=root or default_root(runtime), stdio=(devnull, out, out), wait_pages=wait_pages,
         ), progress=progress)
     if as_json:
         emit_json(result)

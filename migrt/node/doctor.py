@@ -25,6 +25,20 @@ def _criu_feature(crit: str, feature: str) -> bool:
         return False
 
 
+def _page_filler_check(cfg, criu_uffd: bool) -> dict:
+    """Can restores fill memory with migrt's page filler here (restore_pages auto|lazy)?"""
+    from migrt.pagefill.uffd import usable
+
+    mode = cfg.restore_pages if cfg else "eager"
+    why = usable() or (None if criu_uffd else "CRIU cannot restore with --lazy-pages here (uffd-noncoop)")
+    if why:
+        return _check("page filler (lazy restore)", "warn" if mode != "eager" else "ok",
+                      f"not usable: {why}" + ("; restores copy eagerly" if mode == "auto" else ""),
+                      "restore_pages: lazy will fail; use auto or eager" if mode == "lazy" else "")
+    return _check("page filler (lazy restore)", "ok",
+                  f"usable (restore_pages: {mode}" + (", set auto to use it" if mode == "eager" else "") + ")")
+
+
 def run_checks() -> list[dict]:
     from migrt import config
 
@@ -61,6 +75,7 @@ def run_checks() -> list[dict]:
         problem = lazy_problem("source")
         out.append(_check("lazy migration page server", "warn" if problem else "ok", problem or "can serve pages",
                           "see docs/migration.md, 'Lazy pages: what hung, and why'" if problem else ""))
+        out.append(_page_filler_check(cfg, uffd))
         sd = _criu_feature(crit, "mem_dirty_track")
         out.append(_check("pre-dump (soft-dirty)", "ok" if sd else "warn",
                           "available" if sd else "not available (CONFIG_MEM_SOFT_DIRTY unset)",

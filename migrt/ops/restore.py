@@ -18,7 +18,7 @@ from migrt.config import POLICIES, Config
 from migrt.criu.options import CriuOptions
 from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
-from migrt.ops import gpu_steps, recover, restore_checks
+from migrt.ops import gpu_steps, pages, recover, restore_checks
 from migrt.pods import engines, namespaces, rootfs
 from migrt.registry import reference
 from migrt.progress import Progress, null_progress
@@ -38,7 +38,9 @@ class RestoreTarget:
     no_pivot: bool = False
     stdio: tuple | None = None
     log_path: str | None = None
+    log_format: str = "json"
     extra: list[str] = field(default_factory=list)
+    wait_pages: bool = False  # lazy restore: return only once every page is in (a GPU restore always waits)
     # Migration seams: `verified` skips re-hashing a checkpoint just imported and verified on the fly;
     # `before_restore(image_view, work_dir)` runs right before runc restore (lazy pages: the daemon);
     # `supervise(proc)` waits for runc restore and may kill it (a migration's progress deadline).
@@ -91,6 +93,8 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
     _mark("gpu_preflight")
     check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore)
     options = CriuOptions.from_dict(ckpt.manifest.get("options"))
+    page_mode = pages.decide(cfg, ckpt.images, name=name,
+                             other_lazy="--lazy-pages" in target.extra or target.before_restore is not None)
     work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
     entry.update("preparing", work=work)
     os.makedirs(work, mode=0o700, exist_ok=True)
@@ -107,7 +111,12 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
     if gpu is not None:
         checks.add("gpu_driver", lambda: gpu_steps.check_driver(gpu))
     checks.start()
+    fill = None
     try:
+        # the page filler (lazy restore) must listen before CRIU starts
+        fill = pages.start(page_mode, ckpt.images, container_id=target.container_id, root=target.root,
+                           runc_log=target.log_path if target.global_tokens is not None else None,
+                           log_format=target.log_format, log_file=cfg.log_file)
         if (ckpt.manifest.get("rootfs") or {}).get("captured"):
             t0 = time.monotonic()
             rootfs.apply(ckpt.path, target.bundle.rootfs)
@@ -121,8 +130,11 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
             spec = RestoreSpec(
                 container_id=target.container_id, bundle=target.bundle.path, image_path=view,
                 work_path=work, pid_file=target.pid_file or os.path.join(work, "init.pid"), console_socket=target.console_socket,
-                no_pivot=target.no_pivot, options=options, extra=target.extra,
+                no_pivot=target.no_pivot, options=options,
+                extra=target.extra + (["--lazy-pages"] if fill else []),
             )
+            if fill:
+                fill.link(work)
             if target.before_restore:
                 target.before_restore(view, work)
             env = gpu_steps.runtime_env(gpu)
@@ -140,28 +152,34 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                 timings["restore_s"] = round(time.monotonic() - t0, 3)
                 checks.raise_failure()  # CRIU's gate already held the tree for it; this is the second lock
                 progress("done", name="restore", seconds=timings["restore_s"])
+                if fill:  # the GPU restore reads the process's memory: all of it must be in
+                    pages.after_restore(fill, page_mode, pid, timings, wait=gpu is not None or target.wait_pages)
                 if gpu is not None:
                     entry.update("gpu-restore", pid=pid)
                 gpu_steps.resume_restored(gpu, pid, timings, progress)  # GPU restore (remap) + unlock
             except (MigrtError, OSError) as exc:
                 if os.path.exists(state_dir):  # ours: it did not exist before
                     runtime.delete_force(target.root, target.container_id)
+                if fill:
+                    pages.failed(fill, exc)
                 cause = checks.failure()
                 if cause is not None and cause is not exc:
                     raise cause from exc  # a failed check is the reason, whatever CRIU said
                 raise
         write_marker(target.root, target.container_id,
-                     {"checkpoint": name, "restored_at": time.time(), "pid": pid})
+                     {"checkpoint": name, "restored_at": time.time(), "pid": pid, "pages": page_mode["mode"]})
         entry.update("restored")
     finally:
         checks.failure()  # every check thread has ended before the lock goes
         timings.update({f"{k}_s": v for k, v in checks.seconds().items()})
         # whether CRIU ran the gate (held the tree until the checks passed); migrt checked them too
         gate = ("held" if checks.gate_ran else "not run") if checks.pending else None
+        if fill:
+            fill.detach()  # the filler carries on alone; its guard kills the container should it fail
         shutil.rmtree(work, ignore_errors=True)
     timings["total_s"] = round(time.monotonic() - t_all, 3)
     return {"checkpoint": name, "container_id": target.container_id, "pid": pid, "hostname": hostname,
-            "timings": timings, "restore_gate": gate}
+            "timings": timings, "restore_gate": gate, "pages": page_mode}
 
 
 _MARKS: dict[str, float | None] = {}
@@ -271,7 +289,7 @@ def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, l
             container_id=cid, bundle=bundle, root=parsed.root or lower_mod.default_root(lower),
             global_tokens=[t for f in parsed.global_flags for t in f.tokens],
             pid_file=cmd.value("pid-file"), console_socket=cmd.value("console-socket"),
-            no_pivot=cmd.has("no-pivot"), log_path=parsed.log_path,
+            no_pivot=cmd.has("no-pivot"), log_path=parsed.log_path, log_format=parsed.log_format or "json",
             verified=just_pulled,  # every byte was checked against its digest on arrival, a moment ago
         )
         try:

@@ -14,7 +14,7 @@ import migrt
 
 PKG = pathlib.Path(migrt.__file__).parent
 FOUNDATION = {"errors", "faults", "log", "names", "progress", "__init__"}
-MECHANISMS = {"runtime", "criu", "gpu", "store", "oci"}
+MECHANISMS = {"runtime", "criu", "gpu", "store", "oci", "pagefill"}
 ALLOWED = {
     # entry points
     "cli": {"migration", "node", "ops", "pods", "registry", "config"} | MECHANISMS | FOUNDATION,
@@ -28,6 +28,7 @@ ALLOWED = {
     # configuration, then the mechanisms (runtime quotes CRIU's logs), then the foundation
     "config": {"runtime"} | FOUNDATION,
     "runtime": {"criu"} | FOUNDATION,
+    "pagefill": {"runtime", "criu"} | FOUNDATION,  # the page filler beside CRIU's lazy pages (runc log lines)
     "criu": FOUNDATION,
     "gpu": FOUNDATION,
     "store": FOUNDATION,

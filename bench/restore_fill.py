@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""Restore time of a big CPU process: CRIU's eager copy against migrt's page filler, side by side.
+
+    python bench/restore_fill.py [--sizes 2,4] [--runs 3] [--threads 1,2] [--json-out PATH]
+
+For each size (GiB of anonymous memory): `memhog N` (bench/memhog.c, every page touched, xorshift
+data) runs under plain runc and is checkpointed once with `migrt checkpoint` into a private store on
+/dev/shm. Then, alternating, `runs` times each:
+  eager        `migrt restore --pages eager`: CRIU copies every page before the process runs;
+  lazy/T       `migrt restore --pages lazy --wait-pages` with fill_threads=T: runc restore --lazy-pages,
+               the process runs at once, the filler copies the memory with T threads.
+From each restore's own timings: verify (sha256 of the checkpoint, the same in both), `runc restore`
+(until the process runs again), the fill (until all memory is in), and the total. After every restore
+SIGUSR1 makes memhog hash its memory again: it must print the checksum it printed before the dump.
+
+Prints a table of medians with the ratios eager/lazy (memory phase: runc restore + fill; and until
+the process runs), writes JSON (default bench/results/restore_fill.json) and, last:
+
+    restore_fill gb=<largest> eager_s=<median> lazy_s=<median, most threads> resume_s=<median> speedup=<x>
+
+(the *_s after verify). Run as root with runc, CRIU 4.2+, gcc and migrt installed (MIGRT_BINDIR picks
+a private install). Everything it starts is removed: containers by id, the checkpoint by name, temp dirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.common import log, machine, meminfo  # noqa: E402
+from tests.helpers.bundles import make_bundle  # noqa: E402
+
+BINDIR = os.environ.get("MIGRT_BINDIR", "/usr/local/bin")
+CLI = os.path.join(BINDIR, "migrt")
+GIB = 1 << 30
+DEFAULT_JSON = os.path.join(REPO, "bench", "results", "restore_fill.json")
+
+
+class Lab:
+    def __init__(self, base: str, store: str) -> None:
+        self.base, self.store = base, store
+        self.root = os.path.join(base, "runc-root")
+        os.makedirs(self.root)
+        self.memhog = os.path.join(base, "memhog")
+        subprocess.run(["gcc", "-static", "-O2", "-o", self.memhog, os.path.join(REPO, "bench", "memhog.c")],
+                       check=True)
+        self.config = os.path.join(base, "config.yaml")
+        self.env = {**os.environ, "MIGRT_CONFIG": self.config}
+        self.env.pop("MIGRT_RESTORE_PAGES", None)
+        self.threads(0)
+
+    def threads(self, n: int) -> None:
+        with open(self.config, "w") as fh:
+            fh.write(f"runtime: runc\nstore: {self.store}\nlog_file: {self.base}/migrt.log\nfill_threads: {n}\n")
+
+    def bundle(self, name: str, args: list[str]) -> str:
+        b = make_bundle(os.path.join(self.base, name), args)
+        shutil.copy2(self.memhog, os.path.join(b, "rootfs", "bin", "memhog"))
+        return b
+
+    def runc(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["runc", "--root", self.root, *args], capture_output=True, text=True, timeout=600)
+
+    def cli(self, *args: str) -> dict:
+        res = subprocess.run([CLI, *args, "--json"], capture_output=True, text=True, env=self.env, timeout=1800)
+        if res.returncode != 0:
+            raise RuntimeError(f"migrt {' '.join(args)} failed ({res.returncode}): {res.stderr.strip()[-1500:]}")
+        return json.loads(res.stdout)
+
+
+def wait_line(path: str, prefix: str, timeout: float) -> str:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with open(path, errors="replace") as fh:
+            for line in fh.read().splitlines():
+                if line.startswith(prefix):
+                    return line
+        time.sleep(0.05)
+    raise RuntimeError(f"no {prefix!r} line in {path} within {timeout} s")
+
+
+def checkpoint(lab: Lab, gib: float) -> tuple[str, str]:
+    """(checkpoint name, memhog's checksum)."""
+    tag = uuid.uuid4().hex[:6]
+    src, name = f"rf-src-{tag}", f"rf-{tag}"
+    out = os.path.join(lab.base, f"{src}.out")
+    bundle = lab.bundle(f"b-{src}", ["/bin/memhog", str(int(gib * 1024))])
+    with open(os.devnull, "rb") as devnull, open(out, "wb") as fh:
+        r = subprocess.run(["runc", "--root", lab.root, "run", "-d", "--bundle", bundle, src], stdin=devnull,
+                           stdout=fh, stderr=fh, timeout=120)
+    if r.returncode:
+        raise RuntimeError(f"runc run failed: {open(out).read()[-500:]}")
+    try:
+        ready = wait_line(out, "ready ", 600).split()[1]
+        t0 = time.monotonic()
+        ck = lab.cli("checkpoint", src, "--root", lab.root, "--name", name)
+        log(f"  checkpoint {gib:g} GiB: {ck['size_bytes'] / GIB:.2f} GiB in {time.monotonic() - t0:.1f} s")
+    finally:
+        lab.runc("delete", "--force", src)
+    return name, ready
+
+
+def restore_once(lab: Lab, name: str, want: str, mode: str) -> dict:
+    cid = f"rf-dst-{uuid.uuid4().hex[:6]}"
+    out = os.path.join(lab.base, f"{cid}.out")
+    bundle = lab.bundle(f"b-{cid}", ["true"])
+    args = ["restore", name, cid, "--bundle", bundle, "--root", lab.root, "--output", out]
+    args += ["--pages", "eager"] if mode == "eager" else ["--pages", "lazy", "--wait-pages"]
+    try:
+        t0 = time.monotonic()
+        res = lab.cli(*args)
+        wall = time.monotonic() - t0
+        pid = json.loads(lab.runc("state", cid).stdout)["pid"]
+        os.kill(pid, signal.SIGUSR1)
+        got = wait_line(out, "sum ", 600).split()[1]
+        if got != want:
+            raise RuntimeError(f"checksum mismatch after a {mode} restore: {got} != {want}")
+        t = res["timings"]
+        fill = t.get("pages_wait_s", 0.0)
+        return {"mode": mode, "verify_s": t.get("verify_s"), "runc_restore_s": t.get("restore_s"), "fill_s": fill,
+                "memory_s": round(t.get("restore_s", 0) + fill, 3), "total_s": t.get("total_s"),
+                "cli_wall_s": round(wall, 3), "pages": res.get("pages"), "checksum_ok": True}
+    finally:
+        lab.runc("delete", "--force", cid)
+        shutil.rmtree(bundle, ignore_errors=True)
+        if os.path.exists(out):
+            os.unlink(out)
+
+
+def med(runs: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return round(statistics.median(vals), 3) if vals else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="2,4", help="GiB, comma-separated (default 2,4)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", default="1,2", help="fill_threads values for the lazy restores (default 1,2)")
+    ap.add_argument("--json-out", default=DEFAULT_JSON)
+    a = ap.parse_args()
+    sizes = [float(x) for x in a.sizes.split(",")]
+    threads = [int(x) for x in a.threads.split(",")]
+    base = tempfile.mkdtemp(prefix="migrt-rf-")
+    store = tempfile.mkdtemp(prefix="migrt-rf-store-", dir="/dev/shm")
+    lab = Lab(base, store)
+    rows, results = [], {"machine": machine(), "sizes": {}}
+    try:
+        for gib in sizes:
+            need = 3 * gib * GIB + GIB  # checkpoint on tmpfs + source, then checkpoint + restored process
+            if meminfo("MemAvailable") < need:
+                log(f"skip {gib:g} GiB: {meminfo('MemAvailable') >> 20} MiB available, {int(need) >> 20} MiB needed")
+                continue
+            name, want = checkpoint(lab, gib)
+            runs: dict[str, list[dict]] = {}
+            try:
+                modes = ["eager"] + [f"lazy/{t}" for t in threads]
+                for i in range(a.runs):
+                    for mode in modes:
+                        lab.threads(int(mode.split("/")[1]) if "/" in mode else 0)
+                        r = restore_once(lab, name, want, "eager" if mode == "eager" else "lazy")
+                        runs.setdefault(mode, []).append(r)
+                        log(f"  {gib:g} GiB run {i + 1} {mode:8s} runc {r['runc_restore_s']:.2f} s  fill {r['fill_s']:.2f} s"
+                            f"  memory {r['memory_s']:.2f} s  total {r['total_s']:.2f} s")
+            finally:
+                subprocess.run([CLI, "rm", name], capture_output=True, env=lab.env, timeout=300)
+            results["sizes"][str(gib)] = runs
+            eager = med(runs["eager"], "memory_s")
+            for mode in modes:
+                rs = runs[mode]
+                rows.append({"gib": gib, "mode": mode, "verify_s": med(rs, "verify_s"),
+                             "resume_s": med(rs, "runc_restore_s"), "fill_s": med(rs, "fill_s"),
+                             "memory_s": med(rs, "memory_s"), "total_s": med(rs, "total_s"),
+                             "x_vs_eager": round(eager / med(rs, "memory_s"), 2) if med(rs, "memory_s") else None,
+                             "resume_x_vs_eager": round(eager / med(rs, "runc_restore_s"), 2)})
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
+    results["rows"] = rows
+    os.makedirs(os.path.dirname(a.json_out), exist_ok=True)
+    with open(a.json_out, "w") as fh:
+        json.dump(results, fh, indent=1)
+    print(f"{'GiB':>4} {'mode':8} {'verify':>7} {'resume':>7} {'fill':>6} {'memory':>7} {'total':>7} "
+          f"{'x eager':>8} {'resume x':>9}   (medians of {a.runs}, seconds; memory = resume + fill)")
+    for r in rows:
+        print(f"{r['gib']:>4g} {r['mode']:8} {r['verify_s']:>7.2f} {r['resume_s']:>7.2f} {r['fill_s']:>6.2f} "
+              f"{r['memory_s']:>7.2f} {r['total_s']:>7.2f} {r['x_vs_eager']:>8} {r['resume_x_vs_eager']:>9}")
+    if not rows:
+        return 1
+    top = max(r["gib"] for r in rows)
+    eager = next(r for r in rows if r["gib"] == top and r["mode"] == "eager")
+    lazy = [r for r in rows if r["gib"] == top and r["mode"] != "eager"][-1]
+    print(f"restore_fill gb={top:g} eager_s={eager['memory_s']} lazy_s={lazy['memory_s']} "
+          f"resume_s={lazy['resume_s']} speedup={lazy['x_vs_eager']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

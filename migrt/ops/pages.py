@@ -1,0 +1,99 @@
+"""How a restore fills the restored memory, decided per restore and recorded in its result:
+
+  eager  CRIU copies every page before the tree resumes (one thread per process).
+  lazy   `runc restore --lazy-pages` and migrt's page filler (migrt/pagefill): the tree resumes at
+         once; several threads copy the memory, page faults first. Fails when the node or the
+         images cannot do it.
+  auto   lazy when userfaultfd is usable here, the images allow it and their lazy memory reaches
+         `fill_min_mib`; eager otherwise (the reason is recorded).
+
+The mode comes from MIGRT_RESTORE_PAGES when set, else from the config's `restore_pages`. A restore
+that another mechanism already makes lazy (lazy migration's page server) is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+from migrt.config import RESTORE_PAGES, Config
+from migrt.errors import PreconditionFailed, UsageError
+
+ENV = "MIGRT_RESTORE_PAGES"
+MAX_AUTO_THREADS = 8
+
+
+def threads(cfg: Config) -> int:
+    return cfg.fill_threads or max(2, min(MAX_AUTO_THREADS, os.cpu_count() or 2))
+
+
+def decide(cfg: Config, images: str, *, name: str, other_lazy: bool) -> dict:
+    """{"mode": "lazy"|"eager", "requested", "reason", "lazy_bytes", "threads"}; PreconditionFailed
+    when 'lazy' was asked for and cannot be done."""
+    requested = os.environ.get(ENV) or cfg.restore_pages
+    if requested not in RESTORE_PAGES:
+        raise UsageError(f"{ENV} must be one of {RESTORE_PAGES}, got {requested!r}")
+    out = {"mode": "eager", "requested": requested}
+    if requested == "eager":
+        return {**out, "reason": "restore_pages is eager"}
+    if other_lazy:
+        return {**out, "reason": "pages come lazily from elsewhere (lazy migration)"}
+    from migrt import pagefill
+    from migrt.pagefill.uffd import usable
+
+    why = usable()
+    lazy_bytes = 0
+    if why is None:
+        try:
+            lazy_bytes = pagefill.plan(images).lazy_bytes
+        except pagefill.ImageError as exc:
+            why = f"checkpoint {name}: {exc}"
+    if why is None and requested == "auto" and lazy_bytes < cfg.fill_min_mib << 20:
+        return {**out, "lazy_bytes": lazy_bytes,
+                "reason": f"{lazy_bytes >> 20} MiB of lazy memory is below fill_min_mib ({cfg.fill_min_mib})"}
+    if why is not None:
+        if requested == "lazy":
+            raise PreconditionFailed(f"restore_pages is lazy, but the page filler cannot restore checkpoint {name}: "
+                                     f"{why}; set restore_pages to auto or eager")
+        return {**out, "reason": why}
+    return {"mode": "lazy", "requested": requested, "lazy_bytes": lazy_bytes, "threads": threads(cfg),
+            "reason": "page filler" if requested == "lazy" else
+            f"{lazy_bytes >> 20} MiB of lazy memory >= fill_min_mib ({cfg.fill_min_mib})"}
+
+
+def start(decision: dict, images: str, *, container_id: str, root: str, runc_log: str | None, log_format: str,
+          log_file: str | None):
+    """The page filler for a restore decided lazy (None otherwise); it must be running before CRIU."""
+    if decision["mode"] != "lazy":
+        return None
+    from migrt.pagefill import PageFill
+
+    return PageFill.start(images, threads=decision["threads"], container_id=container_id, root=root,
+                          runc_log=runc_log, log_format=log_format, log_file=log_file)
+
+
+def after_restore(fill, decision: dict, pid: int, timings: dict, *, wait: bool) -> None:
+    """runc restore returned: fail now if the filler already failed, hand it the init pid, and wait
+    for the whole memory when asked to (a GPU restore needs it)."""
+    import time
+
+    from migrt.errors import RuntimeFailed
+
+    try:
+        fill.check()
+    except RuntimeFailed as exc:
+        raise RuntimeFailed(f"restore failed: {exc.message}") from exc
+    fill.restored(pid)
+    if wait:
+        t0 = time.monotonic()
+        st = fill.wait()
+        timings["pages_wait_s"] = round(time.monotonic() - t0, 3)
+        decision["fill"] = {k: st.get(k) for k in ("copied_bytes", "fill_s", "counts") if k in st}
+
+
+def failed(fill, exc) -> None:
+    """The restore failed (the container is gone): stop the filler, quote why it failed if it did."""
+    st = fill.status()
+    details = getattr(exc, "details", None)
+    if st.get("state") == "failed" and st.get("error") and st["error"] not in str(exc) and details is not None:
+        details.append(f"page filler: {st['error']}")
+    fill.abort()

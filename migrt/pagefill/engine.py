@@ -1,0 +1,642 @@
+"""The filler proper: copies a restored tree's lazy memory into its tasks with several threads of
+UFFDIO_COPY straight from the mmap'ed pages images, serving page faults first.
+
+Threads: one event thread polls every task's userfaultfd and the guard's socket; N copy threads fill
+the biggest remaining segment first, `CHUNK` bytes at a time. Correctness rests on one lock:
+- A copy holds the lock shared; reading a userfaultfd (and handling what was read) holds it exclusive.
+  While a fork/mremap/madvise(DONTNEED)/munmap event is pending the kernel answers UFFDIO_COPY with
+  EAGAIN (mmap_changing); the copy gives its range back and retries after the event was handled.
+  So no copy runs between reading REMOVE and unregistering its range (a copy there would put stale
+  data where the task now expects zeros), and a fork child inherits exactly the ranges still missing.
+- Ranges are owned: a range is either remaining, in one copy, or done; a fault on a remaining range
+  is copied at once (a `FAULT_WINDOW` around it); a fault outside every remaining range is a page no
+  dump covered (UFFDIO_ZEROPAGE; EEXIST when it was just copied is harmless).
+- A userfaultfd is closed only when its task has nothing left: the kernel then unregisters its VMAs
+  and pages no dump covered fault in as zeros, as without lazy restore. Until then the guard keeps a
+  duplicate open, so a dying filler leaves faults blocked, never zero-filled (see guard.py).
+Errors other than EAGAIN/EEXIST (task gone: ESRCH) are fatal: the filler exits and the guard kills
+the container rather than let it run on memory that was not restored.
+
+Test seams (test-only, never set in production): MIGRT_FILL_FAULT=after_bytes:N makes the filler
+SIGKILL itself once it has copied N bytes (N=0: at its first copy), to test the guard;
+MIGRT_FILL_PACE_MIBS=N slows the background copy down to N MiB/s, so that a test's workload surely
+forks, remaps and madvises while its memory is still arriving.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import ctypes
+import errno
+import json
+import mmap as _mmap
+import os
+import select
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from migrt.pagefill import uffd
+from migrt.pagefill.images import PAGE, Plan
+
+CHUNK = 4 << 20
+FAULT_WINDOW = 64 << 10
+STATUS_EVERY_S = 0.5
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+class FillError(Exception):
+    pass
+
+
+class RWLock:
+    """Many copies at once, or one event handler alone; a waiting event handler goes first."""
+
+    def __init__(self) -> None:
+        self._c = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._waiting = 0
+
+    def acquire_shared(self) -> None:
+        with self._c:
+            while self._writer or self._waiting:
+                self._c.wait()
+            self._readers += 1
+
+    def release_shared(self) -> None:
+        with self._c:
+            self._readers -= 1
+            if not self._readers:
+                self._c.notify_all()
+
+    def acquire_exclusive(self) -> None:
+        with self._c:
+            self._waiting += 1
+            while self._writer or self._readers:
+                self._c.wait()
+            self._waiting -= 1
+            self._writer = True
+
+    def release_exclusive(self) -> None:
+        with self._c:
+            self._writer = False
+            self._c.notify_all()
+
+
+class PagesFile:
+    """A pages-<id>.img mapped read-only: UFFDIO_COPY reads it straight from the page cache."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.size = os.fstat(fd).st_size
+            self.base = 0
+            if self.size:
+                addr = _libc.mmap(None, self.size, _mmap.PROT_READ, _mmap.MAP_SHARED, fd, 0)
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    raise FillError(f"cannot map {path}: {os.strerror(ctypes.get_errno())}")
+                self.base = addr
+        finally:
+            os.close(fd)
+
+
+@dataclass(eq=False)
+class Task:
+    """One userfaultfd: a restored process, or a child it forked during the fill."""
+    id: int
+    vpid: int
+    fd: int
+    pages: PagesFile | None
+    segs: list  # of Seg, sorted by start, never empty ones
+    lazy_bytes: int
+    copied: int = 0
+    inflight: int = 0
+    done: bool = False
+    closed: bool = False
+    forked_from: int | None = None
+    t_done: float | None = None
+    events: dict[str, int] = field(default_factory=dict)
+
+    def remaining(self) -> int:
+        return sum(s.length for s in self.segs)
+
+
+class Seg:
+    """A remaining range of one task: [start, end), filled from `offset` of its pages file. A range
+    leaves its task's list (alive=False) when done, cut or moved; the heap may still hold it."""
+    __slots__ = ("start", "end", "offset", "alive")
+
+    def __init__(self, start: int, end: int, offset: int) -> None:
+        self.start, self.end, self.offset, self.alive = start, end, offset, True
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def _start(s: Seg) -> int:
+    return s.start
+
+
+def _drop(segs: list[Seg], a: int, b: int) -> list[Seg]:
+    """The ranges of segs outside [a, b), as new objects."""
+    out = []
+    for s in segs:
+        if s.end <= a or s.start >= b:
+            out.append(Seg(s.start, s.end, s.offset))
+            continue
+        if s.start < a:
+            out.append(Seg(s.start, a, s.offset))
+        if s.end > b:
+            out.append(Seg(b, s.end, s.offset + (b - s.start)))
+    return out
+
+
+def _remap(segs: list[Seg], frm: int, to: int, length: int) -> list[Seg]:
+    """mremap moved [frm, frm+length) to `to`: so do the ranges inside it."""
+    end, delta = frm + length, to - frm
+    out = _drop(segs, frm, end)
+    for s in segs:
+        a, b = max(s.start, frm), min(s.end, end)
+        if a < b:
+            out.append(Seg(a + delta, b + delta, s.offset + (a - s.start)))
+    return sorted(out, key=_start)
+
+
+class Filler:
+    def __init__(self, plan: Plan, *, threads: int, guard: socket.socket, status_path: str | None) -> None:
+        self.plan = plan
+        self.nthreads = max(1, threads)
+        self.guard = guard
+        self.status_path = status_path
+        self.rw = RWLock()
+        self.state = threading.Lock()
+        self.work = threading.Condition(self.state)
+        self.tasks: dict[int, Task] = {}
+        self.files: dict[str, PagesFile] = {}
+        self.finished = False          # CRIU said the restore is complete: background copies may start
+        self.stop = False
+        self.fatal: str | None = None
+        self.heap: list = []           # (-length, seq, task, seg): biggest first
+        self.seq = 0
+        self.current: tuple[Task, Seg] | None = None
+        self.to_close: list[Task] = []
+        self.retry: list[tuple[Task, int]] = []
+        self.copied = 0
+        self.next_id = 1 << 20         # ids for fork children (the guard numbers the first ones)
+        self.t0 = time.monotonic()
+        self.t_finished: float | None = None
+        self.t_done: float | None = None
+        self.counts = {"faults": 0, "zero_faults": 0, "eagain": 0, "eexist": 0, "forks": 0, "removes": 0,
+                       "unmaps": 0, "remaps": 0}
+        self.fault_after = _fault_seam()
+        self.pace = int(os.environ.get("MIGRT_FILL_PACE_MIBS", "0") or 0) << 20
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._last_status = 0.0
+
+    # -- ranges (all under self.state) -------------------------------------------------------------
+    def _set_segs(self, t: Task, segs: list[Seg]) -> None:
+        for s in t.segs:
+            s.alive = False
+        t.segs = segs
+        for s in segs:
+            self._push(t, s)
+        self.current = None
+
+    def _push(self, t: Task, s: Seg) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (-s.length, self.seq, t, s))
+
+    def _remove(self, t: Task, s: Seg) -> None:
+        s.alive = False
+        i = bisect.bisect_left(t.segs, s.start, key=_start)
+        while i < len(t.segs):
+            if t.segs[i] is s:
+                del t.segs[i]
+                return
+            i += 1
+
+    def _insert(self, t: Task, s: Seg) -> None:
+        bisect.insort(t.segs, s, key=_start)
+        self._push(t, s)
+
+    def _find(self, t: Task, addr: int) -> Seg | None:
+        i = bisect.bisect_right(t.segs, addr, key=_start) - 1
+        if i >= 0 and t.segs[i].start <= addr < t.segs[i].end:
+            return t.segs[i]
+        return None
+
+    # -- tasks -----------------------------------------------------------------------------------
+    def add_task(self, tid: int, vpid: int, fd: int) -> None:
+        proc = self.plan.processes.get(vpid)
+        if proc is None:
+            raise FillError(f"CRIU sent the userfaultfd of pid {vpid}, which the images do not list")
+        pages = None
+        if proc.segments:
+            pages = self.files.get(proc.pages_file) or PagesFile(proc.pages_file)
+            self.files[proc.pages_file] = pages
+            if pages.size < max(s.offset + s.length for s in proc.segments):
+                raise FillError(f"{proc.pages_file} is shorter than its pagemap says")
+        with self.state:
+            t = Task(id=tid, vpid=vpid, fd=fd, pages=pages, segs=[], lazy_bytes=proc.lazy_bytes)
+            self.tasks[tid] = t
+            self._set_segs(t, [Seg(s.start, s.end, s.offset) for s in proc.segments])
+            self._check_done(t)
+
+    def _check_done(self, t: Task) -> None:
+        """Under self.state."""
+        if not t.done and self.finished and not t.segs and not t.inflight:
+            t.done, t.t_done = True, time.monotonic()
+            self.to_close.append(t)
+            self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self.wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    # -- copy threads ----------------------------------------------------------------------------
+    def _take(self) -> tuple[Task, int, int, int] | None:
+        """Under self.state: the next background chunk, biggest remaining range first."""
+        if not self.finished:
+            return None
+        cur = self.current
+        while cur is None or not cur[1].alive or cur[1].length <= 0:
+            if cur is not None and cur[1].alive:
+                self._remove(*cur)
+            if not self.heap:
+                self.current = None
+                return None
+            _, _, t, s = heapq.heappop(self.heap)
+            cur = (t, s) if s.alive and not t.done else None
+        self.current = cur
+        t, s = cur
+        n = min(CHUNK, s.length)
+        job = (t, s.start, n, s.offset)
+        s.start += n
+        s.offset += n
+        if s.length <= 0:
+            self._remove(t, s)
+            self.current = None
+        t.inflight += 1
+        return job
+
+    def _copy(self, t: Task, start: int, n: int, offset: int) -> int:
+        """Holding the lock shared: copy, then account for what happened. Returns the errno."""
+        if self.fault_after is not None and self.copied >= self.fault_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # test seam: the filler dies mid-way
+        err, done = 0, n
+        try:
+            uffd.copy(t.fd, start, t.pages.base + offset, n)
+        except uffd.UffdError as exc:
+            err, done = exc.errno, exc.done
+        with self.state:
+            t.inflight -= 1
+            t.copied += done
+            self.copied += done
+            if err:
+                self._copy_failed(t, start + done, n - done, offset + done, err)
+            self._check_done(t)
+        return err
+
+    def _copy_failed(self, t: Task, start: int, n: int, offset: int, err: int) -> None:
+        if err == errno.EAGAIN:        # the address space is changing: give the range back
+            self.counts["eagain"] += 1
+            self._insert(t, Seg(start, start + n, offset))
+        elif err == errno.EEXIST:      # a page already there: skip it
+            self.counts["eexist"] += 1
+            if n > PAGE:
+                self._insert(t, Seg(start + PAGE, start + n, offset + PAGE))
+        elif err in (errno.ESRCH, errno.ENOSPC):  # the task has exited
+            self._set_segs(t, [])
+        else:
+            self._fail(f"pid {t.vpid}: UFFDIO_COPY of {n} bytes at {start:#x}: {os.strerror(err)}")
+
+    def _fail(self, msg: str) -> None:
+        if self.fatal is None:
+            self.fatal = msg
+        self.stop = True
+        self.work.notify_all()
+        self._wake()
+
+    def _worker(self) -> None:
+        while True:
+            with self.state:
+                while not self.stop and not self.finished:
+                    self.work.wait()
+                if self.stop:
+                    return
+            err = 0
+            self.rw.acquire_shared()
+            try:
+                with self.state:
+                    job = self._take()
+                if job:
+                    err = self._copy(*job)
+            finally:
+                self.rw.release_shared()
+            if job is None:
+                with self.state:
+                    if self.stop:
+                        return
+                    self.work.wait(0.05)
+            elif err == errno.EAGAIN:
+                time.sleep(0.0005)  # let the event thread read what changes the address space
+            elif self.pace and self.t_finished:  # test seam (see the module doc)
+                ahead = self.copied / self.pace - (time.monotonic() - self.t_finished)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+    # -- events ----------------------------------------------------------------------------------
+    def _read_events(self, t: Task) -> list[tuple]:
+        """Holding the lock exclusive: read what the task's userfaultfd has, handle it; the copies
+        that faults need are returned, to be run holding the lock shared."""
+        jobs: list[tuple] = []
+        try:
+            buf = os.read(t.fd, uffd.MSG_SIZE * 64)
+        except BlockingIOError:
+            return jobs
+        except OSError as exc:
+            with self.state:
+                self._fail(f"pid {t.vpid}: reading its userfaultfd: {exc.strerror}")
+            return jobs
+        for m in uffd.parse(buf):
+            with self.state:
+                if m.event == uffd.EVENT_PAGEFAULT:
+                    jobs.append(self._decide(t, m.a & ~(PAGE - 1)))
+                elif m.event in (uffd.EVENT_REMOVE, uffd.EVENT_UNMAP):
+                    self._on_remove(t, m)
+                elif m.event == uffd.EVENT_REMAP:
+                    self.counts["remaps"] += 1
+                    self._set_segs(t, _remap(t.segs, m.a, m.b, m.c))
+                elif m.event == uffd.EVENT_FORK:
+                    self._on_fork(t, m.a)
+                else:
+                    self._fail(f"pid {t.vpid}: unexpected userfaultfd event {m.event:#x}")
+        return jobs
+
+    def _decide(self, t: Task, addr: int) -> tuple:
+        """Under self.state, holding the lock exclusive (no copy in flight): what a fault at addr needs.
+        ("copy", t, start, n, offset, addr) for a range still missing (taken out of the task's list),
+        ("zero", t, addr) for a page no dump covered (or copied already: EEXIST then)."""
+        self.counts["faults"] += 1
+        seg = self._find(t, addr) if not t.done else None
+        if seg is None:
+            return ("zero", t, addr)
+        a = max(seg.start, addr & ~(FAULT_WINDOW - 1))
+        b = min(seg.end, a + FAULT_WINDOW)
+        if b <= addr:
+            a, b = addr, min(seg.end, addr + FAULT_WINDOW)
+        off = seg.offset + (a - seg.start)
+        if b < seg.end:
+            self._insert(t, Seg(b, seg.end, seg.offset + (b - seg.start)))
+        seg.end = a
+        if seg.length <= 0:
+            self._remove(t, seg)
+        t.inflight += 1
+        return ("copy", t, a, b - a, off, addr)
+
+    def _on_remove(self, t: Task, m: uffd.Msg) -> None:
+        """Under self.state and the exclusive lock. REMOVE (madvise DONTNEED/REMOVE) keeps the VMA:
+        unregister the range, so the task faults in zeros there as it expects; UNMAP: the VMA is gone."""
+        if m.event == uffd.EVENT_REMOVE:
+            self.counts["removes"] += 1
+            try:
+                uffd.unregister(t.fd, m.a, m.b - m.a)
+            except uffd.UffdError as exc:
+                if exc.errno not in (errno.ENOMEM, errno.ESRCH):  # ENOMEM: the task has gone
+                    self._fail(f"pid {t.vpid}: unregistering {m.a:#x}-{m.b:#x}: {exc.strerror}")
+        else:
+            self.counts["unmaps"] += 1
+        self._set_segs(t, _drop(t.segs, m.a, m.b))
+        self._check_done(t)
+
+    def _on_fork(self, parent: Task, fd: int) -> None:
+        """Under self.state and the exclusive lock (no copy in flight): the child misses exactly what
+        the parent still misses. Its userfaultfd goes to the guard first (see module doc)."""
+        self.counts["forks"] += 1
+        tid = self.next_id
+        self.next_id += 1
+        os.set_blocking(fd, False)
+        try:
+            self.guard.sendmsg([f"K {tid}".encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fd.to_bytes(4, "little"))])
+        except OSError:
+            pass  # the guard is gone: we are the only holder now
+        child = Task(id=tid, vpid=parent.vpid, fd=fd, pages=parent.pages, segs=[],
+                     lazy_bytes=sum(s.length for s in parent.segs), forked_from=parent.id)
+        self.tasks[tid] = child
+        self._set_segs(child, [Seg(s.start, s.end, s.offset) for s in parent.segs])
+        self._check_done(child)
+
+    def _serve(self, jobs: list[tuple]) -> None:
+        """Holding the lock shared: the copies and zero pages that faults need."""
+        for job in jobs:
+            if job[0] == "copy":
+                _, t, a, n, off, addr = job
+                if self._copy(t, a, n, off) == errno.EAGAIN:
+                    with self.state:
+                        self.retry.append((t, addr))  # decided again after the pending event
+                continue
+            _, t, addr = job
+            with self.state:
+                self.counts["zero_faults"] += 1
+            try:
+                uffd.zeropage(t.fd, addr, PAGE)
+            except uffd.UffdError as exc:
+                if exc.errno == errno.EAGAIN:
+                    with self.state:
+                        self.retry.append((t, addr))
+                elif exc.errno not in (errno.EEXIST, errno.ENOENT, errno.ESRCH, errno.ENOSPC):
+                    with self.state:
+                        self._fail(f"pid {t.vpid}: UFFDIO_ZEROPAGE at {addr:#x}: {exc.strerror}")
+
+    # -- guard messages --------------------------------------------------------------------------
+    def _from_guard(self) -> bool:
+        """False when the guard has gone away."""
+        try:
+            msg, anc, _flags, _addr = self.guard.recvmsg(256, socket.CMSG_SPACE(4 * 4))
+        except OSError:
+            return False
+        if not msg:
+            return False
+        fds = []
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data) - len(data) % 4, 4)]
+        words = msg.decode().split()
+        if words[0] == "T" and fds:
+            os.set_blocking(fds[0], False)
+            try:
+                self.add_task(int(words[1]), int(words[2]), fds[0])
+            except FillError as exc:
+                with self.state:
+                    self._fail(str(exc))
+        elif words[0] == "F":
+            with self.state:
+                self.finished = True
+                self.t_finished = time.monotonic()
+                for t in self.tasks.values():
+                    self._check_done(t)
+                self.work.notify_all()
+        elif words[0] == "A":
+            with self.state:
+                self.stop = True
+                self.work.notify_all()
+        return True
+
+    # -- main loop -------------------------------------------------------------------------------
+    def run(self) -> int:
+        workers = [threading.Thread(target=self._worker, name=f"fill-{i}", daemon=True) for i in range(self.nthreads)]
+        for w in workers:
+            w.start()
+        guard_ok = True
+        self.write_status("filling")
+        while True:
+            with self.state:
+                if self.stop:
+                    break
+                closing, self.to_close = self.to_close, []
+                retry, self.retry = self.retry, []
+                all_done = self.finished and all(t.done for t in self.tasks.values())
+            for t in closing:
+                self._close(t)
+            if all_done:
+                self.t_done = time.monotonic()
+                break
+            jobs: list[tuple] = []
+            if retry:
+                time.sleep(0.0005)
+                self.rw.acquire_exclusive()
+                try:
+                    with self.state:
+                        jobs += [self._decide(t, addr) for t, addr in retry if not t.closed]
+                finally:
+                    self.rw.release_exclusive()
+            poller = select.poll()
+            by_fd = {}
+            for t in list(self.tasks.values()):
+                if not t.closed:
+                    poller.register(t.fd, select.POLLIN)
+                    by_fd[t.fd] = t
+            if guard_ok:
+                poller.register(self.guard.fileno(), select.POLLIN)
+            poller.register(self.wake_r, select.POLLIN)
+            ready = poller.poll(0 if jobs else 200)
+            for fd, _ev in ready:
+                if fd == self.wake_r:
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                elif guard_ok and fd == self.guard.fileno():
+                    guard_ok = self._from_guard()
+                    if not guard_ok and not self.finished:
+                        with self.state:
+                            self._fail("the guard went away before the restore finished")
+                elif fd in by_fd:
+                    self.rw.acquire_exclusive()
+                    try:
+                        jobs += self._read_events(by_fd[fd])
+                    finally:
+                        self.rw.release_exclusive()
+            if jobs:
+                self.rw.acquire_shared()
+                try:
+                    self._serve(jobs)
+                finally:
+                    self.rw.release_shared()
+            if time.monotonic() - self._last_status > STATUS_EVERY_S:
+                self.write_status("filling")
+        with self.state:
+            self.stop = True
+            self.work.notify_all()
+        for w in workers:
+            w.join(5)
+        for t in self.tasks.values():  # what exiting would do (the guard still holds its copies)
+            if not t.closed:
+                t.closed = True
+                os.close(t.fd)
+        if self.fatal:
+            self.write_status("failed", error=self.fatal)
+            try:
+                self.guard.send(f"E {self.fatal}".encode()[:4000])
+            except OSError:
+                pass
+            return 1
+        if self.t_done is None:  # aborted (the restore failed): nothing to report as done
+            self.write_status("aborted")
+            return 0
+        self.write_status("done")
+        try:
+            self.guard.send(b"Z")
+        except OSError:
+            pass
+        return 0
+
+    def _close(self, t: Task) -> None:
+        if t.closed:
+            return
+        t.closed = True
+        os.close(t.fd)
+        try:
+            self.guard.send(f"D {t.id}".encode())
+        except OSError:
+            pass
+        self.write_status("filling")
+
+    # -- status ----------------------------------------------------------------------------------
+    def snapshot(self, state: str, error: str | None = None) -> dict:
+        with self.state:
+            pids = {}
+            forks = []
+            for t in self.tasks.values():
+                rec = {"lazy_bytes": t.lazy_bytes, "copied_bytes": t.copied, "done": t.done,
+                       "seconds": round(t.t_done - self.t0, 3) if t.t_done else None}
+                if t.forked_from is None:
+                    pids[str(t.vpid)] = rec
+                else:
+                    forks.append({"vpid": t.vpid, **rec})
+            now = self.t_done or time.monotonic()
+            out = {"state": state, "threads": self.nthreads, "lazy_bytes": self.plan.lazy_bytes,
+                   "copied_bytes": self.copied, "restore_finished": self.finished,
+                   "seconds": round(now - self.t0, 3),
+                   "fill_s": round(now - self.t_finished, 3) if self.t_finished else None,
+                   "pids": pids, "forks": forks, "counts": dict(self.counts), "filler_pid": os.getpid()}
+        if error:
+            out["error"] = error
+        return out
+
+    def write_status(self, state: str, error: str | None = None) -> None:
+        self._last_status = time.monotonic()
+        if self.status_path:
+            write_json(self.status_path, self.snapshot(state, error))
+
+
+def write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _fault_seam() -> int | None:
+    spec = os.environ.get("MIGRT_FILL_FAULT", "")
+    if spec.startswith("after_bytes:"):
+        try:
+            return int(spec.split(":", 1)[1])
+        except ValueError:
+            return None
+    return None

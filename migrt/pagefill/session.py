@@ -1,0 +1,176 @@
+"""A lazy restore's page filler as the restore sees it: start it before `runc restore --lazy-pages`,
+link its socket into runc's work directory, tell it the restored init's pid, and wait for whole
+processes (or just check on them) through its status file.
+
+The guard (guard.py) runs in its own session with /dev/null as stdio, so it outlives the shim's
+`create` and never holds the container's pipes; it removes its run directory when the fill is done
+and leaves it (status.json, guard.stderr) after a failure, for diagnosis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from migrt.errors import RuntimeFailed
+
+RUN_BASE = "/run/migrt/fill"
+SOCKET_NAME = "lazy-pages.socket"  # what CRIU connects to, relative to its work directory
+
+
+def _run_dir() -> str:
+    for base in (RUN_BASE, os.path.join(tempfile.gettempdir(), "migrt-fill")):
+        try:
+            os.makedirs(base, mode=0o700, exist_ok=True)
+            return tempfile.mkdtemp(prefix="f-", dir=base)
+        except OSError:
+            continue
+    raise RuntimeFailed(f"cannot create a run directory for the page filler under {RUN_BASE}")
+
+
+class PageFill:
+    def __init__(self, run_dir: str, proc: subprocess.Popen, control_w: int, threads: int) -> None:
+        self.run_dir = run_dir
+        self.proc = proc
+        self.control_w: int | None = control_w
+        self.threads = threads
+        self.socket_path = os.path.join(run_dir, SOCKET_NAME)
+        self.status_path = os.path.join(run_dir, "status.json")
+        self._last: dict = {}
+
+    @classmethod
+    def start(cls, images: str, *, threads: int, container_id: str | None = None, root: str | None = None,
+              runc_log: str | None = None, log_format: str = "json", log_file: str | None = None) -> PageFill:
+        """Start the guard (and through it the filler) for a restore from `images`."""
+        run = _run_dir()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        images_fd = control_r = control_w = -1
+        try:
+            sock.bind(os.path.join(run, SOCKET_NAME))
+            sock.listen(16)
+            images_fd = os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            control_r, control_w = os.pipe2(os.O_CLOEXEC)
+            args = {"listen_fd": sock.fileno(), "images_fd": images_fd, "control_fd": control_r,
+                    "status": os.path.join(run, "status.json"), "threads": threads, "container_id": container_id,
+                    "root": root, "runc_log": runc_log, "log_format": log_format, "log_file": log_file,
+                    "run_dir": run}
+            # the guard imports migrt from where we did (a venv, a checkout)
+            pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                p for p in (pkg_parent, os.environ.get("PYTHONPATH")) if p)}
+            with open(os.path.join(run, "guard.stderr"), "wb") as err:
+                proc = subprocess.Popen([sys.executable, "-m", "migrt.pagefill.guard", json.dumps(args)],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env,
+                                        pass_fds=(sock.fileno(), images_fd, control_r), start_new_session=True)
+        except OSError as exc:
+            if control_w >= 0:
+                os.close(control_w)
+            raise RuntimeFailed(f"cannot start the page filler: {exc}") from exc
+        finally:
+            sock.close()
+            for fd in (images_fd, control_r):
+                if fd >= 0:
+                    os.close(fd)
+        return cls(run, proc, control_w, threads)
+
+    def link(self, work_dir: str) -> None:
+        """CRIU finds the filler through lazy-pages.socket in runc's work directory."""
+        os.symlink(self.socket_path, os.path.join(work_dir, SOCKET_NAME))
+
+    def _say(self, msg: dict) -> None:
+        if self.control_w is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self.control_w, (json.dumps(msg) + "\n").encode())
+
+    def restored(self, init_pid: int) -> None:
+        """runc restore returned: the guard knows whom to kill should the filler fail."""
+        self._say({"init_pid": init_pid})
+
+    def abort(self) -> None:
+        """The restore failed (the caller removes the container): the filler stops."""
+        self._say({"abort": True})
+        self.detach()
+
+    def detach(self) -> None:
+        """We go away; the guard and the filler carry on alone."""
+        if self.control_w is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.control_w)
+            self.control_w = None
+
+    def status(self) -> dict:
+        """The filler's last status; {"state": "done"} once the guard exited cleanly (it removes its
+        run directory then), {"state": "failed", ...} when it did not."""
+        try:
+            with open(self.status_path, encoding="utf-8") as fh:
+                self._last = json.load(fh)
+        except (OSError, ValueError):
+            code = self.proc.poll()
+            if code is not None and not os.path.exists(self.status_path):
+                st = dict(self._last)
+                if code == 0:
+                    st["state"] = "done"
+                elif code == 2:
+                    st["state"] = "aborted"
+                else:
+                    st.update(state="failed", error=st.get("error") or self._stderr() or f"guard exit status {code}")
+                return st
+        return dict(self._last)
+
+    def _stderr(self) -> str:
+        try:
+            with open(os.path.join(self.run_dir, "guard.stderr"), encoding="utf-8", errors="replace") as fh:
+                lines = [ln.strip() for ln in fh.read().splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
+    def check(self) -> dict:
+        st = self.status()
+        if st.get("state") == "failed":
+            raise RuntimeFailed(f"the page filler failed: {st.get('error') or 'unknown error'}")
+        return st
+
+    def wait(self, vpids: list[int] | None = None, timeout: float | None = None, interval: float = 0.01) -> dict:
+        """Until the given processes (pids inside the container; None: all) have all their memory.
+        Raises RuntimeFailed when the filler failed or the time ran out."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        want = None if vpids is None else {str(p) for p in vpids}
+        while True:
+            st = self.check()
+            if st.get("state") == "done":
+                return st
+            if st.get("state") == "aborted":
+                raise RuntimeFailed("the page filler stopped: the restore was aborted")
+            pids = st.get("pids") or {}
+            if want is not None and st.get("restore_finished") and want <= set(pids) \
+                    and all(pids[p].get("done") for p in want):
+                return st
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeFailed(f"the page filler has not finished after {timeout:.0f} s "
+                                    f"({st.get('copied_bytes', 0) >> 20} of {st.get('lazy_bytes', 0) >> 20} MiB)")
+            time.sleep(interval)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Tests and failed restores: wait for the guard to exit (it does once the container is gone)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+
+
+def container_vpid(host_pid: int) -> int | None:
+    """The pid of a host process inside its own pid namespace (the key of CRIU's images)."""
+    try:
+        with open(f"/proc/{host_pid}/status") as fh:
+            for line in fh:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        return None
+    return None
