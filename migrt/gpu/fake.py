@@ -189,6 +189,7 @@ def _free_bytes(data: dict, uuid: str | None) -> int | None:
     gpu = next((g for g in data.get("gpus") or [] if uuid and g["uuid"].lower() == uuid.lower()), None)
     if gpu is None or gpu.get("memory_total") is None:
         return None
-    used = sum(p.get("bytes", 0) for p in data["processes"].values()
-               if fakenode.holds_gpu(p.get("state", "")) and (p.get("gpu") or "").lower() == uuid.lower())
+    used = sum(p.get("bytes", 0) for k, p in data["processes"].items()
+               if fakenode.holds_gpu(p.get("state", "")) and (p.get("gpu") or "").lower() == uuid.lower()
+               and fakenode.lives(k, p))
     return int(gpu["memory_total"]) - used - int(gpu.get("reserved", 0))

@@ -121,3 +121,8 @@ def discover(data: dict) -> None:
 
 def holds_gpu(state: str) -> bool:
     return state in ("running", "locked")
+
+
+def lives(key: str, proc: dict) -> bool:
+    """The recorded process still exists (an exited process's GPU memory is the driver's again)."""
+    return _start(int(key)) == proc.get("start")

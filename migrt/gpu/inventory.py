@@ -175,7 +175,7 @@ def _fake(path: str) -> Inventory:
                                 minor=g.get("minor", i), memory_total=total, memory_free=free,
                                 memory_used=None if free is None or total is None else total - free))
         for pid, p in data["processes"].items():
-            if fakenode.holds_gpu(p.get("state", "")) and p.get("gpu"):
+            if fakenode.holds_gpu(p.get("state", "")) and p.get("gpu") and fakenode.lives(pid, p):
                 inv.processes[int(pid)] = [(p["gpu"], p.get("bytes"))]
     return inv
 
