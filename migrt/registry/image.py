@@ -79,6 +79,10 @@ def cri_annotations(manifest: dict) -> dict:
         "io.kubernetes.cri-o.annotations.checkpoint.runtime.name": "migrt-runc",
         A_NAME: manifest.get("name", ""),
     }
+    # Podman reads its own keys (podman container restore IMAGE)
+    out["io.podman.annotations.checkpoint.name"] = out[CRIO_NAME]
+    out["io.podman.annotations.checkpoint.rootfsImageName"] = src.get("image") or ""
+    out["io.podman.annotations.checkpoint.runtime.name"] = "runc"
     if cri.get("pod_name"):
         out["io.kubernetes.cri-o.annotations.checkpoint.pod"] = cri["pod_name"]
     if cri.get("pod_namespace"):

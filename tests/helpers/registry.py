@@ -14,8 +14,8 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,9 +31,26 @@ class Registry:
     storage: str
     proc: subprocess.Popen
     log: str
+    conf: str = ""
 
     def ref(self, repo: str, tag: str = "latest") -> str:
         return f"{self.host}/{repo}:{tag}"
+
+    @contextlib.contextmanager
+    def also_in_netns(self, netns_path: str) -> Iterator[None]:
+        """The same registry (same storage, certificate, users, port) served inside a network
+        namespace too, e.g. the one containerd's CRI pods and shims run in: the reference
+        127.0.0.1:PORT/... then works from both sides."""
+        log = self.log + ".netns"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(["nsenter", f"--net={netns_path}", "--", "docker-registry", "serve", self.conf],
+                                    stdout=out, stderr=subprocess.STDOUT)
+        mirror = Registry(self.host, self.ca_file, self.auth_file, self.storage, proc, log, self.conf)
+        try:
+            _wait_ready(mirror, netns_path)
+            yield
+        finally:
+            _stop(proc)
 
     def blob_path(self, digest: str) -> str:
         """Where the distribution server keeps a blob's bytes (for tampering tests)."""
@@ -111,35 +128,46 @@ http:
     write_auth(auth_file, host)
     with open(log, "wb") as out:
         proc = subprocess.Popen(["docker-registry", "serve", conf], stdout=out, stderr=subprocess.STDOUT)
-    reg = Registry(host=host, ca_file=ca, auth_file=auth_file, storage=storage, proc=proc, log=log)
+    reg = Registry(host=host, ca_file=ca, auth_file=auth_file, storage=storage, proc=proc, log=log, conf=conf)
     try:
         _wait_ready(reg)
         yield reg
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
-def _wait_ready(reg: Registry) -> None:
-    import ssl
+_PROBE = """
+import ssl, sys, urllib.error, urllib.request
+try:
+    print(urllib.request.urlopen(sys.argv[2], context=ssl.create_default_context(cafile=sys.argv[1]), timeout=2).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+except OSError:
+    print(0)
+"""
 
-    ctx = ssl.create_default_context(cafile=reg.ca_file)
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _wait_ready(reg: Registry, netns_path: str | None = None) -> None:
     deadline = time.monotonic() + 20
     while True:
         if reg.proc.poll() is not None:
             raise RuntimeError(f"docker-registry exited ({reg.proc.returncode}): {open(reg.log).read()[-2000:]}")
-        try:
-            urllib.request.urlopen(f"https://{reg.host}/v2/", context=ctx, timeout=2)
+        # a 401 means up and asking for credentials; in a namespace, the probe runs there (nsenter)
+        argv = [sys.executable, "-c", _PROBE, reg.ca_file, f"https://{reg.host}/v2/"]
+        if netns_path:
+            argv = ["nsenter", f"--net={netns_path}", "--", *argv]
+        code = subprocess.run(argv, capture_output=True, text=True).stdout.strip()
+        if code in ("200", "401"):
             return
-        except urllib.error.HTTPError as exc:
-            if exc.code == 401:  # up, and asking for credentials
-                return
-        except OSError:
-            pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"docker-registry did not answer on {reg.host}: {open(reg.log).read()[-2000:]}")
         time.sleep(0.1)
