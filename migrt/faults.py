@@ -5,6 +5,7 @@ Points are the phases migrt records in its journal (store/journal.py: e.g. `chec
 `checkpoint:dumped`, `restore:restoring`) plus a few explicit ones. Actions:
   kill   SIGKILL this process (what an OOM kill, a node agent or containerd's cancelled call does)
   fail   raise an error (the ordinary failure path)
+  sleepN sleep N seconds there (holds the operation at that phase, e.g. to run a second one meanwhile)
 The fault-injection suite (tests/faults/) uses it to stop migrt at every phase deterministically;
 it also kills migrt from outside, timed from the journal, to check that the seam is not the reason
 recovery works. Unset (the normal case) costs one environment lookup.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from migrt.errors import MigrtError
 
@@ -36,3 +38,5 @@ def point(name: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "fail":
             raise InjectedFault(f"injected fault at {name} ({ENV})")
+        elif action.startswith("sleep"):
+            time.sleep(float(action[5:] or 1))

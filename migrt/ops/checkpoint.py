@@ -68,16 +68,16 @@ def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_pr
         raise Conflict(markers.gpu_suspended_message(req.container_id))
     store = Store(cfg.store)
     store.ensure()
-    recover.recover(cfg)  # a container frozen by a migrt that died must not look "paused by the user"
-    if recover.pending_for(cfg, req.container_id):
-        raise Conflict(f"container {req.container_id}: an interrupted operation on it is not recovered yet; "
-                       "run 'migrt recover'")
-    with store.container_lock(root, req.container_id):
-        try:
+    try:
+        recover.recover(cfg)  # a container frozen by a migrt that died must not look "paused by the user"
+        if recover.pending_for(cfg, req.container_id):
+            raise Conflict(f"container {req.container_id}: an interrupted operation on it is not recovered yet; "
+                           "run 'migrt recover'")
+        with store.container_lock(root, req.container_id):
             return _checkpoint_locked(cfg, req, progress, runtime, root, store, t_start)
-        except OSError as exc:  # the store (full, read-only, gone): the undo has run by now
-            raise MigrtError(f"checkpoint of container {req.container_id} failed: {exc}; the container was left "
-                             "running (or as it was)") from exc
+    except OSError as exc:  # the store (full, read-only, gone): the undo has run by now
+        raise MigrtError(f"checkpoint of container {req.container_id} failed: {exc}; the container was left "
+                         "running (or as it was)") from exc
 
 
 def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, runtime: LowerRuntime, root: str,

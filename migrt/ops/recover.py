@@ -21,6 +21,8 @@ restore     The checkpoint is only read, so it is intact. A container restored h
             (containerd, a person) retries.
 gpu-checkpoint (migrt-runc's checkpoint of a container with CUDA processes): resume the processes
             the dead migrt-runc suspended, if the container still runs.
+runc-checkpoint (migrt-runc's checkpoint without GPU state, e.g. a CRI checkpoint containerd
+            cancelled): thaw the container the killed runc/CRIU left frozen.
 receive, import: the data lives elsewhere (the source node, the archive): the staging goes.
 """
 
@@ -107,7 +109,7 @@ def wait_helpers(paths: list[str], wait_s: float) -> None:
         if time.monotonic() >= deadline:
             raise Pending(f"process(es) {', '.join(map(str, pids))} of the interrupted operation are still at work; "
                           "run 'migrt recover' again once they end")
-        time.sleep(0.1)
+        time.sleep(0.3)
 
 
 # -- per operation --------------------------------------------------------------------------------
@@ -213,6 +215,23 @@ def _gpu_checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) 
     return actions
 
 
+def handle_runc_checkpoint(cfg: Config, e: journal.Entry, actions: list[str]) -> None:
+    """Thaw a container that a cancelled or killed pass-through checkpoint left frozen (and that
+    nobody else had paused). The images belong to the caller (containerd): left alone."""
+    d = e.data
+    runtime = LowerRuntime(cfg.runtime_path())
+    cid, root = d.get("container"), d.get("root")
+    _thaw(runtime, root, cid, _state(runtime, root, cid), bool(d.get("was_paused")), actions)
+
+
+def _runc_checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
+    """migrt-runc's pass-through checkpoint whose watchdog did not finish (see ops/runc_checkpoint.py)."""
+    actions: list[str] = []
+    wait_helpers([e.data.get("image_dir"), e.data.get("work")], wait_s)
+    handle_runc_checkpoint(cfg, e, actions)
+    return actions
+
+
 def _disposable(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
     actions: list[str] = []
     wait_helpers([e.data.get("staging")], wait_s)
@@ -221,7 +240,7 @@ def _disposable(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> l
 
 
 HANDLERS = {"checkpoint": _checkpoint, "restore": _restore, "gpu-checkpoint": _gpu_checkpoint,
-            "receive": _disposable, "import": _disposable}
+            "runc-checkpoint": _runc_checkpoint, "receive": _disposable, "import": _disposable}
 
 
 def recover(cfg: Config, *, wait_s: float = AUTO_WAIT_S) -> list[Outcome]:

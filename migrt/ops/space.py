@@ -18,7 +18,7 @@ from migrt.errors import PreconditionFailed
 from migrt.gpu import inventory, procs
 
 MARGIN = 0.10           # on top of the estimate
-SLACK = 64 << 20        # metadata, logs, manifest, rootfs diff of a small layer
+SLACK = 16 << 20        # metadata, logs, manifest, the rootfs diff of a small layer
 _ROLLUP_KEYS = ("Pss_Anon", "Pss_Shmem", "SwapPss")
 
 

@@ -18,18 +18,23 @@ def config_path() -> str:
     return os.environ.get("MIGRT_CONFIG") or DEFAULT_CONFIG
 
 
-def configured_runtime(path: str | None = None) -> str | None:
+def configured_value(key: str, path: str | None = None) -> str | None:
+    """A top-level plain scalar `key: value` line of the config (quotes, trailing comment allowed)."""
     try:
         with open(path or config_path(), encoding="utf-8", errors="replace") as fh:
             for line in fh:
-                if line.startswith("runtime:"):
-                    value = line[len("runtime:"):].split(" #", 1)[0].strip()
+                if line.startswith(f"{key}:"):
+                    value = line[len(key) + 1:].split(" #", 1)[0].strip()
                     if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
                         value = value[1:-1]
                     return value or None
     except OSError:
         return None
     return None
+
+
+def configured_runtime(path: str | None = None) -> str | None:
+    return configured_value("runtime", path)
 
 
 def _is_self(path: str) -> bool:

@@ -105,7 +105,10 @@ class LowerRuntime:
         if out.returncode != 0:
             msg = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
             raise NotFound(f"container {container_id}: {msg}")
-        return json.loads(out.stdout)
+        try:
+            return json.loads(out.stdout)
+        except ValueError as exc:
+            raise RuntimeFailed(f"{self.path} state {container_id}: unreadable output: {exc}") from exc
 
     def checkpoint(self, root: str, container_id: str, *, image_path: str, work_path: str,
                    options: CriuOptions, leave_running: bool, extra: list[str] | None = None,

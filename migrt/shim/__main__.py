@@ -1,6 +1,7 @@
 """migrt-runc: runc-compatible entry point.
 
-Everything not intercepted is handed to the lower runtime with os.execv, argv byte-identical.
+Everything not intercepted is handed to the lower runtime with os.execv, argv byte-identical
+(`checkpoint` runs it as a child, argv byte-identical too: see _child).
 Intercepted: `create` whose bundle asks for a restore (becomes `runc restore --detach`), `start`
 of a container migrt restored (a no-op: it already runs), `checkpoint` of a container with CUDA
 processes and `restore` of an image with GPU state (migrt drives the GPU around the lower runtime),
@@ -29,6 +30,30 @@ def _exec(path: str, args: list[str], parsed: RuncArgv) -> int:
                        log_format=parsed.log_format)
         return 126
     return 126  # not reached
+
+
+def _child(path: str, args: list[str], parsed: RuncArgv) -> int:
+    """`checkpoint`: the lower runtime as a child instead of exec'd, argv untouched. containerd kills
+    the runtime process (SIGKILL) when a CRI call's deadline passes (kubelet's checkpoint timeout); a
+    runc killed mid-dump makes its CRIU fail at the next notification it sends runc, which leaves the
+    container frozen for good (measured here: freezer FROZEN, tasks in D state, CRI still says
+    running). Killed instead, migrt-runc leaves runc to finish: the dump completes or fails on its own
+    and the container goes on (CRI checkpoints are --leave-running). Exit status is runc's."""
+    import subprocess
+
+    try:
+        proc = subprocess.Popen([path, *args], close_fds=False)
+    except OSError as exc:
+        runclog.append(parsed.log_path, "error", f"migrt: cannot execute lower runtime {path}: {exc}",
+                       log_format=parsed.log_format)
+        return 126
+    while True:
+        try:
+            rc = proc.wait()
+            break
+        except KeyboardInterrupt:  # the terminal's SIGINT reached runc too: wait for its answer
+            continue
+    return rc if rc >= 0 else 128 - rc
 
 
 def _create(parsed: RuncArgv, lower: str, warning: str | None) -> int | None:
@@ -113,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         rc = _gpu(parsed, lower)
         if rc is not None:
             return rc
+        if parsed.command == "checkpoint":
+            from migrt.ops import runc_checkpoint
+
+            return runc_checkpoint.checkpoint(parsed, lower, lambda: _child(lower, args, parsed))
     elif parsed.command in ("pause", "resume"):
         rc = _pause(parsed, lower)
         if rc is not None:

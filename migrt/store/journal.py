@@ -48,6 +48,10 @@ class Entry:
         return os.path.join(_dir(self.store_root), f"{self.id}.json")
 
     @property
+    def lock_fd(self) -> int:
+        return self._fd
+
+    @property
     def op(self) -> str:
         return self.data.get("op", "?")
 

@@ -155,9 +155,13 @@ class Store:
 
     # -- layout ------------------------------------------------------------------------------
     def ensure(self) -> None:
-        _mkdir(self.root)
-        for d in HIDDEN:
-            _mkdir(os.path.join(self.root, d))
+        try:
+            _mkdir(self.root)
+            for d in HIDDEN:
+                _mkdir(os.path.join(self.root, d))
+        except OSError as exc:
+            raise StoreError(f"store {self.root} cannot be written: {exc.strerror or exc} (check the file system "
+                             "it is on: full, read-only, gone?)") from exc
 
     def _lock_path(self, name: str) -> str:
         return os.path.join(self.root, ".locks", f"{name}.lock")

@@ -503,7 +503,8 @@ def test_inspect_shows_the_gpu_part(cfg, node, migrt_env):
 
 def test_shim_checkpoint_decision_imports_only_the_standard_library(migrt_env, tmp_path):
     """migrt-runc checkpoint of a container without CUDA processes decides with migrt.gpu.procs
-    (stdlib) and execs the lower runtime: no third-party module is imported on the way."""
+    (stdlib), records it in the journal and runs the lower runtime as a child (ops/runc_checkpoint.py):
+    no third-party module is imported on the way."""
     root = tmp_path / "root"
     (root / "c9").mkdir(parents=True)
     (root / "c9" / "state.json").write_text(json.dumps({"init_process_pid": os.getpid()}))  # no libcuda here
@@ -515,9 +516,9 @@ def test_shim_checkpoint_decision_imports_only_the_standard_library(migrt_env, t
         "os.execv = fake_execv\n"
         "try:\n"
         f"    shim.main(['--root', {str(root)!r}, 'checkpoint', '--image-path', '/x', 'c9'])\n"
-        "    print(json.dumps('returned'))\n"
         "except Exec:\n"
-        "    print(json.dumps(sorted(m for m in ('click', 'structlog', 'yaml', 'pynvml', 'pycriu') if m in sys.modules)))\n"
+        "    pass\n"
+        "print(json.dumps(sorted(m for m in ('click', 'structlog', 'yaml', 'pynvml', 'pycriu') if m in sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], env=migrt_env.env, capture_output=True, text=True,
                          timeout=60, check=True)
