@@ -40,6 +40,7 @@ from migrt.errors import MigrtError
 from migrt.gpu import session
 from migrt.gpu.backend import GpuError
 from migrt.gpu import select as gpu_select
+from migrt.runtime.cleanup import clear_container, unmount_under
 from migrt.runtime.markers import is_restored
 from migrt.runtime.runc import LowerRuntime
 from migrt.store import Store, journal
@@ -156,6 +157,7 @@ def _thaw(runtime: LowerRuntime, root: str, cid: str, st: dict | None, was_pause
 
 def _rmtree(path: str | None, actions: list[str], what: str) -> None:
     if path and os.path.lexists(path):
+        unmount_under(path)  # a killed CRIU's cgroup yard in its work directory: never delete through a mount
         shutil.rmtree(path, ignore_errors=True)
         actions.append(f"removed {what}")
 
@@ -197,9 +199,9 @@ def _restore(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list
     wait_helpers([d.get("view"), d.get("work")], wait_s)
     runtime = LowerRuntime(cfg.runtime_path())
     cid, root = d.get("container"), d.get("root")
-    st = _state(runtime, root, cid)
-    if st and not is_restored(root, cid) and e.phase in ("restoring", "gpu-restore"):
-        runtime.delete_force(root, cid)
+    if e.phase in ("restoring", "gpu-restore") and cid and root and os.path.isdir(os.path.join(root, cid)) \
+            and not is_restored(root, cid):
+        clear_container(runtime.path, root, cid)  # unmounts what a killed runc left before deleting
         actions.append(f"deleted the half-restored container {cid} (checkpoint {d.get('name')} is intact)")
     _rmtree(d.get("view"), actions, "the restore view")
     _rmtree(d.get("work"), actions, "the work directory")

@@ -22,6 +22,7 @@ from migrt.ops import gpu_steps, pages, recover, restore_checks
 from migrt.pods import engines, namespaces, rootfs
 from migrt.registry import reference
 from migrt.progress import Progress, null_progress
+from migrt.runtime.cleanup import unmount_under
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
 from migrt.store import Store, journal
@@ -159,6 +160,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                 gpu_steps.resume_restored(gpu, pid, timings, progress)  # GPU restore (remap) + unlock
             except (MigrtError, OSError) as exc:
                 if os.path.exists(state_dir):  # ours: it did not exist before
+                    unmount_under(state_dir)  # a killed runc's criu-root bind mount: delete would walk into it
                     runtime.delete_force(target.root, target.container_id)
                 if fill:
                     pages.failed(fill, exc)

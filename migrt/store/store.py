@@ -173,24 +173,35 @@ class Store:
         names.validate(name)
         self.ensure()
         path = self._lock_path(name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                if time.monotonic() >= deadline:
+                    holders = lock_holders(fd)
+                    os.close(fd)
+                    who = f" (held by {', '.join(holders)})" if holders else ""
+                    waited = f" after waiting {wait:g} s" if wait > 0 else ""
+                    raise Conflict(f"checkpoint {name} is being {what} by another process{who}{waited}; "
+                                   "try again when it ends") from exc
+                os.close(fd)
+                time.sleep(0.05)
+                continue
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # `rm` unlinked the lock file after we opened it: take the new one
         try:
-            deadline = time.monotonic() + max(0.0, wait)
-            while True:
-                try:
-                    fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError as exc:
-                    if time.monotonic() >= deadline:
-                        holders = lock_holders(fd)
-                        who = f" (held by {', '.join(holders)})" if holders else ""
-                        waited = f" after waiting {wait:g} s" if wait > 0 else ""
-                        raise Conflict(f"checkpoint {name} is being {what} by another process{who}{waited}; "
-                                       "try again when it ends") from exc
-                    time.sleep(0.05)
             yield
         finally:
             os.close(fd)
+
+    def _drop_lock_file(self, name: str) -> None:
+        """Called by `rm` while it holds the lock exclusively: lock files do not pile up, one per name
+        ever used. Whoever opened the old file meanwhile sees it is no longer the path's and retries."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._lock_path(name))
 
     @contextlib.contextmanager
     def container_lock(self, root: str, container_id: str) -> Iterator[None]:
@@ -292,6 +303,7 @@ class Store:
             trash = os.path.join(self.root, ".tmp", f"rm.{name}.{os.getpid()}.{time.monotonic_ns()}")
             os.rename(ckpt.path, trash)
             fsync_dir(self.root)
+            self._drop_lock_file(name)
             shutil.rmtree(trash, ignore_errors=True)
 
     def gc(self) -> list[str]:
@@ -366,6 +378,15 @@ class Store:
     def check_images_dir(self, ckpt: Checkpoint) -> None:
         if not os.path.isdir(ckpt.images):
             raise CheckpointInvalid(f"checkpoint {ckpt.name}: images/ directory is missing")
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _listdir(path: str) -> list[str]:

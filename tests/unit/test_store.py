@@ -470,6 +470,52 @@ def test_remove(store):
     assert_complete(store, "ck")
 
 
+def test_lock_files_do_not_pile_up(store):
+    for i in range(5):
+        make(store, f"ck{i}")
+        with store.reading(f"ck{i}"):
+            pass
+        store.remove(f"ck{i}")
+    assert os.listdir(os.path.join(store.root, ".locks")) == []
+
+
+def test_lock_file_replaced_under_a_waiter_is_taken_anew(store):
+    """A reader that opened the lock file just before `rm` unlinked it must not lock the dead inode
+    while a new writer locks the new file."""
+    make(store, "ck")
+    opened = threading.Event()
+    go = threading.Event()
+    got = []
+    real_open = os.open
+
+    def slow_open(path, *a, **k):
+        fd = real_open(path, *a, **k)
+        if str(path).endswith("ck.lock") and threading.current_thread().name == "reader" and not opened.is_set():
+            opened.set()
+            go.wait(5)
+        return fd
+
+    def reader():
+        try:
+            with store.reading("ck", wait=0):
+                got.append("read")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            got.append(type(exc).__name__)
+
+    import unittest.mock as um
+
+    with um.patch("migrt.store.store.os.open", side_effect=slow_open):
+        t = threading.Thread(target=reader, name="reader")
+        t.start()
+        assert opened.wait(5)
+        store.remove("ck", wait=0)  # unlinks the lock file the reader holds open
+        make(store, "ck")  # the name again, and a remover holding its new lock file
+        with store.lock("ck", "removed"):
+            go.set()
+            t.join(5)
+    assert got == ["Conflict"]  # it retried on the new lock file, so it never read under the remover
+
+
 def test_remove_missing_is_not_found(store):
     with pytest.raises(NotFound, match="migrt ls") as info:
         store.remove("ck")
