@@ -99,6 +99,14 @@ def holders(paths: list[str]) -> list[int]:
     return found
 
 
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "?"
+
+
 def wait_helpers(paths: list[str], wait_s: float) -> None:
     """CRIU outlives a killed runc and finishes its dump (then leaves the tasks as it found them):
     never thaw or delete under it. Pending if it is still at work after wait_s."""
@@ -108,7 +116,8 @@ def wait_helpers(paths: list[str], wait_s: float) -> None:
         if not pids:
             return
         if time.monotonic() >= deadline:
-            raise Pending(f"process(es) {', '.join(map(str, pids))} of the interrupted operation are still at work; "
+            who = ", ".join(f"{p} ({_comm(p)})" for p in pids)
+            raise Pending(f"process(es) {who} of the interrupted operation are still at work on {', '.join(p for p in paths if p)}; "
                           "run 'migrt recover' again once they end")
         time.sleep(0.3)
 

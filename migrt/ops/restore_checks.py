@@ -33,7 +33,7 @@ from collections.abc import Callable
 from migrt.errors import MigrtError
 
 BACKGROUND_MIN_BYTES = 1 << 20  # image files at least this large are hashed while CRIU restores
-GATE_TIMEOUT_S = 1800  # the gate gives up (abort) if migrt never gives a verdict
+GATE_TIMEOUT_S = 1800  # the gate gives up (abort) if migrt never gives a verdict (or at once if it is gone)
 
 _GATE = """#!/bin/sh
 # migrt restore gate (CRIU action script): holds the restored tree at post-restore until migrt's
@@ -43,6 +43,7 @@ _GATE = """#!/bin/sh
 i=0
 while [ ! -e {ok} ]; do
     [ -e {failed} ] && exit 1
+    [ -e /proc/{owner} ] || exit 1  # the migrt that owes the verdict was killed: abort, never hang
     i=$((i + 1))
     [ $i -gt {polls} ] && exit 1
     sleep 0.01 2>/dev/null || {{ sleep 1; i=$((i + 99)); }}  # a sleep without fractions: whole seconds
@@ -104,7 +105,7 @@ class RestoreChecks:
         conf = os.path.join(self.work, "criu-gate.conf")
         with open(gate, "w", encoding="utf-8") as fh:
             fh.write(_GATE.format(ok=shlex.quote(self._ok), failed=shlex.quote(self._failed),
-                                  ran=shlex.quote(self._ran), polls=GATE_TIMEOUT_S * 100))
+                                  ran=shlex.quote(self._ran), polls=GATE_TIMEOUT_S * 100, owner=os.getpid()))
         os.chmod(gate, 0o700)
         lines = []
         previous = env.get("CRIU_CONFIG_FILE")

@@ -44,6 +44,9 @@ class Node:
         self.write_config()
         self.outputs: dict[str, str] = {}
         self._cats: list[subprocess.Popen] = []
+        self.extra_env: dict[str, str] = {}
+        self.tag = uuid.uuid4().hex[:6]
+        self.container_env: list[str] = []
 
     def write_config(self, **extra) -> None:
         lines = ["runtime: runc", f"store: {self.store}", "restore_failure_policy: fail",
@@ -53,7 +56,7 @@ class Node:
             fh.write("\n".join(lines) + "\n")
 
     def env(self, fault: str | None = None) -> dict:
-        env = {**os.environ, "MIGRT_CONFIG": self.config}
+        env = {**os.environ, "MIGRT_CONFIG": self.config, **self.extra_env}
         env.pop("MIGRT_FAULT", None)
         if fault:
             env["MIGRT_FAULT"] = fault
@@ -104,7 +107,8 @@ class Node:
 
     # -- containers ------------------------------------------------------------------------------
     def bundle(self, name: str, mb: int = 0) -> str:
-        return make_bundle(os.path.join(self.base, f"bundle-{name}"), ["sh", "-c", counter(mb)])
+        return make_bundle(os.path.join(self.base, f"bundle-{name}"), ["sh", "-c", counter(mb)],
+                           env=self.container_env)
 
     def run(self, mb: int = 0, cid: str | None = None) -> str:
         cid = cid or f"c-{uuid.uuid4().hex[:6]}"
@@ -120,6 +124,11 @@ class Node:
         self.outputs[cid] = out
         self.wait_ticks(cid, 2, timeout=30)
         return cid
+
+    def id(self, name: str) -> str:
+        """A container id unique to this test: runc derives the cgroup path from the id when the bundle
+        names none, and cgroups are machine-wide (other tests, other people's runs)."""
+        return f"{name}-{self.tag}"
 
     def restore(self, name: str, cid: str, *, bundle_of: str, check: bool = True, fault: str | None = None):
         out = os.path.join(self.base, f"{cid}.out")

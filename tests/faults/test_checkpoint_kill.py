@@ -41,15 +41,15 @@ def test_checkpoint_killed_at_phase(node, phase):
         assert [c["name"] for c in json.loads(ls.stdout)] == ["ck"]
         assert node.state(cid) is None  # committed: the stop was finished by recovery
     node.migrt("inspect", "--verify", "ck")
-    node.restore("ck", "back", bundle_of=cid)
-    node.assert_running("back")
+    node.restore("ck", node.id("back"), bundle_of=cid)
+    node.assert_running(node.id("back"))
 
 
 @pytest.mark.parametrize("phase", ["started", "verifying", "preparing", "restoring", "restored"])
 def test_restore_killed_at_phase(node, phase):
     cid = node.run(mb=5)
     node.migrt("checkpoint", cid, "--root", node.root, "--name", "ck", "--leave-running")
-    res = node.restore("ck", "dst", bundle_of=cid, check=False, fault=f"restore:{phase}:kill")
+    res = node.restore("ck", node.id("dst"), bundle_of=cid, check=False, fault=f"restore:{phase}:kill")
     assert res.returncode == -9, (res.returncode, res.stderr)
     assert [e["phase"] for e in node.journal()] == [phase]
     rec = node.migrt("recover")
@@ -58,13 +58,13 @@ def test_restore_killed_at_phase(node, phase):
     assert node.listed() == ["ck"]  # a restore never harms its checkpoint
     node.migrt("inspect", "--verify", "ck")
     if phase == "restored":  # it had finished: the restored container is kept
-        node.assert_running("dst")
-        node.restore("ck", "dst2", bundle_of=cid)
-        node.assert_running("dst2")
+        node.assert_running(node.id("dst"))
+        node.restore("ck", node.id("dst2"), bundle_of=cid)
+        node.assert_running(node.id("dst2"))
     else:
-        assert node.state("dst") is None  # a half-restored container is removed
-        node.restore("ck", "dst", bundle_of=cid)  # the same id works again
-        node.assert_running("dst")
+        assert node.state(node.id("dst")) is None  # a half-restored container is removed
+        node.restore("ck", node.id("dst"), bundle_of=cid)  # the same id works again
+        node.assert_running(node.id("dst"))
     node.assert_running(cid)
 
 
@@ -82,8 +82,8 @@ def test_checkpoint_killed_from_outside_during_the_dump(node):
     assert node.listed() == []
     node.assert_running(cid)
     node.migrt("checkpoint", cid, "--root", node.root, "--name", "ck")
-    node.restore("ck", "back", bundle_of=cid)
-    node.assert_running("back")
+    node.restore("ck", node.id("back"), bundle_of=cid)
+    node.assert_running(node.id("back"))
 
 
 def test_checkpoint_killed_from_outside_during_the_commit(node):
@@ -95,8 +95,8 @@ def test_checkpoint_killed_from_outside_during_the_commit(node):
     node.assert_clean_store()
     if "checkpoint ck is complete" in rec.stdout:  # the rename had happened: the job is finished
         assert node.state(cid) is None and node.listed() == ["ck"]
-        node.restore("ck", "back", bundle_of=cid)
-        node.assert_running("back")
+        node.restore("ck", node.id("back"), bundle_of=cid)
+        node.assert_running(node.id("back"))
     else:
         assert "thawed container" in rec.stdout, rec.stdout
         assert node.listed() == []
@@ -106,13 +106,13 @@ def test_checkpoint_killed_from_outside_during_the_commit(node):
 def test_restore_killed_from_outside_while_criu_restores(node):
     cid = node.run(mb=150)
     node.migrt("checkpoint", cid, "--root", node.root, "--name", "ck")
-    proc = node.spawn("restore", "ck", "dst", "--bundle", f"{node.base}/bundle-{cid}", "--root", node.root,
+    proc = node.spawn("restore", "ck", node.id("dst"), "--bundle", f"{node.base}/bundle-{cid}", "--root", node.root,
                       "--output", f"{node.base}/dst.out")
     node.wait_phase("restore", "restoring", pid=proc.pid)
     kill9(proc)
     rec = node.migrt("recover")
     assert "interrupted restore" in rec.stdout, rec.stdout
     node.assert_clean_store()
-    assert node.state("dst") is None and node.listed() == ["ck"]
-    node.restore("ck", "dst", bundle_of=cid)
-    node.assert_running("dst")
+    assert node.state(node.id("dst")) is None and node.listed() == ["ck"]
+    node.restore("ck", node.id("dst"), bundle_of=cid)
+    node.assert_running(node.id("dst"))

@@ -16,8 +16,9 @@ REPLICAS = 20
 def test_twenty_concurrent_restores_of_one_checkpoint(node):
     cid = node.run()
     node.migrt("checkpoint", cid, "--root", node.root, "--name", "warm", "--leave-running")
-    procs = {f"r{i:02d}": node.spawn("restore", "warm", f"r{i:02d}", "--bundle", f"{node.base}/bundle-{cid}",
-                                     "--root", node.root, "--output", f"{node.base}/r{i:02d}.out")
+    procs = {node.id(f"r{i:02d}"): node.spawn("restore", "warm", node.id(f"r{i:02d}"), "--bundle",
+                                              f"{node.base}/bundle-{cid}", "--root", node.root, "--output",
+                                              f"{node.base}/{node.id(f'r{i:02d}')}.out")
              for i in range(REPLICAS)}
     failed = {}
     for rid, p in procs.items():
@@ -28,8 +29,8 @@ def test_twenty_concurrent_restores_of_one_checkpoint(node):
     assert failed == {}, failed  # none "being used by another process"
     for rid in procs:
         assert node.state(rid) == "running", rid
-    node.wait_ticks("r00", 3)
-    node.wait_ticks(f"r{REPLICAS - 1:02d}", 3)
+    node.wait_ticks(node.id("r00"), 3)
+    node.wait_ticks(node.id(f"r{REPLICAS - 1:02d}"), 3)
     node.assert_clean_store()
     assert node.listed() == ["warm"]
     node.migrt("inspect", "--verify", "warm")
@@ -74,9 +75,9 @@ def test_same_name_from_two_containers_at_once(node):
 def test_rm_during_restore_waits_or_refuses(node):
     cid = node.run(mb=5)
     node.migrt("checkpoint", cid, "--root", node.root, "--name", "ck", "--leave-running")
-    restore = node.spawn("restore", "ck", "dst", "--bundle", f"{node.base}/bundle-{cid}", "--root", node.root,
+    restore = node.spawn("restore", "ck", node.id("dst"), "--bundle", f"{node.base}/bundle-{cid}", "--root", node.root,
                          "--output", f"{node.base}/dst.out", fault="restore:restoring:sleep3")
-    node.outputs["dst"] = f"{node.base}/dst.out"
+    node.outputs[node.id("dst")] = f"{node.base}/dst.out"
     node.wait_phase("restore", "restoring", pid=restore.pid)
     refused = node.migrt("rm", "ck", "--wait", "0.5", check=False)
     assert refused.returncode == 6, refused.stderr
@@ -86,7 +87,7 @@ def test_rm_during_restore_waits_or_refuses(node):
     waited = node.migrt("rm", "ck", "--wait", "60")  # waits for the restore, then removes
     assert restore.wait(60) == 0, restore.stderr.read()
     assert "removed ck" in waited.stderr
-    node.assert_running("dst")  # restored from a checkpoint that was not deleted under it
+    node.assert_running(node.id("dst"))  # restored from a checkpoint that was not deleted under it
     assert node.listed() == []
     node.assert_clean_store()
     assert not os.path.exists(os.path.join(node.store, "ck"))

@@ -107,16 +107,16 @@ def test_damaged_images_are_refused_and_nothing_runs(node, damage, expect):
     cid = node.run(mb=5)
     node.migrt("checkpoint", cid, "--root", node.root, "--name", "ck", "--leave-running")
     damage(_pages(node, "ck"))
-    res = node.restore("ck", "dst", bundle_of=cid, check=False)
+    res = node.restore("ck", node.id("dst"), bundle_of=cid, check=False)
     assert res.returncode == 4 and expect in res.stderr and "migrt inspect --verify ck" in res.stderr, res.stderr
-    assert node.state("dst") is None
+    assert node.state(node.id("dst")) is None
     node.assert_clean_store()
     assert node.listed() == ["ck"]  # kept as it is (the user decides), flagged by verify
     assert node.migrt("inspect", "--verify", "ck", check=False).returncode == 4
     node.assert_running(cid)
     node.migrt("checkpoint", cid, "--root", node.root, "--name", "ck2", "--leave-running")
-    node.restore("ck2", "dst", bundle_of=cid)
-    node.assert_running("dst")
+    node.restore("ck2", node.id("dst"), bundle_of=cid)
+    node.assert_running(node.id("dst"))
 
 
 @pytest.mark.parametrize("what", ["dir", "file"])
@@ -125,11 +125,11 @@ def test_world_writable_checkpoint_is_refused(node, what):
     node.migrt("checkpoint", cid, "--root", node.root, "--name", "ck", "--leave-running")
     path = os.path.join(node.store, "ck") if what == "dir" else _pages(node, "ck")
     os.chmod(path, 0o777)
-    for cmd in (["inspect", "ck"], ["restore", "ck", "dst", "--bundle", f"{node.base}/bundle-{cid}", "--root",
+    for cmd in (["inspect", "ck"], ["restore", "ck", node.id("dst"), "--bundle", f"{node.base}/bundle-{cid}", "--root",
                                     node.root]):
         res = node.migrt(*cmd, check=False)
         assert res.returncode == 4 and f"{path} is writable by group or others (mode 777)" in res.stderr, res.stderr
-    assert node.state("dst") is None
+    assert node.state(node.id("dst")) is None
     os.chmod(path, 0o700 if what == "dir" else 0o600)
-    node.restore("ck", "dst", bundle_of=cid)
-    node.assert_running("dst")
+    node.restore("ck", node.id("dst"), bundle_of=cid)
+    node.assert_running(node.id("dst"))
