@@ -22,6 +22,7 @@ import pytest
 
 from tests.helpers.bundles import make_bundle
 from tests.integration.conftest import CLI, containerd, migrt_config, run_cli, stack  # noqa: F401 - fixtures
+from tests.integration.conftest import pytest_collection_modifyitems  # noqa: F401 - CRI-checkpoint tests: 2.x only
 from tests.integration.conftest_cri import cri, cri_containerd, cri_stack, cri_stubs  # noqa: F401
 from tests.integration.workloads import parse_ticks
 
