@@ -9,8 +9,11 @@ data) runs under plain runc and is checkpointed once with `migrt checkpoint` int
   eager        `migrt restore --pages eager`: CRIU copies every page before the process runs;
   lazy/T       `migrt restore --pages lazy --wait-pages` with fill_threads=T: runc restore --lazy-pages,
                the process runs at once, the filler copies the memory with T threads.
-From each restore's own timings: verify (sha256 of the checkpoint, the same in both), `runc restore`
-(until the process runs again), the fill (until all memory is in), and the total. After every restore
+From each restore's own timings: verify (what is checked before runc starts), hash (the sha256 of the
+large image files, in the background while CRIU restores: the restore gate holds the tree until it
+is done, in both modes), `runc restore` (until the process runs again), the fill (until all memory is
+in, after runc returned), the total, and the filler's own time (from its first background copy, which
+starts when CRIU reaches post-restore, to the last). After every restore
 SIGUSR1 makes memhog hash its memory again: it must print the checksum it printed before the dump.
 
 Prints a table of medians with the ratios eager/lazy (memory phase: runc restore + fill; and until
@@ -33,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -92,23 +96,43 @@ def wait_line(path: str, prefix: str, timeout: float) -> str:
 
 
 def checkpoint(lab: Lab, gib: float) -> tuple[str, str]:
-    """(checkpoint name, memhog's checksum)."""
+    """(checkpoint name, memhog's checksum). memhog's stdout is a pipe (CRIU cannot dump a file
+    outside the container), drained by a thread."""
     tag = uuid.uuid4().hex[:6]
     src, name = f"rf-src-{tag}", f"rf-{tag}"
-    out = os.path.join(lab.base, f"{src}.out")
     bundle = lab.bundle(f"b-{src}", ["/bin/memhog", str(int(gib * 1024))])
-    with open(os.devnull, "rb") as devnull, open(out, "wb") as fh:
-        r = subprocess.run(["runc", "--root", lab.root, "run", "-d", "--bundle", bundle, src], stdin=devnull,
-                           stdout=fh, stderr=fh, timeout=120)
-    if r.returncode:
-        raise RuntimeError(f"runc run failed: {open(out).read()[-500:]}")
+    r, w = os.pipe()
+    with open(os.devnull, "rb") as devnull:
+        rc = subprocess.run(["runc", "--root", lab.root, "run", "-d", "--bundle", bundle, src], stdin=devnull,
+                            stdout=w, stderr=w, timeout=120).returncode
+    os.close(w)
+    first: list[bytes] = []
+
+    def drain() -> None:
+        buf = b""
+        while chunk := os.read(r, 1 << 16):
+            if not first:
+                buf += chunk
+                if b"\n" in buf:
+                    first.append(buf.split(b"\n")[0])
+        os.close(r)
+
+    threading.Thread(target=drain, daemon=True).start()
     try:
-        ready = wait_line(out, "ready ", 600).split()[1]
+        if rc:
+            raise RuntimeError(f"runc run {src} failed ({rc})")
+        end = time.monotonic() + 600
+        while not first and time.monotonic() < end:
+            time.sleep(0.05)
+        if not first or not first[0].startswith(b"ready "):
+            raise RuntimeError(f"memhog did not get ready: {first!r}")
+        ready = first[0].split()[1].decode()
         t0 = time.monotonic()
         ck = lab.cli("checkpoint", src, "--root", lab.root, "--name", name)
         log(f"  checkpoint {gib:g} GiB: {ck['size_bytes'] / GIB:.2f} GiB in {time.monotonic() - t0:.1f} s")
     finally:
         lab.runc("delete", "--force", src)
+        shutil.rmtree(bundle, ignore_errors=True)
     return name, ready
 
 
@@ -129,7 +153,9 @@ def restore_once(lab: Lab, name: str, want: str, mode: str) -> dict:
             raise RuntimeError(f"checksum mismatch after a {mode} restore: {got} != {want}")
         t = res["timings"]
         fill = t.get("pages_wait_s", 0.0)
-        return {"mode": mode, "verify_s": t.get("verify_s"), "runc_restore_s": t.get("restore_s"), "fill_s": fill,
+        engine = ((res.get("pages") or {}).get("fill") or {}).get("fill_s")
+        return {"mode": mode, "verify_s": t.get("verify_s"), "hash_s": t.get("verify_background_s"),
+                "runc_restore_s": t.get("restore_s"), "fill_s": fill, "filler_s": engine,
                 "memory_s": round(t.get("restore_s", 0) + fill, 3), "total_s": t.get("total_s"),
                 "cli_wall_s": round(wall, 3), "pages": res.get("pages"), "checksum_ok": True}
     finally:
@@ -137,6 +163,10 @@ def restore_once(lab: Lab, name: str, want: str, mode: str) -> dict:
         shutil.rmtree(bundle, ignore_errors=True)
         if os.path.exists(out):
             os.unlink(out)
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
 
 def med(runs: list[dict], key: str) -> float | None:
@@ -180,7 +210,8 @@ def main() -> int:
             eager = med(runs["eager"], "memory_s")
             for mode in modes:
                 rs = runs[mode]
-                rows.append({"gib": gib, "mode": mode, "verify_s": med(rs, "verify_s"),
+                rows.append({"gib": gib, "mode": mode, "verify_s": med(rs, "verify_s"), "hash_s": med(rs, "hash_s"),
+                             "filler_s": med(rs, "filler_s"),
                              "resume_s": med(rs, "runc_restore_s"), "fill_s": med(rs, "fill_s"),
                              "memory_s": med(rs, "memory_s"), "total_s": med(rs, "total_s"),
                              "x_vs_eager": round(eager / med(rs, "memory_s"), 2) if med(rs, "memory_s") else None,
@@ -192,11 +223,12 @@ def main() -> int:
     os.makedirs(os.path.dirname(a.json_out), exist_ok=True)
     with open(a.json_out, "w") as fh:
         json.dump(results, fh, indent=1)
-    print(f"{'GiB':>4} {'mode':8} {'verify':>7} {'resume':>7} {'fill':>6} {'memory':>7} {'total':>7} "
-          f"{'x eager':>8} {'resume x':>9}   (medians of {a.runs}, seconds; memory = resume + fill)")
+    print(f"{'GiB':>4} {'mode':8} {'verify':>7} {'hash':>6} {'resume':>7} {'fill':>6} {'memory':>7} {'total':>7} "
+          f"{'x eager':>8} {'resume x':>9} {'filler':>7}   (medians of {a.runs}, s; memory = resume + fill after it)")
     for r in rows:
-        print(f"{r['gib']:>4g} {r['mode']:8} {r['verify_s']:>7.2f} {r['resume_s']:>7.2f} {r['fill_s']:>6.2f} "
-              f"{r['memory_s']:>7.2f} {r['total_s']:>7.2f} {r['x_vs_eager']:>8} {r['resume_x_vs_eager']:>9}")
+        print(f"{r['gib']:>4g} {r['mode']:8} {r['verify_s']:>7.2f} {_f(r['hash_s']):>6} {r['resume_s']:>7.2f} "
+              f"{r['fill_s']:>6.2f} {r['memory_s']:>7.2f} {r['total_s']:>7.2f} {r['x_vs_eager']:>8} "
+              f"{r['resume_x_vs_eager']:>9} {_f(r['filler_s']):>7}")
     if not rows:
         return 1
     top = max(r["gib"] for r in rows)

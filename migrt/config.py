@@ -19,7 +19,7 @@ Keys (all optional):
   registry_parallel: 4               blobs moved at once by push and pull
   migration_stall_timeout: 10        seconds without progress (bytes, messages, CRIU I/O) after which a
                                      migration gives up on the peer or kills a stuck CRIU (docs/migration.md)
-  restore_pages: eager               auto | lazy | eager: how a restore fills memory (docs/restore-pages.md);
+  restore_pages: auto                auto | lazy | eager: how a restore fills memory (docs/restore-pages.md);
                                      MIGRT_RESTORE_PAGES in the environment overrides it per call
   fill_threads: 0                    copy threads of the page filler (0: min(8, CPUs))
   fill_min_mib: 256                  'auto' uses the page filler from this much lazy memory on
@@ -63,7 +63,7 @@ class Config:
     registry_auth_file: str | None = None
     registry_ca_file: str | None = None
     registry_parallel: int = 4
-    restore_pages: str = "eager"
+    restore_pages: str = "auto"
     fill_threads: int = 0
     fill_min_mib: int = 256
     loaded: bool = False  # False when the file did not exist (defaults in use)

@@ -29,7 +29,7 @@ def _page_filler_check(cfg, criu_uffd: bool) -> dict:
     """Can restores fill memory with migrt's page filler here (restore_pages auto|lazy)?"""
     from migrt.pagefill.uffd import usable
 
-    mode = cfg.restore_pages if cfg else "eager"
+    mode = cfg.restore_pages if cfg else "auto"
     why = usable() or (None if criu_uffd else "CRIU cannot restore with --lazy-pages here (uffd-noncoop)")
     if why:
         return _check("page filler (lazy restore)", "warn" if mode != "eager" else "ok",

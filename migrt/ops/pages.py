@@ -61,14 +61,16 @@ def decide(cfg: Config, images: str, *, name: str, other_lazy: bool) -> dict:
 
 
 def start(decision: dict, images: str, *, container_id: str, root: str, runc_log: str | None, log_format: str,
-          log_file: str | None):
-    """The page filler for a restore decided lazy (None otherwise); it must be running before CRIU."""
+          log_file: str | None, post_restore: str | None = None):
+    """The page filler for a restore decided lazy (None otherwise); it must be running before CRIU.
+    post_restore: a file that appears when CRIU reaches post-restore (the restore gate holds the tree
+    there while the checkpoint's pages are still being hashed): the filler starts copying then."""
     if decision["mode"] != "lazy":
         return None
     from migrt.pagefill import PageFill
 
     return PageFill.start(images, threads=decision["threads"], container_id=container_id, root=root,
-                          runc_log=runc_log, log_format=log_format, log_file=log_file)
+                          runc_log=runc_log, log_format=log_format, log_file=log_file, post_restore=post_restore)
 
 
 def after_restore(fill, decision: dict, pid: int, timings: dict, *, wait: bool) -> None:

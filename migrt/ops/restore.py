@@ -117,7 +117,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
         # the page filler (lazy restore) must listen before CRIU starts
         fill = pages.start(page_mode, ckpt.images, container_id=target.container_id, root=target.root,
                            runc_log=target.log_path if target.global_tokens is not None else None,
-                           log_format=target.log_format, log_file=cfg.log_file)
+                           log_format=target.log_format, log_file=cfg.log_file, post_restore=checks.ran_path)
         if (ckpt.manifest.get("rootfs") or {}).get("captured"):
             t0 = time.monotonic()
             rootfs.apply(ckpt.path, target.bundle.rootfs)

@@ -130,6 +130,12 @@ class RestoreChecks:
     def gate_ran(self) -> bool:
         return os.path.exists(self._ran)
 
+    @property
+    def ran_path(self) -> str | None:
+        """The file the gate creates when CRIU reaches post-restore (every task restored, none
+        resumed); None without a gate. The page filler starts copying when it appears."""
+        return self._ran if self.pending else None
+
     def value(self, name: str):
         return self._values.get(name)
 

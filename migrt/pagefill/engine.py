@@ -173,7 +173,8 @@ def _remap(segs: list[Seg], frm: int, to: int, length: int) -> list[Seg]:
 
 
 class Filler:
-    def __init__(self, plan: Plan, *, threads: int, guard: socket.socket, status_path: str | None) -> None:
+    def __init__(self, plan: Plan, *, threads: int, guard: socket.socket, status_path: str | None,
+                 post_restore: str | None = None) -> None:
         self.plan = plan
         self.nthreads = max(1, threads)
         self.guard = guard
@@ -183,7 +184,9 @@ class Filler:
         self.work = threading.Condition(self.state)
         self.tasks: dict[int, Task] = {}
         self.files: dict[str, PagesFile] = {}
-        self.finished = False          # CRIU said the restore is complete: background copies may start
+        self.finished = False          # CRIU said the restore is complete: tasks may be closed
+        self.copying = False           # background copies may run: finished, or every task restored
+        self.post_restore = post_restore  # appears when CRIU reaches post-restore (all VMAs registered)
         self.stop = False
         self.fatal: str | None = None
         self.heap: list = []           # (-length, seq, task, seg): biggest first
@@ -268,7 +271,7 @@ class Filler:
     # -- copy threads ----------------------------------------------------------------------------
     def _take(self) -> tuple[Task, int, int, int] | None:
         """Under self.state: the next background chunk, biggest remaining range first."""
-        if not self.finished:
+        if not self.copying:
             return None
         cur = self.current
         while cur is None or not cur[1].alive or cur[1].length <= 0:
@@ -332,7 +335,7 @@ class Filler:
     def _worker(self) -> None:
         while True:
             with self.state:
-                while not self.stop and not self.finished:
+                while not self.stop and not self.copying:
                     self.work.wait()
                 if self.stop:
                     return
@@ -484,7 +487,8 @@ class Filler:
         elif words[0] == "F":
             with self.state:
                 self.finished = True
-                self.t_finished = time.monotonic()
+                if not self.copying:
+                    self.copying, self.t_finished = True, time.monotonic()
                 for t in self.tasks.values():
                     self._check_done(t)
                 self.work.notify_all()
@@ -531,7 +535,14 @@ class Filler:
             if guard_ok:
                 poller.register(self.guard.fileno(), select.POLLIN)
             poller.register(self.wake_r, select.POLLIN)
-            ready = poller.poll(0 if jobs else 200)
+            waiting_gate = not self.copying and self.post_restore
+            ready = poller.poll(0 if jobs else 10 if waiting_gate else 200)
+            if waiting_gate and os.path.exists(self.post_restore):
+                # CRIU's post-restore: every task restored, every lazy VMA registered, none resumed
+                with self.state:
+                    self.copying, self.t_finished = True, time.monotonic()
+                    self.counts["early_start"] = 1
+                    self.work.notify_all()
             for fd, _ev in ready:
                 if fd == self.wake_r:
                     try:

@@ -83,7 +83,8 @@ class Guard:
                 with contextlib.suppress(OSError):
                     with open("/proc/self/oom_score_adj", "w") as fh:
                         fh.write("0")
-                code = Filler(plan, threads=self.args["threads"], guard=theirs, status_path=self.status_path).run()
+                code = Filler(plan, threads=self.args["threads"], guard=theirs, status_path=self.status_path,
+                              post_restore=self.args.get("post_restore")).run()
             except BaseException as exc:  # noqa: BLE001 - report anything, then die
                 with contextlib.suppress(OSError):
                     theirs.send(f"E filler crashed: {exc!r}".encode()[:4000])

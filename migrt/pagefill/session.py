@@ -46,8 +46,11 @@ class PageFill:
 
     @classmethod
     def start(cls, images: str, *, threads: int, container_id: str | None = None, root: str | None = None,
-              runc_log: str | None = None, log_format: str = "json", log_file: str | None = None) -> PageFill:
-        """Start the guard (and through it the filler) for a restore from `images`."""
+              runc_log: str | None = None, log_format: str = "json", log_file: str | None = None,
+              post_restore: str | None = None) -> PageFill:
+        """Start the guard (and through it the filler) for a restore from `images`. post_restore: a
+        file that appears once every task is restored (not resumed): copying may start then, before
+        CRIU's end-of-restore message."""
         run = _run_dir()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         images_fd = control_r = control_w = -1
@@ -59,7 +62,7 @@ class PageFill:
             args = {"listen_fd": sock.fileno(), "images_fd": images_fd, "control_fd": control_r,
                     "status": os.path.join(run, "status.json"), "threads": threads, "container_id": container_id,
                     "root": root, "runc_log": runc_log, "log_format": log_format, "log_file": log_file,
-                    "run_dir": run}
+                    "run_dir": run, "post_restore": post_restore}
             # the guard imports migrt from where we did (a venv, a checkout)
             pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -153,7 +153,9 @@ def test_decide_eager_auto_and_lazy(tmp_path, monkeypatch):
     monkeypatch.delenv(pages_mod.ENV, raising=False)
     monkeypatch.setattr(uffd, "usable", lambda: None)
     cfg = Config(path="x")
-    assert pages_mod.decide(cfg, d, name="c", other_lazy=False)["mode"] == "eager"  # the default
+    assert cfg.restore_pages == "auto"  # the default
+    cfg.restore_pages = "eager"
+    assert pages_mod.decide(cfg, d, name="c", other_lazy=False)["mode"] == "eager"
     cfg.restore_pages = "auto"
     small = pages_mod.decide(cfg, d, name="c", other_lazy=False)
     assert small["mode"] == "eager" and "below fill_min_mib" in small["reason"]
