@@ -112,6 +112,7 @@ class Client:
         self._auth: str | None = None
         self._auth_lock = threading.Lock()
         self._local = threading.local()
+        self._all: list[http.client.HTTPSConnection] = []
 
     # -- connections and requests ----------------------------------------------------------------
     def _conn(self, host: str | None = None) -> http.client.HTTPSConnection:
@@ -123,6 +124,8 @@ class Client:
         if conn is None:
             conn = http.client.HTTPSConnection(host, timeout=self.timeout, context=self.ctx, blocksize=1 << 20)
             conns[host] = conn
+            with self._auth_lock:
+                self._all.append(conn)
         return conn
 
     def _drop(self, host: str | None = None) -> None:
@@ -132,7 +135,10 @@ class Client:
             conn.close()
 
     def close(self) -> None:
-        for conn in (getattr(self._local, "conns", {}) or {}).values():
+        """Close every connection, those of the worker threads too."""
+        with self._auth_lock:
+            conns, self._all = self._all, []
+        for conn in conns:
             conn.close()
         self._local.conns = {}
 
@@ -225,6 +231,10 @@ class Client:
         for attempt in range(RETRIES + 1):
             try:
                 return fn()
+            except ssl.SSLCertVerificationError as exc:  # permanent: not worth a retry
+                self._drop()
+                raise RegistryError(f"registry {self.host}: TLS certificate not trusted ({exc.verify_message}); "
+                                    "give the CA bundle that signed it as registry_ca_file in the migrt config") from exc
             except _TRANSIENT as exc:
                 self._drop()
                 if attempt == RETRIES:

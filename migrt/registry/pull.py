@@ -206,8 +206,14 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
                 return size
 
             with ThreadPoolExecutor(max_workers=cfg.registry_parallel) as pool:
-                for fut in as_completed([pool.submit(one, j) for j in jobs]):
-                    progress("bytes", name="download", bytes=fut.result())
+                futures = [pool.submit(one, j) for j in jobs]
+                try:
+                    for fut in as_completed(futures):
+                        progress("bytes", name="download", bytes=fut.result())
+                except BaseException:
+                    for f in futures:  # the first failure stops the pull; what arrived is journaled
+                        f.cancel()
+                    raise
             progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
             for rel, chunks in plan.items():
                 digest = fold_chunks([bytes.fromhex(d.split(":", 1)[1]) for _o, _s, d in chunks])

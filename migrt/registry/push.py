@@ -71,10 +71,16 @@ def _upload(cfg: Config, client: Client, blobs: dict[str, tuple[str, int, int]],
 
     skipped = 0
     with ThreadPoolExecutor(max_workers=cfg.registry_parallel) as pool:
-        for fut in as_completed([pool.submit(one, d) for d in blobs]):
-            size, sent = fut.result()
-            skipped += 0 if sent else size
-            progress("bytes", name="upload", bytes=size)
+        futures = [pool.submit(one, d) for d in blobs]
+        try:
+            for fut in as_completed(futures):
+                size, sent = fut.result()
+                skipped += 0 if sent else size
+                progress("bytes", name="upload", bytes=size)
+        except BaseException:
+            for f in futures:  # the first failure stops the push: blobs not started are not tried
+                f.cancel()
+            raise
     progress("done", name="upload", seconds=round(time.monotonic() - t0, 3))
     return skipped
 

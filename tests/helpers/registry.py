@@ -77,9 +77,10 @@ def make_tls(base: str) -> tuple[str, str, str]:
     ca_key, ca = os.path.join(base, "ca.key"), os.path.join(base, "ca.pem")
     key, csr, cert = (os.path.join(base, n) for n in ("server.key", "server.csr", "server.pem"))
     ext = os.path.join(base, "san.ext")
-    _run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _run(["openssl", "req", "-x509", *ec, "-keyout", ca_key, "-out", ca,
           "-days", "2", "-subj", "/CN=migrt test CA"])
-    _run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=localhost"])
+    _run(["openssl", "req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=localhost"])
     with open(ext, "w") as fh:
         fh.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
                  "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
