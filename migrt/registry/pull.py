@@ -15,7 +15,9 @@ journaled; a manifest or config that fails removes the partial directory.
 Store names: `--name`, else `oci-<repository's last part>-<first 16 hex of the manifest digest>`:
 the same for `migrt pull REF` ahead of time and for a `create` that restores `oci:REF`, so the
 create finds the pre-pulled checkpoint. One pull per image and node at a time (a lock); a second
-caller waits and then reuses what the first committed.
+caller waits and then reuses what the first committed. A tag is resolved with the registry each
+time (tags move); a reference pinned with `@sha256:` that this node already pulled needs no
+registry at all (a restore still works while the registry is down).
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
         names.validate(name)
     store = Store(cfg.store)
     store.ensure()
+    if ref.digest:  # pinned: a copy pulled from exactly that manifest needs no registry at all
+        have = _present(store, name or default_name(ref, ref.digest), ref.digest)
+        if have:
+            return {"name": have, "reference": str(ref), "digest": ref.digest, "already_present": True,
+                    "bytes_received": 0, "seconds": round(time.monotonic() - t_start, 3)}
     client = client_for(cfg, ref)
     try:
         raw, _ctype, mdigest = client.get_manifest()
@@ -83,8 +90,7 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
         name = name or default_name(ref, mdigest)
         with image_lock(store, mdigest):
             if store.exists(name):
-                have = (store.get(name).manifest.get("pulled") or {}).get("manifest_digest")
-                if have == mdigest:
+                if _present(store, name, mdigest):
                     return {"name": name, "reference": str(ref), "digest": mdigest, "already_present": True,
                             "bytes_received": 0, "seconds": round(time.monotonic() - t_start, 3)}
                 raise Conflict(f"checkpoint {name} already exists in {store.root} and was not pulled from {mdigest}; "
@@ -100,6 +106,15 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
     return {"name": name, "reference": str(ref), "digest": mdigest, "already_present": False,
             "size_bytes": data.get("size_bytes"), "bytes_received": client.stats.received,
             "retries": client.stats.retries, "seconds": round(time.monotonic() - t_start, 3)}
+
+
+def _present(store: Store, name: str, manifest_digest: str) -> str | None:
+    """name, if the store holds it as pulled from that manifest digest."""
+    try:
+        pulled = store.get(name).manifest.get("pulled") or {}
+    except MigrtError:
+        return None
+    return name if pulled.get("manifest_digest") == manifest_digest else None
 
 
 def _from_index(client: Client, index: dict, ref: Reference) -> tuple[bytes, str, dict]:

@@ -103,14 +103,21 @@ def test_tampered_blob_refused_nothing_committed(pushed, registry, migrt_config)
             fh.write(saved)
 
 
-def test_tampered_manifest_digest_refused(pushed, registry):
+def test_tampered_manifest_digest_refused(pushed, registry, migrt_config, tmp_path):
     ref = pushed["ref"].rsplit(":", 1)[0] + "@sha256:" + "0" * 64
     res = run_cli("pull", ref, check=False)
     assert res.returncode in (3, 4), res.stderr  # unknown digest: the registry has no such manifest
     # a reference pinned to the right digest pulls; its bytes are checked against it
     good = pushed["ref"].rsplit(":", 1)[0] + "@" + pushed["push"]["digest"]
     out = json.loads(run_cli("pull", good, "--name", "pinned", "--json").stdout)
-    assert out["digest"] == pushed["push"]["digest"]
+    assert out["digest"] == pushed["push"]["digest"] and not out["already_present"]
+    # pulled from exactly that manifest: found again without the registry (here: an untrusted CA)
+    cfg = tmp_path / "no-registry.yaml"
+    cfg.write_text(open(migrt_config["config"]).read().replace(registry.ca_file, "/etc/ssl/certs/ca-certificates.crt"))
+    again = json.loads(run_cli("--config", str(cfg), "pull", good, "--name", "pinned", "--json").stdout)
+    assert again["already_present"] and again["bytes_received"] == 0
+    res = run_cli("--config", str(cfg), "pull", pushed["ref"], "--name", "pinned", check=False)
+    assert res.returncode == 9 and "not trusted" in res.stderr  # a tag must be resolved by the registry
     run_cli("rm", "pinned")
 
 
