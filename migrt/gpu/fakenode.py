@@ -11,6 +11,7 @@ that is not checkpointed holds `process_bytes` on its GPU). The file:
 
     {"driver_version": "580.159", "gpus": [{"uuid", "name", "memory_total", "pci_bus_id", "minor"}],
      "marker": "FAKE_CUDA=1", "new_state": "running", "process_bytes": 1073741824,
+     "ns_init_only": false,     # true: only a container's init (pid 1 in its pid namespace) counts
      "processes": {"<pid>": {"state", "gpu", "bytes", "start"}},       # kept by the fake itself
      "fail": [{"call": "restore", "pid": null, "message": "..."}],     # each entry fails one call
                                                   # ("crash": true: SIGKILLs the calling process instead)
@@ -50,6 +51,17 @@ def _start(pid: int) -> int | None:
             return int(fh.read().rpartition(")")[2].split()[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _ns_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 @contextlib.contextmanager
@@ -92,6 +104,8 @@ def entry(data: dict, pid: int) -> dict | None:
     if known is not None and (start is None or known.get("start") in (None, start)):
         return known
     if start is None or data.get("marker", DEFAULT_MARKER) not in _read_environ(pid):
+        return None
+    if data.get("ns_init_only") and _ns_pid(pid) != 1:  # a container's init only, not what it forks
         return None
     gpus = data.get("gpus") or []
     state = data.get("new_state", "running")

@@ -30,7 +30,7 @@ U0 = "GPU-00000000-0000-0000-0000-0000000000aa"
 def fake_gpu(stack, migrt_config, tmp_path, monkeypatch):
     path = tmp_path / "fake-gpu.json"
     marker = f"FAKE_CUDA={uuid.uuid4().hex}"  # this test's containers only
-    path.write_text(json.dumps({"driver_version": "580.159", "process_bytes": 4 * GIB, "marker": marker,
+    path.write_text(json.dumps({"driver_version": "580.159", "process_bytes": 4 * GIB, "marker": marker, "ns_init_only": True,
                                 "gpus": [{"uuid": U0, "name": "NVIDIA H100 80GB HBM3", "memory_total": 80 * GIB}]}))
     monkeypatch.setenv(fakenode.ENV, str(path))
     return path
@@ -87,7 +87,7 @@ def test_pause_releases_the_gpu_and_resume_brings_it_back(runc_root, fake_gpu, t
         assert _state(runc_root, cid)["status"] == "paused"
         assert states(fake_gpu, runc_root, cid) == {"checkpointed"}
         calls = [c[0] for c in driver(fake_gpu)["calls"] if c[0] != "state"]
-        n = len(calls) // 2  # the shell and, at times, its `sleep`: both carry the marker
+        n = len(calls) // 2  # the shell: the container's init is its one CUDA process
         assert n >= 1 and calls == ["lock"] * n + ["checkpoint"] * n  # then the freeze
         st = json.loads(run_cli("gpu", "status", cid, "--root", runc_root, "--json").stdout)
         assert st[0]["by"] == "pause" and st[0]["gpus"] == [U0]
@@ -182,7 +182,7 @@ def gpu_containerd(stack, migrt_config, tmp_path_factory):
     base = tmp_path_factory.mktemp("ctd-gpu")
     fake = base / "fake-gpu.json"
     marker = f"FAKE_CUDA={uuid.uuid4().hex}"
-    fake.write_text(json.dumps({"driver_version": "580.159", "process_bytes": 4 * GIB, "marker": marker,
+    fake.write_text(json.dumps({"driver_version": "580.159", "process_bytes": 4 * GIB, "marker": marker, "ns_init_only": True,
                                 "gpus": [{"uuid": U0, "name": "NVIDIA H100 80GB HBM3", "memory_total": 80 * GIB}]}))
     old = os.environ.get(fakenode.ENV)
     os.environ[fakenode.ENV] = str(fake)  # containerd's environment, passed on to its shims and runtimes
@@ -215,7 +215,7 @@ def _task(ctd, cid: str) -> tuple[int, str]:
 def test_ctr_task_pause_resume(gpu_containerd, how):
     ctd = gpu_containerd
     cid = f"ctr-gpu-{uuid.uuid4().hex[:6]}"
-    counter = COUNTER.replace("sleep 0.2", "env -u FAKE_CUDA sleep 0.2")  # the shell is the one CUDA process
+    counter = COUNTER  # its init, the shell, is the one CUDA process (ns_init_only)
     ctd.ctr("run", "-d", "--runc-binary", SHIM, "--env", ctd.marker, *(how or ()), ctd.image, cid, "sh", "-c", counter)
     try:
         pid, status = _task(ctd, cid)
@@ -240,7 +240,7 @@ def test_ctr_task_pause_resume(gpu_containerd, how):
 def test_ctr_task_pause_refused_by_the_driver_keeps_the_task_running(gpu_containerd):
     ctd = gpu_containerd
     cid = f"ctr-gpu-{uuid.uuid4().hex[:6]}"
-    counter = COUNTER.replace("sleep 0.2", "env -u FAKE_CUDA sleep 0.2")
+    counter = COUNTER
     ctd.ctr("run", "-d", "--runc-binary", SHIM, "--env", ctd.marker, "--annotation",
             "migrt.io/gpu-release-on-pause=true", ctd.image, cid, "sh", "-c", counter)
     try:

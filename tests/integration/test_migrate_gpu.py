@@ -56,6 +56,7 @@ def nodes(stack, tmp_path):
             f"migration_key_file: {d / 'key'}\n")
         (d / "gpu.json").write_text(json.dumps({
             "driver_version": "580.159", "marker": marker, "new_state": state, "process_bytes": 4 * GIB,
+            "ns_init_only": True,
             "gpus": [{"uuid": gpu, "name": MODEL, "memory_total": 140 * GIB, "minor": 0}]}))
         out[node] = {"config": str(d / "config.yaml"), "store": str(d / "store"), "root": str(d / "root"),
                      "gpu": str(d / "gpu.json")}
@@ -80,11 +81,9 @@ class Counter:
     def __init__(self, nodes) -> None:
         self.cid = f"gmig-{uuid.uuid4().hex[:6]}"
         self.root = nodes["a"]["root"]
-        # The shell is the one "CUDA process": its `sleep`s drop the marker (a CUDA process's forks hold no
-        # GPU context either), so that none is born between the GPU checkpoint and the dump.
-        counter = COUNTER.replace("sleep 0.2", "env -u FAKE_CUDA sleep 0.2")
-        assert counter != COUNTER
-        bundle = make_bundle(str(nodes["base"] / "a" / f"bundle-{self.cid}"), ["sh", "-c", counter],
+        # The shell, the container's init, is the one "CUDA process" (ns_init_only): what it forks holds no
+        # GPU context, as a CUDA process's forks hold none.
+        bundle = make_bundle(str(nodes["base"] / "a" / f"bundle-{self.cid}"), ["sh", "-c", COUNTER],
                              env=[nodes["marker"], f"NVIDIA_VISIBLE_DEVICES={UA}"])
         r_in, w_in = os.pipe()
         self.r_out, w_out = os.pipe()
