@@ -146,6 +146,7 @@ def act(action: dict) -> str:
             _kill(proc.pid)
         _kill(pid, group=True)
     if action.get("work"):
+        watchdog.kill_users(action["work"])
         watchdog.unmount_under(action["work"])
     if do == "kill-restore" and cid:
         watchdog.clear_container(rt, root, cid)

@@ -31,6 +31,7 @@ from migrt.migration.tls import TLSFiles
 from migrt.migration.wire import connect, load_key
 
 RUNNING, ABSENT = "running", "absent"
+ASK_STALLS = 3  # how long a source in doubt keeps asking, in migration_stall_timeouts
 
 
 def ask_target(cfg: Config, to: str, name: str, container_id: str | None, wait: float) -> str | None:
@@ -130,7 +131,7 @@ def resolve_source(cfg: Config, *, runtime: str, root: str, cid: str, to: str, n
                    was_paused: bool = False) -> tuple[str | None, str]:
     """After losing the target between the handover request and its answer: ask it, then resume or
     delete the frozen source. Returns (the target's state or None, a sentence for the error)."""
-    state = ask_target(cfg, to, name, target_cid, wait=cfg.migration_stall_timeout * 2)
+    state = ask_target(cfg, to, name, target_cid, wait=ASK_STALLS * cfg.migration_stall_timeout)
     if state == RUNNING:
         settle_dump(runtime, cid, page_server, finish=True)
         return state, f"the target runs it as {target_cid}; " + destroy_source(runtime, root, cid)

@@ -312,14 +312,14 @@ class _Run:
             name=self.result["name"], target_cid=self.ready.get("container_id"), page_server=source.page_server,
             was_paused=source.was_paused)
         self.result["handover"] = {"lost": str(exc), "target": state, "outcome": outcome}
+        # decided here (unknown included: the source stays frozen for a person to decide, as the error says)
+        source.guard.arm({"do": "remove", "remove": [source.staging] if source.staging else []})
         if state == handover.RUNNING:
             source.frozen = False
-            source.guard.arm({"do": "remove", "remove": [source.staging] if source.staging else []})
             self.result.update(restored=True, target={"container_id": self.ready.get("container_id"), "pid": None})
             return
         if state == handover.ABSENT:
             source.frozen = False
-            source.guard.arm({"do": "remove", "remove": [source.staging] if source.staging else []})
             if source.gpu:  # thawed by the handover: now its GPU state, onto its own GPU
                 outcome += source.gpu.resume()
         cause = exc if isinstance(exc, MigrtError) else TransferError(f"interrupted ({exc!r})")

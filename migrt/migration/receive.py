@@ -352,6 +352,7 @@ class Receiver:
                 if lazy:
                     lazy.daemon.stop()
                 if where.get("work"):
+                    watchdog.kill_users(where["work"])
                     watchdog.unmount_under(where["work"])
                 # before restore_checkpoint's `runc delete` (see watchdog.clear_container: it would
                 # delete the bundle's rootfs through runc's criu-root bind mount)

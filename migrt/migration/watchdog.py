@@ -70,6 +70,28 @@ def kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
+def kill_users(path: str) -> list[int]:
+    """SIGKILL every process with its working directory or an open file at or below `path`. A CRIU
+    restore detaches from runc (its own session, reparented to init: "criu: restore --rpc") and
+    escapes kill_tree; it keeps its log open in the restore's work directory, which finds it."""
+    path = os.path.realpath(path)
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            paths = [proc.cwd()] + [f.path for f in proc.open_files()]
+        except psutil.Error:
+            continue
+        if any(x == path or x.startswith(path + "/") for x in paths):
+            try:
+                proc.kill()
+                found.append(proc.pid)
+            except psutil.Error:
+                pass
+    return found
+
+
 def supervise(proc: subprocess.Popen, *, stall: float, what: str, also: Callable[[], list[int]] = list,
               check: Callable[[], str | None] = lambda: None) -> int:
     """Wait for `proc`; return its exit status. Kill it and raise Stuck when it made no progress (its

@@ -33,7 +33,7 @@ from tests.integration.conftest import CLI
 pytestmark = pytest.mark.integration
 
 STALL = 3
-SETTLE = 4 * STALL  # the longest a fault may take to settle on both sides (a query waits 2 x STALL)
+SETTLE = 5 * STALL  # the longest a fault may take to settle on both sides (a query waits 3 x STALL)
 _ports = itertools.count(7950)
 
 
@@ -129,6 +129,22 @@ def pids_matching(*needles: str) -> list[int]:
     return out
 
 
+def criu_using(path: str) -> list[int]:
+    """CRIU processes with their working directory or an open file under `path`."""
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter(["name"]):
+        if not (proc.info["name"] or "").startswith("criu"):
+            continue
+        try:
+            if any(p.startswith(path) for p in [proc.cwd()] + [f.path for f in proc.open_files()]):
+                out.append(proc.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
 class Case:
     """One source container, its target id and output file, and the checks every fault ends with."""
 
@@ -169,6 +185,7 @@ class Case:
         assert (self.tcid in os.listdir(b_root)) == (survivor == "target"), os.listdir(b_root)
         assert not pids_matching("lazy-pages", "migrt-lazy-"), "a criu lazy-pages daemon was left"
         assert not pids_matching("restore --detach", self.tcid), "a runc restore was left"
+        assert not criu_using(str(self.nodes["base"])), "a CRIU process was left"
         with open("/proc/self/mountinfo") as fh:
             left = [ln.split()[4] for ln in fh if str(self.nodes["base"]) in ln.split()[4]]
         assert not left, f"mounts left: {left}"
@@ -402,3 +419,50 @@ def test_connection_cut(case, spec, lazy, expected, request):
         assert '"handover"' in text or "handover" in text, text  # resolved by asking again
     if spec == "down:committed:before":
         c.next_migration_succeeds()
+
+
+# -- lazy: kills while the memory pages flow -------------------------------------------------------
+
+def test_migrate_killed_while_lazy_pages_flow(case, lazy_capable):
+    """The target runs and fetches its pages from the source's CRIU page server when `migrt migrate`
+    dies: the page server goes on (it is not migrate's to lose), the guard asks the target, which
+    answers once every page has arrived, and deletes the source."""
+    c = case("mkl")
+    recv = c.receiver()
+    try:
+        with throttled(c.hosts):  # the pages take about a second instead of milliseconds
+            mig = c.migrate("--lazy")
+            mig.wait_event(phase("pages"))
+            mig.proc.kill()
+            mig.finish()
+            survivor = c.settle()
+        recv.wait(SETTLE)
+    finally:
+        recv.stop()
+    assert survivor == "target"
+    c.check_clean(survivor)
+
+
+def test_receive_killed_while_lazy_pages_flow(case, lazy_capable):
+    """`migrt receive` dies while its restored copy still fetches pages: its guard kills the copy (it
+    would never get all its memory) and the lazy-pages daemon; the source, asking the restarted
+    receiver, learns that nothing runs there and resumes."""
+    c = case("rkl")
+    recv = c.receiver()
+    restarted = None
+    try:
+        with throttled(c.hosts):
+            mig = c.migrate("--lazy")
+            mig.wait_event(phase("pages"))
+            recv.proc.kill()
+            recv.proc.wait()
+            restarted = c.receiver(once=False)
+            rc, text, took = mig.finish()
+            survivor = c.settle()
+    finally:
+        if restarted:
+            restarted.stop()
+        recv.stop()
+    assert survivor == "source" and rc == 9, text
+    assert took < SETTLE + 10, text
+    c.check_clean(survivor)
