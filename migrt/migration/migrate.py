@@ -242,7 +242,7 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
             source.staging = staging.path
             run = _Run(ch, ready, source, staging, opts, fields, bundle, req, result, progress, cfg)
             run.lazy() if req.lazy else run.stop_and_copy()
-            guard.arm({"do": "nothing"})
+        guard.arm({"do": "nothing"})  # the staging directory is gone with the writer
     finally:
         ch.close()
         if guard:  # it acts on its last instruction: "nothing" unless we leave the source in doubt

@@ -252,16 +252,19 @@ class Receiver:
             self._restore_lazy(ch, name, restore_id, lazy, guard, decided, out)
             return
         guard.arm({"do": "nothing"})  # the committed checkpoint stays, whatever happens next
+        # From here until the sender's bye, a sender that loses us may be about to ask again (it asks
+        # whenever it may have sent `restore`, before knowing whether we got it).
+        out["unsettled"] = bool(self.opts.restore_bundle)
         ch.send({"type": "committed", "name": name})
         try:
             nxt = ch.recv("restore", "bye")
         except TransferError:
             return  # the source went away after the commit: the checkpoint is safely here
         if nxt["type"] != "restore":
+            out["unsettled"] = False
             return
         if not self.opts.restore_bundle:
             raise UsageError("this receiver was not started with --restore")
-        out["unsettled"] = True  # until the sender's bye: it may have to ask again
         with ch.busy("restore"):
             try:
                 res = self._restore(name, restore_id, guard)

@@ -111,6 +111,9 @@ def test_the_guard_acts_when_its_owner_dies(tmp_path):
     assert owner.stdout.readline().strip() == "armed"
     owner.kill()
     owner.wait()
+    deadline = time.monotonic() + 20
+    while victim.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     _wait_gone(tag)
     assert not victim.exists()
     rec = json.loads(log.read_text().splitlines()[-1])
