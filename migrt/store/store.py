@@ -208,18 +208,25 @@ class Store:
         """One checkpoint of a container at a time (the second would find it frozen by the first)."""
         self.ensure()
         key = hashlib.sha256(f"{os.path.abspath(root)}\0{container_id}".encode()).hexdigest()[:32]
-        fd = os.open(os.path.join(self.root, ".locks", f"container-{key}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                     0o600)
-        try:
+        path = os.path.join(self.root, ".locks", f"container-{key}.lock")
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as exc:
                 holders = lock_holders(fd)
+                os.close(fd)
                 who = f" ({', '.join(holders)})" if holders else ""
                 raise Conflict(f"container {container_id} is being checkpointed by another process{who}; "
                                "try again when it ends") from exc
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # the previous holder unlinked it on its way out: take the new one
+        try:
             yield
         finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # still held: no file per container ever checkpointed piles up
             os.close(fd)
 
     def _locked(self, name: str) -> bool:

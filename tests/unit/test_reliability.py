@@ -42,6 +42,17 @@ def test_criu_first_error_is_always_quoted(tmp_path):
     assert out[-1].endswith("consequence 11") and len(out) == 7
 
 
+def test_criu_repeated_errors_collapse(tmp_path):
+    log = tmp_path / "dump.log"
+    log.write_text("(00.05) Error (criu/page-xfer.c:263): page-xfer: Unable to spice data: No space left on device\n"
+                   + "".join(f"(00.0{i}) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device\n"
+                             for i in range(6, 9))
+                   + "(00.11) Error (criu/cr-dump.c:1975): Dumping FAILED.\n")
+    out = error_lines(str(log))
+    assert len(out) == 3 and out[1].endswith("Error flushing image: No space left on device (x3)")
+    assert out[0].endswith("Unable to spice data: No space left on device") and out[2].endswith("Dumping FAILED.")
+
+
 def test_space_check_names_the_numbers(tmp_path):
     est = space.Estimate(memory=900 << 20, tmpfs=50 << 20, gpu=0, processes=3)
     free = space.free_bytes(str(tmp_path))

@@ -479,6 +479,18 @@ def test_lock_files_do_not_pile_up(store):
     assert os.listdir(os.path.join(store.root, ".locks")) == []
 
 
+def test_container_lock_excludes_and_leaves_no_file(store):
+    with store.container_lock("/run/r", "c1"):
+        with pytest.raises(Conflict, match=rf"container c1 is being checkpointed by another process \(pid {os.getpid()} "):
+            with store.container_lock("/run/r", "c1"):
+                pass
+        with store.container_lock("/run/r", "c2"):  # another container: no conflict
+            pass
+    with store.container_lock("/run/r", "c1"):
+        pass
+    assert os.listdir(os.path.join(store.root, ".locks")) == []
+
+
 def test_lock_file_replaced_under_a_waiter_is_taken_anew(store):
     """A reader that opened the lock file just before `rm` unlinked it must not lock the dead inode
     while a new writer locks the new file."""
