@@ -57,7 +57,7 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
     store = Store(cfg.store)
     try:
         _mark("restore")
-        recover.recover(cfg)
+        recover.recover(cfg, wait_s=0)  # never delay a restore (containerd's create) for someone else's helpers
         _mark("recovered")
         with store.reading(name) as ckpt:
             with journal.recording(store.root, "restore", name=name, container=target.container_id,
