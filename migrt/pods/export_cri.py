@@ -96,7 +96,7 @@ def config_dump(manifest: dict) -> dict:
     return {"id": src.get("container_id") or manifest.get("name"),
             "name": cri.get("container_name") or src.get("container_id") or manifest.get("name"),
             "rootfsImage": src.get("image_ref") or "", "rootfsImageRef": src.get("image_ref") or "",
-            "rootfsImageName": src.get("image") or "", "runtime": "migrt-runc",
+            "rootfsImageName": src.get("image") or cri.get("image_name") or "", "runtime": "migrt-runc",
             "createdTime": created, "checkpointedTime": created}
 
 

@@ -74,14 +74,14 @@ def cri_annotations(manifest: dict) -> dict:
     versions = manifest.get("versions") or {}
     out = {
         CRIO_NAME: cri.get("container_name") or src.get("container_id") or manifest.get("name", ""),
-        "io.kubernetes.cri-o.annotations.checkpoint.rootfsImageName": src.get("image") or "",
+        "io.kubernetes.cri-o.annotations.checkpoint.rootfsImageName": src.get("image") or cri.get("image_name") or "",
         "io.kubernetes.cri-o.annotations.checkpoint.criu.version": str(versions.get("criu") or ""),
         "io.kubernetes.cri-o.annotations.checkpoint.runtime.name": "migrt-runc",
         A_NAME: manifest.get("name", ""),
     }
     # Podman reads its own keys (podman container restore IMAGE)
     out["io.podman.annotations.checkpoint.name"] = out[CRIO_NAME]
-    out["io.podman.annotations.checkpoint.rootfsImageName"] = src.get("image") or ""
+    out["io.podman.annotations.checkpoint.rootfsImageName"] = out["io.kubernetes.cri-o.annotations.checkpoint.rootfsImageName"]
     out["io.podman.annotations.checkpoint.runtime.name"] = "runc"
     if cri.get("pod_name"):
         out["io.kubernetes.cri-o.annotations.checkpoint.pod"] = cri["pod_name"]
