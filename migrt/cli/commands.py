@@ -10,6 +10,7 @@ import click
 from migrt import __version__
 from migrt.cli.group import cli, handle_errors, load_config
 from migrt.cli.render import ConsoleProgress, emit_json, human_size, table
+from migrt.errors import UsageError
 
 JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 
@@ -177,7 +178,11 @@ def restore(name, container_id, bundle, root, output, pages, wait_pages, as_json
         os.environ.pop("MIGRT_RESTORE_PAGES", None)  # the flag wins
     runtime = cfg.runtime_path()
     progress = ConsoleProgress(enabled=None if not as_json else False)
-    with open(os.devnull, "rb") as devnull, open(output, "ab") as out:
+    try:
+        out = open(output, "ab")  # opened before anything is restored: a bad path costs nothing
+    except OSError as exc:
+        raise UsageError(f"--output {output}: cannot open: {exc.strerror}") from exc
+    with open(os.devnull, "rb") as devnull, out:
         result = restore_checkpoint(cfg, name, RestoreTarget(
             container_id=container_id, bundle=Bundle.load(os.path.abspath(bundle)),
             root=root or default_root(runtime), stdio=(devnull, out, out), wait_pages=wait_pages,
