@@ -480,7 +480,7 @@ def cri_metadata(spec: Bundle) -> dict:
 def default_import_name(archive: str) -> str:
     """The archive's file name without .tar (kubelet's are unique: checkpoint-<pod>_<namespace>-<container>-<time>.tar)."""
     stem = os.path.basename(archive)
-    for ext in (".gz", ".tgz", ".bz2", ".xz", ".tar"):
+    for ext in (".gz", ".tgz", ".bz2", ".xz", ".zst", ".zstd", ".tar"):
         stem = stem[: -len(ext)] if stem.endswith(ext) else stem
     return names.validate(names.sanitize(stem)[:100] or "import")
 

@@ -15,7 +15,7 @@ import tarfile
 import pytest
 
 from migrt.errors import CheckpointInvalid
-from migrt.pods import engines, rootfs
+from migrt.pods import engines, import_cri, rootfs
 from migrt.store import Store
 from tests.unit.test_import_cri import _entry, _nothing_left, diff_tar, invoke
 
@@ -204,3 +204,9 @@ def test_align_root_mode_trusts_a_recorded_equal_mode_without_reading_files_img(
     mode = os.stat(new_root).st_mode
     assert rootfs.align_root_mode(str(view), str(new_root), recorded=mode) is None
     assert (view / "files.img").read_bytes() == b"not an image"
+
+
+def test_default_import_name_strips_compression_suffixes():
+    for archive in ("/tmp/web.tar.zst", "/tmp/web.tar.zstd", "/tmp/web.tar.gz", "/tmp/web.tgz", "/tmp/web.tar.bz2",
+                    "/tmp/web.tar.xz", "/tmp/web.tar"):
+        assert import_cri.default_import_name(archive) == "web", archive
