@@ -182,7 +182,9 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
     os.makedirs(top, mode=0o700, exist_ok=True)
     hexd = mdigest.split(":", 1)[1]
     partial, journal = os.path.join(top, hexd), _Journal(os.path.join(top, hexd + ".done"))
-    os.makedirs(os.path.join(partial, "images"), mode=0o700, exist_ok=True)
+    for d in (partial, os.path.join(partial, "images")):  # one by one: makedirs gives parents the umask's mode
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)  # it becomes the checkpoint's directory (0700 like every other)
     try:
         with importer.importing(store, name, adopt=partial) as imp:
             total = sum(f.get("size", 0) for f in files.values())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -67,6 +68,8 @@ def test_push_pull_round_trip(pushed, registry, migrt_config):
     assert got["files"] == src["files"]                       # every file, size and digest
     assert got["options"] == src["options"] and got["source"] == src["source"]
     assert got["pulled"]["manifest_digest"] == out["digest"]
+    for sub in ("", "images"):  # private like every checkpoint (README "Checkpoint store": 0700)
+        assert stat.S_IMODE(os.stat(os.path.join(migrt_config["store"], "pulled-copy", sub)).st_mode) == 0o700
     run_cli("inspect", "pulled-copy", "--verify")
     # the same image again: already there, nothing received
     again = json.loads(run_cli("pull", pushed["ref"], "--name", "pulled-copy", "--json").stdout)
