@@ -11,12 +11,12 @@ from migrt.cli.render import ConsoleProgress, emit_json, human_size
 
 @cli.command("import")
 @click.argument("archive", type=click.Path(dir_okay=False))
-@click.option("--name", help="Checkpoint name (default: the archive's file name without .tar).")
+@click.option("--name", help="Checkpoint name (default: the archive's file name without .tar[.gz|.zst|...]).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 @handle_errors
 def import_cmd(archive, name, as_json):
     """Import a checkpoint archive written by kubelet's checkpoint API (CRI CheckpointContainer,
-    e.g. containerd 2.1+) or by `podman container checkpoint --export` (plain, gzip or zstd) into
+    e.g. containerd 2.1+) or by `podman container checkpoint --export` (plain, gzip, zstd, bzip2 or xz) into
     the store; prints the checkpoint name, ready for MIGRT_RESTORE."""
     from migrt.pods.import_cri import import_archive
 
