@@ -78,8 +78,9 @@ def export_cmd(name, output, as_json):
 
     cfg = load_config()
     store = Store(cfg.store)
+    progress = _progress(as_json)
     with store.reading(name) as ckpt:
-        out = export(ckpt, output)
+        out = export(ckpt, output, progress=progress)
     if as_json:
         emit_json({"checkpoint": name, **out})
         return

@@ -24,10 +24,12 @@ import io
 import json
 import os
 import tarfile
+import time
 
 from migrt.errors import CheckpointInvalid, UsageError
 from migrt.gpu import records
 from migrt.pods import rootfs
+from migrt.progress import Progress, null_progress
 from migrt.store.fsutil import TreeHasher, digest_of
 
 MIGRT_MANIFEST = "migrt-manifest.json"
@@ -36,15 +38,26 @@ MIGRT_MANIFEST = "migrt-manifest.json"
 class _HashingWriter:
     """File object for tarfile that hashes what it writes (the layer digest, without a second pass)."""
 
-    def __init__(self, fh) -> None:
+    def __init__(self, fh, progress: Progress = null_progress) -> None:
         self.fh = fh
         self.h = hashlib.sha256()
         self.size = 0
+        self.progress = progress
+        self.pending = 0
 
     def write(self, data) -> int:
         self.h.update(data)
         self.size += len(data)
-        return self.fh.write(data)
+        n = self.fh.write(data)
+        self.pending += len(data)
+        if self.pending >= 4 << 20:  # tar headers are 512-byte writes: report in MiBs, not per write
+            self.flush_progress()
+        return n
+
+    def flush_progress(self) -> None:
+        if self.pending:
+            self.progress("bytes", bytes=self.pending)
+            self.pending = 0
 
     def tell(self) -> int:
         return self.size
@@ -142,8 +155,9 @@ def _rootfs(tar: tarfile.TarFile, ckpt, verify: bool) -> None:
         _add_bytes(tar, "deleted.files", json.dumps(["/" + p.lstrip("/") for p in deleted]).encode())
 
 
-def export(ckpt, out_path: str, *, verify: bool = True) -> dict:
-    """Write the archive; returns {"path", "size", "sha256" ("sha256:..."), "members"}."""
+def export(ckpt, out_path: str, *, verify: bool = True, progress: Progress = null_progress) -> dict:
+    """Write the archive; returns {"path", "size", "sha256" ("sha256:..."), "members"}. Progress: one
+    phase `export` (total_bytes: the checkpoint's size, about the archive's), bytes as they are written."""
     manifest = ckpt.manifest
     files = manifest["files"]
     images = sorted(rel for rel in files if rel.startswith("images/"))
@@ -154,9 +168,11 @@ def export(ckpt, out_path: str, *, verify: bool = True) -> dict:
         raise UsageError(f"-o {out_path}: directory {out_dir} does not exist")
     tmp = f"{out_path}.tmp.{os.getpid()}"
     members = 0
+    t0 = time.monotonic()
+    progress("phase", name="export", total_bytes=manifest.get("size_bytes") or 0)
     try:
         with open(tmp, "xb") as fh:
-            w = _HashingWriter(fh)
+            w = _HashingWriter(fh, progress)
             with tarfile.open(fileobj=w, mode="w", format=tarfile.PAX_FORMAT, copybufsize=4 << 20) as tar:
                 tar.addfile(_dir("checkpoint"))
                 have_gpu_record = "images/" + records.IMAGE_FILE in files
@@ -176,6 +192,7 @@ def export(ckpt, out_path: str, *, verify: bool = True) -> dict:
                     _add_file(tar, ckpt, "logs/dump.log", "dump.log", verify)
                 _add_bytes(tar, MIGRT_MANIFEST, _json(manifest))
                 members += 4
+            w.flush_progress()
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, out_path)
@@ -185,6 +202,7 @@ def export(ckpt, out_path: str, *, verify: bool = True) -> dict:
         except OSError:
             pass
         raise
+    progress("done", name="export", seconds=round(time.monotonic() - t0, 3))
     return {"path": os.path.abspath(out_path), "size": w.size, "sha256": "sha256:" + w.h.hexdigest(),
             "members": members}
 

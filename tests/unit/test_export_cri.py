@@ -68,6 +68,18 @@ def test_layout_and_determinism(tmp_path):
         assert {"etc/new.conf", "var/cache/.wh..wh..opq"} <= set(diff.getnames())
 
 
+def test_progress_reports_every_byte_written(tmp_path):
+    store = Store(str(tmp_path / "store"))
+    ckpt = _checkpoint(store)
+    events = []
+    info = export(ckpt, str(tmp_path / "a.tar"), progress=lambda event, **f: events.append((event, f)))
+    assert events[0] == ("phase", {"name": "export", "total_bytes": ckpt.manifest["size_bytes"]})
+    assert events[-1][0] == "done" and events[-1][1]["name"] == "export"
+    written = [f["bytes"] for e, f in events if e == "bytes"]
+    assert sum(written) == info["size"] == os.path.getsize(tmp_path / "a.tar")
+    assert len(written) < 10  # coalesced, not one event per 512-byte tar header
+
+
 def test_corrupted_checkpoint_not_exported(tmp_path):
     store = Store(str(tmp_path / "store"))
     ckpt = _checkpoint(store)
