@@ -34,6 +34,9 @@ def handle_errors(fn):
             return fn(*args, **kwargs)
         except MigrtError as exc:
             _fail(str(exc), exc.exit_code, type(exc).__name__, bool(kwargs.get("as_json")))
+        except BrokenPipeError:  # the reader of stdout went away (`migrt inspect X | head`): quietly, like cat
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         except OSError as exc:
             _fail(str(exc), 1, type(exc).__name__, bool(kwargs.get("as_json")))
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from click.testing import CliRunner
 
+from migrt.cli.group import handle_errors
 from migrt.cli.main import cli
 from migrt.pods import import_cri
 
@@ -81,3 +83,15 @@ def test_config_from_the_environment_may_be_absent(tmp_path, monkeypatch):
     res = invoke("version", "--json")
     assert res.exit_code == 0, res.output
 
+
+
+def test_a_closed_stdout_ends_quietly(capfd):
+    # `migrt inspect X | head`: the reader went away; no "error", no traceback (like cat)
+    @handle_errors
+    def cmd(as_json: bool = False) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(SystemExit) as exc:
+        cmd(as_json=False)
+    assert exc.value.code == 1
+    assert capfd.readouterr().err == ""
