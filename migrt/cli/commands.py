@@ -111,10 +111,17 @@ def inspect(name, verify, as_json):
     src = m.get("source", {})
     click.echo(f"name:       {m['name']}")
     click.echo(f"created:    {m.get('created')}")
-    click.echo(f"container:  {src.get('container_id')} (root {src.get('runtime_root')})")
+    root = f" (root {src['runtime_root']})" if src.get("runtime_root") else ""
+    click.echo(f"container:  {src.get('container_id') or '-'}{root}")
     if src.get("cri"):
         click.echo("pod:        " + ", ".join(f"{k}={v}" for k, v in sorted(src["cri"].items())))
-    click.echo("versions:   " + ", ".join(f"{k} {v}" for k, v in sorted(m.get("versions", {}).items()) if k != "runtime_path"))
+    imported, pulled = m.get("imported") or {}, m.get("pulled") or {}
+    if imported:  # an archive's or a registry's checkpoint: no migrt versions of its own
+        click.echo(f"imported:   {imported.get('archive')} (written by {imported.get('producer') or 'unknown'})")
+    if pulled:
+        click.echo(f"pulled:     {pulled.get('reference') or ''}@{pulled.get('manifest_digest')}")
+    versions = [f"{k} {v}" for k, v in sorted((m.get("versions") or {}).items()) if k != "runtime_path" and v]
+    click.echo("versions:   " + (", ".join(versions) or "unknown"))
     click.echo("options:    " + (", ".join(k for k, v in sorted(m.get("options", {}).items()) if v) or "none"))
     click.echo(f"size:       {human_size(m.get('size_bytes'))} in {len(m.get('files', {}))} files")
     click.echo("timings:    " + ", ".join(f"{k} {v}" for k, v in sorted(m.get("timings", {}).items())))

@@ -127,6 +127,17 @@ def _nothing_left(store_root) -> None:
 
 # -- a good archive ---------------------------------------------------------------------------------
 
+def test_inspect_of_an_import_names_its_origin_not_none(cfg, migrt_env, tmp_path):
+    archive = write_archive(tmp_path / "web.tar", base_entries())
+    assert invoke(archive).exit_code == 0
+    res = CliRunner().invoke(cli, ["inspect", "web"])
+    assert res.exit_code == 0, res.output
+    assert "None" not in res.stdout                     # versions and runc root an archive does not carry
+    assert f"imported:   {archive}" in res.stdout
+    assert "versions:   criu 4.2.1, kernel 6.18.44-x\n" in res.stdout
+    assert f"container:  {CONFIG_DUMP['id']}\n" in res.stdout
+
+
 def test_import_builds_a_verified_checkpoint(cfg, migrt_env, tmp_path):
     archive = write_archive(tmp_path / "checkpoint-counter_team-a-app-2026-11-22T01:25:38Z.tar", base_entries())
     res = invoke(archive, "--json")
