@@ -38,6 +38,16 @@ def _last_runc_error(log_path: str | None) -> str | None:
     return None
 
 
+_LOGFMT_MSG = re.compile(r'\blevel=\w+\s+msg="((?:[^"\\]|\\.)*)"')
+
+
+def runc_message(line: str) -> str:
+    """The message of one line runc wrote to stderr: `time="..." level=error msg="container does not
+    exist"` (logfmt) gives `container does not exist`; any other line comes back as it is."""
+    m = _LOGFMT_MSG.search(line)
+    return re.sub(r'\\(.)', r"\1", m.group(1)) if m else line
+
+
 _STAMP = re.compile(r'time="[^"]*"\s*|"time":"[^"]*",?|^\S+Z\s+')
 
 
@@ -103,8 +113,9 @@ class LowerRuntime:
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise RuntimeFailed(f"{self.path} state {container_id}: {exc}") from exc
         if out.returncode != 0:
-            msg = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
-            raise NotFound(f"container {container_id}: {msg}")
+            msg = runc_message(out.stderr.strip().splitlines()[-1]) if out.stderr.strip() else f"exit {out.returncode}"
+            where = f" under {root}" if root else ""
+            raise NotFound(f"container {container_id}{where}: {msg} (runc state)")
         try:
             return json.loads(out.stdout)
         except ValueError as exc:
