@@ -57,6 +57,19 @@ class Bundle:
             raise BundleError(f"bundle {path}: config.json is not a JSON object")
         return cls(path, config)
 
+    @classmethod
+    def of_state(cls, state: dict | None) -> "Bundle | None":
+        """A container's bundle, through the `bundle=` label runc keeps in its state.json; None when the
+        label is absent or the bundle's config.json cannot be read."""
+        labels = ((state or {}).get("config") or {}).get("labels") or []
+        path = next((lb[len("bundle="):] for lb in labels if isinstance(lb, str) and lb.startswith("bundle=")), "")
+        if not path:
+            return None
+        try:
+            return cls.load(path)
+        except MigrtError:
+            return None
+
     def _section(self, key: str) -> dict:
         """A top-level object of config.json, {} when absent or malformed (runc reports that)."""
         value = self.config.get(key)

@@ -91,16 +91,6 @@ def _container(root: str, cid: str) -> tuple[dict, int]:
     return state, pid
 
 
-def _config(state: dict) -> dict | None:
-    for label in ((state.get("config") or {}).get("labels") or []):
-        if isinstance(label, str) and label.startswith("bundle="):
-            try:
-                return Bundle.load(label[len("bundle="):]).config
-            except MigrtError:
-                return None
-    return None
-
-
 def find_root(cid: str, extra: list[str] | None = None) -> str:
     for root in candidate_roots(extra):
         if os.path.isfile(os.path.join(root, cid, "state.json")):
@@ -128,7 +118,8 @@ def suspend(cfg, cid: str, root: str, *, by: str = "migrt gpu suspend", progress
     what = f"container {cid} has {len(pids)} CUDA process(es) (pids {', '.join(map(str, pids))})"
     backend = _backend(cfg, what)
     inv = inventory.take()
-    config = _config(state)
+    bundle = Bundle.of_state(state)
+    config = bundle.config if bundle else None
     try:
         config_gpus = visible.from_config(config, inv) if config else None
     except visible.VisibleError:

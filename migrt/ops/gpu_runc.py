@@ -51,14 +51,8 @@ def _run(lower: str, parsed, env: dict | None) -> int:
 
 def _bundle_config(state: dict | None) -> dict | None:
     """The container's config.json, through the bundle path runc keeps in its state labels."""
-    labels = ((state or {}).get("config") or {}).get("labels") or []
-    for label in labels:
-        if isinstance(label, str) and label.startswith("bundle="):
-            try:
-                return Bundle.load(label[len("bundle="):]).config
-            except MigrtError:
-                return None
-    return None
+    bundle = Bundle.of_state(state)
+    return bundle.config if bundle else None
 
 
 def checkpoint(parsed, lower: str, pids: list[int]) -> int:

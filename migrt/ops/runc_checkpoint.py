@@ -35,12 +35,8 @@ def _pod_container(state: dict | None) -> bool:
     """A Kubernetes pod's container (CRI annotations in its config.json). Kubernetes has no pause: a
     pod's container found paused at checkpoint time was paused by containerd for this checkpoint
     (containerd 2.1's CRI checkpoint pauses, dumps, resumes; cancelled, it never resumes)."""
-    labels = ((state or {}).get("config") or {}).get("labels") or []
-    bundle = next((lb[len("bundle="):] for lb in labels if isinstance(lb, str) and lb.startswith("bundle=")), None)
-    try:
-        return bool(bundle) and Bundle.load(bundle).annotations.get(CRI_TYPE) == "container"
-    except MigrtError:
-        return False
+    bundle = Bundle.of_state(state)
+    return bundle is not None and bundle.annotations.get(CRI_TYPE) == "container"
 
 
 def _frozen(state: dict | None) -> bool:

@@ -186,3 +186,13 @@ def test_load_never_writes_config(tmp_path):
     b.cri_metadata()
     assert (path / "config.json").read_bytes() == before
     assert os.stat(path / "config.json").st_mtime_ns == mtime
+
+
+def test_of_state_follows_runc_bundle_label(tmp_path):
+    bundle = write_bundle(tmp_path / "b", annotations={CONTAINER_TYPE: "container"})
+    state = {"config": {"labels": ["other=1", f"bundle={bundle}"]}}
+    got = Bundle.of_state(state)
+    assert got is not None and got.path == str(bundle) and got.annotations[CONTAINER_TYPE] == "container"
+    assert Bundle.of_state(None) is None
+    assert Bundle.of_state({"config": {"labels": ["other=1"]}}) is None
+    assert Bundle.of_state({"config": {"labels": [f"bundle={tmp_path / 'gone'}"]}}) is None  # unreadable: None
