@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from migrt import __version__
 from migrt.errors import ConfigError
 from migrt.node import containerd_config as cc
+from migrt.store.fsutil import atomic_file
 
 DROPIN_NAME = "migrt.toml"
 
@@ -262,22 +263,8 @@ def apply(plan: InstallPlan, root: str = "/", now: float | None = None) -> Insta
 
 
 def _atomic_write(path: str, text: str, mode: int) -> None:
-    tmp = f"{path}.migrt-tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with atomic_file(path, mode, text=True) as fh:
             fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise ConfigError(f"cannot write {path}: {exc}") from exc
-    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

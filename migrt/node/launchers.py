@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 import re
 import sys
-import tempfile
 
 from migrt.errors import ConfigError
+from migrt.store.fsutil import atomic_file
 
 BROKEN_EXIT = 127
 RUNC_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shim", "migrt-runc.sh")
@@ -199,22 +199,9 @@ def install(bindir: str, python: str | None = None, repair: str | None = None, n
 
 
 def _write(path: str, text: str) -> None:
-    d = os.path.dirname(path) or "."
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=d)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        with atomic_file(path, 0o755, text=True) as fh:
+            fh.write(text)
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc}") from exc
 

@@ -10,8 +10,8 @@ that `checkpointctl show/inspect`, `podman container restore --import` and `migr
   stats-dump, dump.log CRIU's statistics and log when the checkpoint has them
   migrt-manifest.json  migrt's own manifest (CRIU options, GPU section, digests), read by nothing else
 
-The tar is plain (uncompressed, PAX), written to a temporary file beside the target and renamed
-into place; members are sorted with fixed times and owners, so the same checkpoint exports to the
+The tar is plain (uncompressed, PAX, mode 0600), written to a temporary file beside the target and
+renamed into place; members are sorted with fixed times and owners, so the same checkpoint exports to the
 same bytes (a registry layer that does not change is not sent again). The checkpoint's files are
 checked against its manifest while they are read (verify=True), so a corrupted checkpoint is not
 exported.
@@ -30,7 +30,7 @@ from migrt.errors import CheckpointInvalid, UsageError
 from migrt.gpu import records
 from migrt.pods import rootfs
 from migrt.progress import Progress, null_progress
-from migrt.store.fsutil import TreeHasher, digest_of
+from migrt.store.fsutil import TreeHasher, atomic_file, digest_of
 
 MIGRT_MANIFEST = "migrt-manifest.json"
 
@@ -166,42 +166,32 @@ def export(ckpt, out_path: str, *, verify: bool = True, progress: Progress = nul
     out_dir = os.path.dirname(os.path.abspath(out_path)) or "."
     if not os.path.isdir(out_dir):
         raise UsageError(f"-o {out_path}: directory {out_dir} does not exist")
-    tmp = f"{out_path}.tmp.{os.getpid()}"
     members = 0
     t0 = time.monotonic()
     progress("phase", name="export", total_bytes=manifest.get("size_bytes") or 0)
-    try:
-        with open(tmp, "xb") as fh:
-            w = _HashingWriter(fh, progress)
-            with tarfile.open(fileobj=w, mode="w", format=tarfile.PAX_FORMAT, copybufsize=4 << 20) as tar:
-                tar.addfile(_dir("checkpoint"))
-                have_gpu_record = "images/" + records.IMAGE_FILE in files
-                for rel in images:
-                    if rel == "images/stats-dump":
-                        continue
-                    _add_file(tar, ckpt, rel, "checkpoint/" + rel[len("images/"):], verify)
-                    members += 1
-                if manifest.get("gpu") and not have_gpu_record:
-                    _add_bytes(tar, "checkpoint/" + records.IMAGE_FILE, json.dumps(manifest["gpu"]).encode())
-                _add_bytes(tar, "config.dump", _cri_file(ckpt, "config.dump") or _json(config_dump(manifest)))
-                _add_bytes(tar, "spec.dump", _cri_file(ckpt, "spec.dump") or _json(spec_dump(manifest)))
-                _rootfs(tar, ckpt, verify)
-                if "images/stats-dump" in files:
-                    _add_file(tar, ckpt, "images/stats-dump", "stats-dump", verify)
-                if "logs/dump.log" in files:
-                    _add_file(tar, ckpt, "logs/dump.log", "dump.log", verify)
-                _add_bytes(tar, MIGRT_MANIFEST, _json(manifest))
-                members += 4
-            w.flush_progress()
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    # 0600 like the store's files and podman's exports: the archive holds the processes' memory
+    with atomic_file(out_path, 0o600) as fh:
+        w = _HashingWriter(fh, progress)
+        with tarfile.open(fileobj=w, mode="w", format=tarfile.PAX_FORMAT, copybufsize=4 << 20) as tar:
+            tar.addfile(_dir("checkpoint"))
+            have_gpu_record = "images/" + records.IMAGE_FILE in files
+            for rel in images:
+                if rel == "images/stats-dump":
+                    continue
+                _add_file(tar, ckpt, rel, "checkpoint/" + rel[len("images/"):], verify)
+                members += 1
+            if manifest.get("gpu") and not have_gpu_record:
+                _add_bytes(tar, "checkpoint/" + records.IMAGE_FILE, json.dumps(manifest["gpu"]).encode())
+            _add_bytes(tar, "config.dump", _cri_file(ckpt, "config.dump") or _json(config_dump(manifest)))
+            _add_bytes(tar, "spec.dump", _cri_file(ckpt, "spec.dump") or _json(spec_dump(manifest)))
+            _rootfs(tar, ckpt, verify)
+            if "images/stats-dump" in files:
+                _add_file(tar, ckpt, "images/stats-dump", "stats-dump", verify)
+            if "logs/dump.log" in files:
+                _add_file(tar, ckpt, "logs/dump.log", "dump.log", verify)
+            _add_bytes(tar, MIGRT_MANIFEST, _json(manifest))
+            members += 4
+        w.flush_progress()
     progress("done", name="export", seconds=round(time.monotonic() - t0, 3))
     return {"path": os.path.abspath(out_path), "size": w.size, "sha256": "sha256:" + w.h.hexdigest(),
             "members": members}

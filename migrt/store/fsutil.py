@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import IO
 
 CHUNK = 4 << 20
 
@@ -18,23 +22,32 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: str, data: object, mode: int = 0o600) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+@contextlib.contextmanager
+def atomic_file(path: str, mode: int = 0o600, *, text: bool = False) -> Iterator[IO]:
+    """Write `path` all or nothing: the block writes a temporary file in the same directory (a hidden
+    name: no glob of the directory picks it up), which is fsynced, given `mode` and renamed over `path`
+    when the block ends, then the directory is fsynced. On any exception the temporary file goes and
+    `path` is as it was."""
+    d = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.write("\n")
+        with os.fdopen(fd, "w" if text else "wb", encoding="utf-8" if text else None) as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
-    fsync_dir(os.path.dirname(path) or ".")
+    fsync_dir(d)
+
+
+def write_json_atomic(path: str, data: object, mode: int = 0o600) -> None:
+    with atomic_file(path, mode, text=True) as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
 
 
 def sha256_file(path: str, *, fsync: bool = False) -> tuple[int, str]:

@@ -78,6 +78,8 @@ def test_progress_reports_every_byte_written(tmp_path):
     written = [f["bytes"] for e, f in events if e == "bytes"]
     assert sum(written) == info["size"] == os.path.getsize(tmp_path / "a.tar")
     assert len(written) < 10  # coalesced, not one event per 512-byte tar header
+    assert os.stat(tmp_path / "a.tar").st_mode & 0o777 == 0o600  # it holds the processes' memory
+    assert sorted(os.listdir(tmp_path)) == ["a.tar", "store"]  # no temporary file left
 
 
 def test_corrupted_checkpoint_not_exported(tmp_path):

@@ -692,3 +692,19 @@ def test_restore_view_is_removed_after_an_error(store):
             raise Crash("restore failed")
     assert not os.path.exists(view)
     store.get("ck").verify()
+
+
+def test_atomic_file_all_or_nothing(tmp_path):
+    from migrt.store.fsutil import atomic_file
+
+    path = tmp_path / "f.conf"
+    path.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_file(str(path), 0o644, text=True) as fh:
+            fh.write("half")
+            raise RuntimeError("interrupted")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["f.conf"]   # untouched, no temporary left
+    with atomic_file(str(path), 0o640) as fh:
+        fh.write(b"new")
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["f.conf"]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
