@@ -270,6 +270,7 @@ def test_lazy_daemon_killed_during_restore(case, lazy_capable):
         recv.wait(SETTLE)
     finally:
         recv.stop()
+    print(f"[lazy daemon killed] the source ended {ended:.2f} s after the kill")
     assert rc != 0, text
     assert ended < 2 * STALL, f"the source took {ended:.1f} s to end"
     assert "resumed on this node" in text, text
@@ -300,6 +301,7 @@ def test_stuck_restore_is_killed_on_the_progress_deadline(case):
         recv.wait(SETTLE)
     finally:
         recv.stop()
+    print(f"[restore stopped] the source ended {ended:.2f} s after CRIU was stopped (stall {STALL} s)")
     assert rc == 5, text  # the target's RuntimeFailed, passed on
     assert "no progress for 3 s" in text and "resumed on this node" in text, text
     assert STALL <= ended < 3 * STALL, ended
@@ -378,6 +380,7 @@ def test_receive_killed(case, when):
         if restarted:
             restarted.stop()
         recv.stop()
+    print(f"[receive killed at {when}] migrate ended after {took:.2f} s (from its start), {survivor} runs")
     if when != "restore":
         assert survivor == "source" and rc == 9, text
     assert took < SETTLE + 10, text
@@ -424,6 +427,8 @@ def test_connection_cut(case, spec, lazy, expected, request):
         proxy.wait()
         recv.stop()
     cut = [json.loads(x) for x in proxy.stdout.read().splitlines() if x.startswith("{")]
+    print(f"[cut {spec}{' lazy' if lazy else ''}] migrate ended after {took:.2f} s (from its start), exit {rc}, "
+          f"{survivor} runs")
     assert cut and cut[0].get("cut"), f"the proxy did not cut: {cut}"
     assert survivor == expected, text
     assert (rc == 0) == (expected == "target"), text
