@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Restore time of a big CPU process: CRIU's eager copy against migrt's page filler, side by side.
 
-    python bench/restore_fill.py [--sizes 2,4] [--runs 3] [--threads 1,2] [--json-out PATH]
+    python bench/restore_fill.py [--sizes 2,4] [--runs 3] [--threads 1,2] [--raw] [--json-out PATH]
 
 For each size (GiB of anonymous memory): `memhog N` (bench/memhog.c, every page touched, xorshift
 data) runs under plain runc and is checkpointed once with `migrt checkpoint` into a private store on
@@ -15,6 +15,10 @@ is done, in both modes), `runc restore` (until the process runs again), the fill
 in, after runc returned), the total, and the filler's own time (from its first background copy, which
 starts when CRIU reaches post-restore, to the last). After every restore
 SIGUSR1 makes memhog hash its memory again: it must print the checksum it printed before the dump.
+
+--raw measures the same restores without migrt's own steps: `runc restore` of a hard-link view of
+the images, eagerly or with --lazy-pages and the page filler driven through its API (what bounds
+the memory part alone; migrt's restores add the checkpoint's verification, which holds the tree).
 
 Prints a table of medians with the ratios eager/lazy (memory phase: runc restore + fill; and until
 the process runs), writes JSON (default bench/results/restore_fill.json) and, last:
@@ -165,6 +169,54 @@ def restore_once(lab: Lab, name: str, want: str, mode: str) -> dict:
             os.unlink(out)
 
 
+def restore_raw(lab: Lab, name: str, want: str, mode: str, threads: int) -> dict:
+    """The same restore without migrt's own steps (verify, gate): `runc restore` of a hard-link view
+    of the checkpoint's images, eagerly, or with --lazy-pages and the page filler (its API)."""
+    from migrt.pagefill import PageFill
+
+    cid = f"rf-raw-{uuid.uuid4().hex[:6]}"
+    out = os.path.join(lab.base, f"{cid}.out")
+    images = os.path.join(lab.store, name, "images")
+    view = tempfile.mkdtemp(prefix="view-", dir=lab.store)
+    work = tempfile.mkdtemp(prefix="work-", dir=lab.base)
+    for f in os.listdir(images):
+        os.link(os.path.join(images, f), os.path.join(view, f))
+    bundle = lab.bundle(f"b-{cid}", ["true"])
+    fill = None
+    try:
+        t0 = time.monotonic()
+        if mode == "lazy":
+            fill = PageFill.start(images, threads=threads)
+            fill.link(work)
+        with open(os.devnull, "rb") as devnull, open(out, "wb") as fh:
+            rc = subprocess.run(["runc", "--root", lab.root, "restore", "--detach", "--bundle", bundle, "--image-path",
+                                 view, "--work-path", work, "--pid-file", os.path.join(work, "pid"), cid]
+                                + (["--lazy-pages"] if fill else []), stdin=devnull, stdout=fh, stderr=fh).returncode
+        resume = time.monotonic() - t0
+        if rc:
+            raise RuntimeError(f"runc restore ({mode}) failed: {open(out).read()[-800:]}")
+        pid = int(open(os.path.join(work, "pid")).read())
+        st = {}
+        if fill:
+            fill.restored(pid)
+            st = fill.wait(timeout=600)
+        full = time.monotonic() - t0
+        os.kill(pid, signal.SIGUSR1)
+        got = wait_line(out, "sum ", 600).split()[1]
+        if got != want:
+            raise RuntimeError(f"checksum mismatch after a raw {mode} restore: {got} != {want}")
+        return {"mode": mode, "runc_restore_s": round(resume, 3), "memory_s": round(full, 3),
+                "fill_s": round(full - resume, 3), "filler_s": st.get("fill_s"), "checksum_ok": True}
+    finally:
+        if fill:
+            fill.detach()
+        lab.runc("delete", "--force", cid)
+        for d in (view, work, bundle):
+            shutil.rmtree(d, ignore_errors=True)
+        if os.path.exists(out):
+            os.unlink(out)
+
+
 def _f(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
@@ -180,6 +232,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", default="1,2", help="fill_threads values for the lazy restores (default 1,2)")
     ap.add_argument("--json-out", default=DEFAULT_JSON)
+    ap.add_argument("--raw", action="store_true",
+                    help="runc restore of the images without migrt's verify and gate (eager vs --lazy-pages + filler)")
     a = ap.parse_args()
     sizes = [float(x) for x in a.sizes.split(",")]
     threads = [int(x) for x in a.threads.split(",")]
@@ -199,11 +253,15 @@ def main() -> int:
                 modes = ["eager"] + [f"lazy/{t}" for t in threads]
                 for i in range(a.runs):
                     for mode in modes:
-                        lab.threads(int(mode.split("/")[1]) if "/" in mode else 0)
-                        r = restore_once(lab, name, want, "eager" if mode == "eager" else "lazy")
+                        t = int(mode.split("/")[1]) if "/" in mode else 0
+                        lab.threads(t)
+                        if a.raw:
+                            r = restore_raw(lab, name, want, "eager" if mode == "eager" else "lazy", t)
+                        else:
+                            r = restore_once(lab, name, want, "eager" if mode == "eager" else "lazy")
                         runs.setdefault(mode, []).append(r)
                         log(f"  {gib:g} GiB run {i + 1} {mode:8s} runc {r['runc_restore_s']:.2f} s  fill {r['fill_s']:.2f} s"
-                            f"  memory {r['memory_s']:.2f} s  total {r['total_s']:.2f} s")
+                            f"  memory {r['memory_s']:.2f} s  total {_f(r.get('total_s'))} s")
             finally:
                 subprocess.run([CLI, "rm", name], capture_output=True, env=lab.env, timeout=300)
             results["sizes"][str(gib)] = runs
@@ -226,15 +284,15 @@ def main() -> int:
     print(f"{'GiB':>4} {'mode':8} {'verify':>7} {'hash':>6} {'resume':>7} {'fill':>6} {'memory':>7} {'total':>7} "
           f"{'x eager':>8} {'resume x':>9} {'filler':>7}   (medians of {a.runs}, s; memory = resume + fill after it)")
     for r in rows:
-        print(f"{r['gib']:>4g} {r['mode']:8} {r['verify_s']:>7.2f} {_f(r['hash_s']):>6} {r['resume_s']:>7.2f} "
-              f"{r['fill_s']:>6.2f} {r['memory_s']:>7.2f} {r['total_s']:>7.2f} {r['x_vs_eager']:>8} "
+        print(f"{r['gib']:>4g} {r['mode']:8} {_f(r['verify_s']):>7} {_f(r['hash_s']):>6} {r['resume_s']:>7.2f} "
+              f"{r['fill_s']:>6.2f} {r['memory_s']:>7.2f} {_f(r['total_s']):>7} {r['x_vs_eager']:>8} "
               f"{r['resume_x_vs_eager']:>9} {_f(r['filler_s']):>7}")
     if not rows:
         return 1
     top = max(r["gib"] for r in rows)
     eager = next(r for r in rows if r["gib"] == top and r["mode"] == "eager")
     lazy = [r for r in rows if r["gib"] == top and r["mode"] != "eager"][-1]
-    print(f"restore_fill gb={top:g} eager_s={eager['memory_s']} lazy_s={lazy['memory_s']} "
+    print(f"restore_fill{' raw' if a.raw else ''} gb={top:g} eager_s={eager['memory_s']} lazy_s={lazy['memory_s']} "
           f"resume_s={lazy['resume_s']} speedup={lazy['x_vs_eager']}")
     return 0
 

@@ -133,10 +133,10 @@ class Task:
 class Seg:
     """A remaining range of one task: [start, end), filled from `offset` of its pages file. A range
     leaves its task's list (alive=False) when done, cut or moved; the heap may still hold it."""
-    __slots__ = ("start", "end", "offset", "alive")
+    __slots__ = ("start", "end", "offset", "alive", "inherited")
 
-    def __init__(self, start: int, end: int, offset: int) -> None:
-        self.start, self.end, self.offset, self.alive = start, end, offset, True
+    def __init__(self, start: int, end: int, offset: int, inherited: bool = True) -> None:
+        self.start, self.end, self.offset, self.alive, self.inherited = start, end, offset, True, inherited
 
     @property
     def length(self) -> int:
@@ -152,12 +152,12 @@ def _drop(segs: list[Seg], a: int, b: int) -> list[Seg]:
     out = []
     for s in segs:
         if s.end <= a or s.start >= b:
-            out.append(Seg(s.start, s.end, s.offset))
+            out.append(Seg(s.start, s.end, s.offset, s.inherited))
             continue
         if s.start < a:
-            out.append(Seg(s.start, a, s.offset))
+            out.append(Seg(s.start, a, s.offset, s.inherited))
         if s.end > b:
-            out.append(Seg(b, s.end, s.offset + (b - s.start)))
+            out.append(Seg(b, s.end, s.offset + (b - s.start), s.inherited))
     return out
 
 
@@ -168,7 +168,7 @@ def _remap(segs: list[Seg], frm: int, to: int, length: int) -> list[Seg]:
     for s in segs:
         a, b = max(s.start, frm), min(s.end, end)
         if a < b:
-            out.append(Seg(a + delta, b + delta, s.offset + (a - s.start)))
+            out.append(Seg(a + delta, b + delta, s.offset + (a - s.start), s.inherited))
     return sorted(out, key=_start)
 
 
@@ -252,7 +252,7 @@ class Filler:
         with self.state:
             t = Task(id=tid, vpid=vpid, fd=fd, pages=pages, segs=[], lazy_bytes=proc.lazy_bytes)
             self.tasks[tid] = t
-            self._set_segs(t, [Seg(s.start, s.end, s.offset) for s in proc.segments])
+            self._set_segs(t, [Seg(s.start, s.end, s.offset, s.inherited) for s in proc.segments])
             self._check_done(t)
 
     def _check_done(self, t: Task) -> None:
@@ -269,7 +269,7 @@ class Filler:
             pass
 
     # -- copy threads ----------------------------------------------------------------------------
-    def _take(self) -> tuple[Task, int, int, int] | None:
+    def _take(self) -> tuple[Task, int, int, int, bool] | None:
         """Under self.state: the next background chunk, biggest remaining range first."""
         if not self.copying:
             return None
@@ -285,7 +285,7 @@ class Filler:
         self.current = cur
         t, s = cur
         n = min(CHUNK, s.length)
-        job = (t, s.start, n, s.offset)
+        job = (t, s.start, n, s.offset, s.inherited)
         s.start += n
         s.offset += n
         if s.length <= 0:
@@ -294,7 +294,7 @@ class Filler:
         t.inflight += 1
         return job
 
-    def _copy(self, t: Task, start: int, n: int, offset: int) -> int:
+    def _copy(self, t: Task, start: int, n: int, offset: int, inherited: bool = True) -> int:
         """Holding the lock shared: copy, then account for what happened. Returns the errno."""
         if self.fault_after is not None and self.copied >= self.fault_after:
             os.kill(os.getpid(), signal.SIGKILL)  # test seam: the filler dies mid-way
@@ -308,18 +308,21 @@ class Filler:
             t.copied += done
             self.copied += done
             if err:
-                self._copy_failed(t, start + done, n - done, offset + done, err)
+                self._copy_failed(t, start + done, n - done, offset + done, err, inherited)
             self._check_done(t)
         return err
 
-    def _copy_failed(self, t: Task, start: int, n: int, offset: int, err: int) -> None:
+    def _copy_failed(self, t: Task, start: int, n: int, offset: int, err: int, inherited: bool) -> None:
         if err == errno.EAGAIN:        # the address space is changing: give the range back
             self.counts["eagain"] += 1
-            self._insert(t, Seg(start, start + n, offset))
+            self._insert(t, Seg(start, start + n, offset, inherited))
         elif err == errno.EEXIST:      # a page already there: skip it
             self.counts["eexist"] += 1
             if n > PAGE:
-                self._insert(t, Seg(start + PAGE, start + n, offset + PAGE))
+                self._insert(t, Seg(start + PAGE, start + n, offset + PAGE, inherited))
+        elif err == errno.ENOENT and t.forked_from is not None:
+            # a fork child without this mapping (MADV_DONTFORK set after the restore): nothing to fill
+            self.counts["child_unmapped"] = self.counts.get("child_unmapped", 0) + 1
         elif err in (errno.ESRCH, errno.ENOSPC):  # the task has exited
             self._set_segs(t, [])
         else:
@@ -402,12 +405,12 @@ class Filler:
             a, b = addr, min(seg.end, addr + FAULT_WINDOW)
         off = seg.offset + (a - seg.start)
         if b < seg.end:
-            self._insert(t, Seg(b, seg.end, seg.offset + (b - seg.start)))
+            self._insert(t, Seg(b, seg.end, seg.offset + (b - seg.start), seg.inherited))
         seg.end = a
         if seg.length <= 0:
             self._remove(t, seg)
         t.inflight += 1
-        return ("copy", t, a, b - a, off, addr)
+        return ("copy", t, a, b - a, off, addr, seg.inherited)
 
     def _on_remove(self, t: Task, m: uffd.Msg) -> None:
         """Under self.state and the exclusive lock. REMOVE (madvise DONTNEED/REMOVE) keeps the VMA:
@@ -435,18 +438,21 @@ class Filler:
             self.guard.sendmsg([f"K {tid}".encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fd.to_bytes(4, "little"))])
         except OSError:
             pass  # the guard is gone: we are the only holder now
+        # MADV_DONTFORK ranges: the child has no such mapping; MADV_WIPEONFORK ones: the child must
+        # read zeros there (its faults get zero pages, as ranges outside every segment do)
+        segs = [Seg(s.start, s.end, s.offset, True) for s in parent.segs if s.inherited]
         child = Task(id=tid, vpid=parent.vpid, fd=fd, pages=parent.pages, segs=[],
-                     lazy_bytes=sum(s.length for s in parent.segs), forked_from=parent.id)
+                     lazy_bytes=sum(s.length for s in segs), forked_from=parent.id)
         self.tasks[tid] = child
-        self._set_segs(child, [Seg(s.start, s.end, s.offset) for s in parent.segs])
+        self._set_segs(child, segs)
         self._check_done(child)
 
     def _serve(self, jobs: list[tuple]) -> None:
         """Holding the lock shared: the copies and zero pages that faults need."""
         for job in jobs:
             if job[0] == "copy":
-                _, t, a, n, off, addr = job
-                if self._copy(t, a, n, off) == errno.EAGAIN:
+                _, t, a, n, off, addr, inherited = job
+                if self._copy(t, a, n, off, inherited) == errno.EAGAIN:
                     with self.state:
                         self.retry.append((t, addr))  # decided again after the pending event
                 continue

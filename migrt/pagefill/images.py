@@ -25,6 +25,7 @@ PAGE = 4096
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
 VMA_AREA_VSYSCALL, VMA_AREA_VDSO = 1 << 2, 1 << 3
+MADV_DONTFORK, MADV_WIPEONFORK = 10, 18  # VmaEntry.madv holds 1 << MADV_* of what the VMA had
 _MAGIC_COMMON, _MAGIC_SERVICE = 0x54564319, 0x55105940
 
 
@@ -108,6 +109,12 @@ class Vma:
     end: int
     flags: int
     status: int
+    madv: int = 0
+
+    @property
+    def inherited(self) -> bool:
+        """Does a fork child get this VMA's contents (not MADV_DONTFORK, not MADV_WIPEONFORK)?"""
+        return not self.madv & (1 << MADV_DONTFORK | 1 << MADV_WIPEONFORK)
 
     @property
     def lazy(self) -> bool:
@@ -147,7 +154,7 @@ def read_vmas(images: str, pid: int) -> list[Vma]:
         if num == 14 and isinstance(raw, bytes):
             f = dict(_fields(raw))
             vmas.append(Vma(start=int(f.get(1, 0)), end=int(f.get(2, 0)), flags=int(f.get(6, 0)),
-                            status=int(f.get(7, 0))))
+                            status=int(f.get(7, 0)), madv=int(f.get(9, 0))))
     return sorted(vmas, key=lambda v: v.start)
 
 
@@ -158,6 +165,7 @@ class Segment:
     start: int
     end: int
     offset: int
+    inherited: bool = True  # a fork child has these pages too (see Vma.inherited)
 
     @property
     def length(self) -> int:
@@ -213,7 +221,7 @@ def process_plan(images: str, pid: int) -> ProcessPlan:
                 if vma.flags & MAP_HUGETLB:
                     raise ImageError(f"process {pid}: lazy pages in a hugetlbfs VMA at {start:#x}")
                 stop = min(end, vma.end)
-                _append(plan.segments, Segment(start, stop, offset + (start - e.vaddr)), vma)
+                _append(plan.segments, Segment(start, stop, offset + (start - e.vaddr), vma.inherited), vma)
                 start = stop
         if e.flags & PE_PRESENT and not e.flags & PE_PARENT:
             offset += length

@@ -6,7 +6,9 @@
  * xorshift data (a seed per process) and print "ready <i> <fnv1a-64>". Then, every few ms, each:
  *   - forks a child that checks 64 slices of the data against their hashes (exit 0 if equal),
  *   - madvise(MADV_DONTNEED)s a 1 MiB scratch area and checks it reads as zeros, then refills it,
- *   - mremap()s a 2 MiB area to another place and back, checking its hash each time.
+ *   - mremap()s a 2 MiB area to another place and back, checking its hash each time;
+ * and it keeps a 1 MiB MADV_WIPEONFORK area (each fork child checks it reads as zeros) and a 1 MiB
+ * MADV_DONTFORK area (checked by the process itself), both full of data.
  * Any mismatch is counted. On SIGUSR1 each process hashes its data again and prints
  * "sum <i> <fnv> bad=<n> forks=<n> loops=<n>" (the first process passes the signal on).
  * Built static at test time (gcc -static -O2) into a busybox rootfs.
@@ -26,6 +28,7 @@
 #define SLICE (64 << 10)
 #define SCRATCH (1 << 20)
 #define MOVER (2 << 20)
+#define SIDE (1 << 20)
 
 static volatile sig_atomic_t want_sum;
 static pid_t kids[64];
@@ -75,6 +78,12 @@ static void run(int idx, size_t mib)
 	unsigned char *spare = map(MOVER); /* where mover goes and comes back from */
 	fill((uint64_t *)mover, MOVER / 8, 12345 + idx);
 	uint64_t mover_hash = fnv(mover, MOVER);
+	unsigned char *wipe = map(SIDE), *nofork = map(SIDE);
+	fill((uint64_t *)wipe, SIDE / 8, 777 + idx);
+	fill((uint64_t *)nofork, SIDE / 8, 999 + idx);
+	uint64_t nofork_hash = fnv(nofork, SIDE);
+	if (madvise(wipe, SIDE, MADV_WIPEONFORK) || madvise(nofork, SIDE, MADV_DONTFORK))
+		perror("madvise");
 	printf("ready %d %016llx\n", idx, (unsigned long long)fnv(data, bytes));
 	fflush(stdout);
 	unsigned long bad = 0, forks = 0, loops = 0;
@@ -85,6 +94,9 @@ static void run(int idx, size_t mib)
 			for (int s = 0; s < SLICES; s++)
 				if (fnv(data + s * stride, SLICE < stride ? SLICE : stride) != slice_hash[s])
 					_exit(1);
+			for (size_t i = 0; i < SIDE; i += 4096)
+				if (wipe[i] != 0)
+					_exit(2);
 			_exit(0);
 		}
 		if (c > 0) {
@@ -94,6 +106,8 @@ static void run(int idx, size_t mib)
 			if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
 				bad++;
 		}
+		if (fnv(nofork, SIDE) != nofork_hash)
+			bad++;
 		memset(scratch, 0xab, SCRATCH);
 		madvise(scratch, SCRATCH, MADV_DONTNEED);
 		for (size_t i = 0; i < SCRATCH; i += 4096)

@@ -72,6 +72,17 @@ def test_plan_offsets_skip_eager_pages_and_split_at_vma_boundaries(tmp_path):
     assert plan.lazy_bytes == 6 * PAGE
 
 
+def test_plan_marks_dontfork_and_wipeonfork_ranges_as_not_inherited(tmp_path):
+    base = 0x7F0000000000
+    vmas = [_vma(base, base + 4 * PAGE), _vma(base + 4 * PAGE, base + 8 * PAGE),
+            _vma(base + 8 * PAGE, base + 12 * PAGE)]
+    vmas[1]["madv"] = 1 << images.MADV_DONTFORK
+    vmas[2]["madv"] = 1 << images.MADV_WIPEONFORK
+    entries = [_pm(base, 12, "PE_LAZY | PE_PRESENT")]
+    segs = images.plan(make_images(tmp_path, vmas, entries)).processes[1].segments
+    assert [(s.start - base, s.inherited) for s in segs] == [(0, True), (4 * PAGE, False), (8 * PAGE, False)]
+
+
 def test_plan_merges_contiguous_entries_inside_one_vma(tmp_path):
     base = 0x7F0000000000
     entries = [_pm(base + i * 4 * PAGE, 4, "PE_LAZY | PE_PRESENT") for i in range(4)]
