@@ -67,10 +67,17 @@ def start(decision: dict, images: str, *, container_id: str, root: str, runc_log
     there while the checkpoint's pages are still being hashed): the filler starts copying then."""
     if decision["mode"] != "lazy":
         return None
+    from migrt.errors import RuntimeFailed
     from migrt.pagefill import PageFill
 
-    return PageFill.start(images, threads=decision["threads"], container_id=container_id, root=root,
-                          runc_log=runc_log, log_format=log_format, log_file=log_file, post_restore=post_restore)
+    try:
+        return PageFill.start(images, threads=decision["threads"], container_id=container_id, root=root,
+                              runc_log=runc_log, log_format=log_format, log_file=log_file, post_restore=post_restore)
+    except RuntimeFailed as exc:
+        if decision["requested"] == "lazy":
+            raise
+        decision.update(mode="eager", reason=f"the page filler could not start ({exc}); copied eagerly")
+        return None
 
 
 def after_restore(fill, decision: dict, pid: int, timings: dict, *, wait: bool) -> None:

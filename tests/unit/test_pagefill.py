@@ -345,3 +345,20 @@ def test_rwlock_lets_a_waiting_writer_in_before_new_readers():
     w.join(5)
     r.join(5)
     assert order == ["w", "r"]
+
+
+def test_a_filler_that_cannot_start_falls_back_to_eager_under_auto_only(monkeypatch):
+    from migrt.errors import RuntimeFailed
+    from migrt.pagefill import session
+
+    def boom(*a, **kw):
+        raise RuntimeFailed("cannot start the page filler: no /run")
+
+    monkeypatch.setattr(session.PageFill, "start", classmethod(lambda cls, *a, **kw: boom()))
+    auto = {"mode": "lazy", "requested": "auto", "threads": 2}
+    assert pages_mod.start(auto, "/x", container_id="c", root="/r", runc_log=None, log_format="json",
+                           log_file=None) is None
+    assert auto["mode"] == "eager" and "could not start" in auto["reason"]
+    with pytest.raises(RuntimeFailed):
+        pages_mod.start({"mode": "lazy", "requested": "lazy", "threads": 2}, "/x", container_id="c", root="/r",
+                        runc_log=None, log_format="json", log_file=None)
