@@ -33,7 +33,7 @@ def push(name, reference, fmt, as_json):
     if as_json:
         emit_json(out)
         return
-    click.echo(f"  sent {human_size(out['bytes_sent'])}, {human_size(out['blobs_skipped'])} already in the registry, "
+    click.echo(f"  sent {human_size(out['bytes_sent'])}, {human_size(out['bytes_skipped'])} already in the registry, "
                f"{out['seconds']:.2f} s", err=True)
     click.echo(f"{out['reference']}@{out['digest']}")
 

@@ -46,7 +46,7 @@ def push(cfg: Config, name: str, reference: str, *, fmt: str = "migrt", progress
         finally:
             client.close()
     st = client.stats
-    result.update(checkpoint=name, reference=str(ref), format=fmt, bytes_sent=st.sent, blobs_skipped=st.skipped,
+    result.update(checkpoint=name, reference=str(ref), format=fmt, bytes_sent=st.sent, bytes_skipped=st.skipped,
                   requests=st.requests, retries=st.retries, seconds=round(time.monotonic() - t_start, 3))
     return result
 
