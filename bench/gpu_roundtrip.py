@@ -485,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
             with Thp(thp):
                 for kind in args.rows.split(","):
                     for gb in sizes_for(args, kind):
-                        need = gb * (6 if kind == "gpu" else 4) + 20  # start + one run of each path, roughly
+                        npaths = 2 + bool(args.raw_huge_images) + len([m for m in (args.restore_pages or "").split(",") if m])
+                        # start + one run of each path, roughly (H100: ~3 s/GiB per GPU path, ~2 per CPU path)
+                        need = gb * (3 if kind == "gpu" else 2) * npaths + 20
                         if budget.left() < need:
                             results.append({"gb": gb, "thp": thp, "kind": kind, "raw": [], "migrt": [], "paths": [],
                                             "errors": [f"skipped: {budget.left():.0f} s of the time budget left, "
