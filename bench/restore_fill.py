@@ -57,13 +57,14 @@ DEFAULT_JSON = os.path.join(REPO, "bench", "results", "restore_fill.json")
 
 
 class Lab:
-    def __init__(self, base: str, store: str) -> None:
+    def __init__(self, base: str, store: str, memhog: str | None = None) -> None:
         self.base, self.store = base, store
         self.root = os.path.join(base, "runc-root")
         os.makedirs(self.root)
-        self.memhog = os.path.join(base, "memhog")
-        subprocess.run(["gcc", "-static", "-O2", "-o", self.memhog, os.path.join(REPO, "bench", "memhog.c")],
-                       check=True)
+        self.memhog = memhog or os.path.join(base, "memhog")
+        if not memhog:
+            subprocess.run(["gcc", "-static", "-O2", "-o", self.memhog, os.path.join(REPO, "bench", "memhog.c")],
+                           check=True)
         self.config = os.path.join(base, "config.yaml")
         self.env = {**os.environ, "MIGRT_CONFIG": self.config}
         self.env.pop("MIGRT_RESTORE_PAGES", None)
@@ -99,9 +100,10 @@ def wait_line(path: str, prefix: str, timeout: float) -> str:
     raise RuntimeError(f"no {prefix!r} line in {path} within {timeout} s")
 
 
-def checkpoint(lab: Lab, gib: float) -> tuple[str, str]:
+def checkpoint(lab: Lab, gib: float, raw: bool = False) -> tuple[str, str]:
     """(checkpoint name, memhog's checksum). memhog's stdout is a pipe (CRIU cannot dump a file
-    outside the container), drained by a thread."""
+    outside the container), drained by a thread. raw: `runc checkpoint` into <store>/<name>/images
+    (no migrt needed)."""
     tag = uuid.uuid4().hex[:6]
     src, name = f"rf-src-{tag}", f"rf-{tag}"
     bundle = lab.bundle(f"b-{src}", ["/bin/memhog", str(int(gib * 1024))])
@@ -132,8 +134,16 @@ def checkpoint(lab: Lab, gib: float) -> tuple[str, str]:
             raise RuntimeError(f"memhog did not get ready: {first!r}")
         ready = first[0].split()[1].decode()
         t0 = time.monotonic()
-        ck = lab.cli("checkpoint", src, "--root", lab.root, "--name", name)
-        log(f"  checkpoint {gib:g} GiB: {ck['size_bytes'] / GIB:.2f} GiB in {time.monotonic() - t0:.1f} s")
+        if raw:
+            images = os.path.join(lab.store, name, "images")
+            os.makedirs(images)
+            res = lab.runc("checkpoint", "--image-path", images, "--work-path", os.path.join(lab.base, f"w-{src}"), src)
+            if res.returncode:
+                raise RuntimeError(f"runc checkpoint failed: {res.stderr[-1500:]}")
+            size = sum(os.path.getsize(os.path.join(images, f)) for f in os.listdir(images))
+        else:
+            size = lab.cli("checkpoint", src, "--root", lab.root, "--name", name)["size_bytes"]
+        log(f"  checkpoint {gib:g} GiB: {size / GIB:.2f} GiB in {time.monotonic() - t0:.1f} s")
     finally:
         lab.runc("delete", "--force", src)
         shutil.rmtree(bundle, ignore_errors=True)
@@ -232,6 +242,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", default="1,2", help="fill_threads values for the lazy restores (default 1,2)")
     ap.add_argument("--json-out", default=DEFAULT_JSON)
+    ap.add_argument("--memhog", help="a prebuilt static memhog (default: built here with gcc)")
     ap.add_argument("--raw", action="store_true",
                     help="runc restore of the images without migrt's verify and gate (eager vs --lazy-pages + filler)")
     a = ap.parse_args()
@@ -239,7 +250,7 @@ def main() -> int:
     threads = [int(x) for x in a.threads.split(",")]
     base = tempfile.mkdtemp(prefix="migrt-rf-")
     store = tempfile.mkdtemp(prefix="migrt-rf-store-", dir="/dev/shm")
-    lab = Lab(base, store)
+    lab = Lab(base, store, a.memhog)
     rows, results = [], {"machine": machine(), "sizes": {}}
     try:
         for gib in sizes:
@@ -247,7 +258,7 @@ def main() -> int:
             if meminfo("MemAvailable") < need:
                 log(f"skip {gib:g} GiB: {meminfo('MemAvailable') >> 20} MiB available, {int(need) >> 20} MiB needed")
                 continue
-            name, want = checkpoint(lab, gib)
+            name, want = checkpoint(lab, gib, raw=a.raw)
             runs: dict[str, list[dict]] = {}
             try:
                 modes = ["eager"] + [f"lazy/{t}" for t in threads]
@@ -263,7 +274,10 @@ def main() -> int:
                         log(f"  {gib:g} GiB run {i + 1} {mode:8s} runc {r['runc_restore_s']:.2f} s  fill {r['fill_s']:.2f} s"
                             f"  memory {r['memory_s']:.2f} s  total {_f(r.get('total_s'))} s")
             finally:
-                subprocess.run([CLI, "rm", name], capture_output=True, env=lab.env, timeout=300)
+                if a.raw:
+                    shutil.rmtree(os.path.join(store, name), ignore_errors=True)
+                else:
+                    subprocess.run([CLI, "rm", name], capture_output=True, env=lab.env, timeout=300)
             results["sizes"][str(gib)] = runs
             eager = med(runs["eager"], "memory_s")
             for mode in modes:
