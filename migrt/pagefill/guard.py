@@ -296,7 +296,8 @@ class Guard:
         self._status_final("failed", error=why)
         if not self.aborted:  # else the caller reports the failed restore itself
             _runc_log(self.args.get("runc_log"), self.args.get("log_format") or "json", msg)
-        _migrt_log(self.args.get("log_file"), why, self.args.get("container_id"))
+        _migrt_log(self.args.get("log_file"), why, self.args.get("container_id"), self._status(),
+                   _tail(os.path.join(self.args.get("run_dir") or "", "guard.stderr")))
         if killed or self.aborted:  # aborted: the caller has removed the container already
             self._close_all()
         else:
@@ -304,6 +305,7 @@ class Guard:
             while self.fds and time.monotonic() < deadline:
                 time.sleep(1.0)
             self._close_all()
+        self._remove_run_dir()  # once the caller has read why (it is in migrt's log too)
         return 1
 
     def _find_init(self) -> None:
@@ -335,12 +337,15 @@ class Guard:
                 os.close(fd)
         self.fds.clear()
 
-    def _status_final(self, state: str, error: str | None = None) -> None:
+    def _status(self) -> dict:
         try:
             with open(self.status_path, encoding="utf-8") as fh:
-                data = json.load(fh)
+                return json.load(fh)
         except (OSError, ValueError):
-            data = {}
+            return {}
+
+    def _status_final(self, state: str, error: str | None = None) -> None:
+        data = self._status()
         data["state"] = state
         if error:
             data["error"] = error
@@ -427,11 +432,20 @@ def _runc_log(path: str | None, fmt: str, msg: str) -> None:
     runclog.append(path, "error", msg, log_format=fmt)
 
 
-def _migrt_log(path: str | None, why: str, cid: str | None) -> None:
+def _tail(path: str, lines: int = 20) -> list[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return [ln.rstrip() for ln in fh.read().splitlines() if ln.strip()][-lines:]
+    except OSError:
+        return []
+
+
+def _migrt_log(path: str | None, why: str, cid: str | None, status: dict, stderr: list[str]) -> None:
     if not path:
         return
     rec = {"event": "page_fill_failed", "level": "error", "component": "migrt-pagefill", "container": cid,
-           "error": why, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+           "error": why, "status": status, "stderr": stderr,
+           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with contextlib.suppress(OSError):
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(rec) + "\n")

@@ -3,8 +3,8 @@ link its socket into runc's work directory, tell it the restored init's pid, and
 processes (or just check on them) through its status file.
 
 The guard (guard.py) runs in its own session with /dev/null as stdio, so it outlives the shim's
-`create` and never holds the container's pipes; it removes its run directory when the fill is done
-and leaves it (status.json, guard.stderr) after a failure, for diagnosis.
+`create` and never holds the container's pipes; it removes its run directory once the fill is over
+and the caller has gone (after a failure, migrt's log keeps the status and the guard's stderr).
 """
 
 from __future__ import annotations

@@ -265,3 +265,43 @@ def test_doctor_says_whether_the_filler_can_work(stack, migrt_config):
     filler = checks["page filler (lazy restore)"]
     # this node (and CI) has userfaultfd with the fork/remap/remove/unmap events
     assert filler["status"] == "ok" and filler["detail"].startswith("usable"), filler
+
+
+def test_guard_killed_mid_fill_the_filler_finishes_alone(runc_root, migrt_config, binaries, tmp_path):
+    """The other half of the two-holder design: SIGKILL the guard while the (paced) fill runs; the
+    filler still holds every userfaultfd, completes, and the memory is intact."""
+    sid, did = _uid("gs"), _uid("gd")
+    src = _start(runc_root, sid, _bundle(str(tmp_path / "s"), ["/bin/memhog", "384"], binaries))
+    want = next(ln.split()[1] for ln in src.wait_for(lambda ls: any(ln.startswith("ready") for ln in ls))
+                if ln.startswith("ready"))
+    run_cli("checkpoint", sid, "--root", runc_root, "--name", "fill-guard")
+    dst = _bundle(str(tmp_path / "d"), ["true"], binaries, env=["MIGRT_RESTORE=fill-guard"])
+    r, w = os.pipe()
+    res = subprocess.run([SHIM, "--root", runc_root, "--log", str(tmp_path / "log.json"), "--log-format", "json",
+                          "create", "--bundle", dst, "--pid-file", os.path.join(dst, "init.pid"), did], cwd=dst,
+                         stdin=subprocess.DEVNULL, stdout=w, stderr=w, timeout=120,
+                         env={**os.environ, "MIGRT_RESTORE_PAGES": "lazy", "MIGRT_FILL_PACE_MIBS": "96"})
+    os.close(w)
+    assert res.returncode == 0
+    procs = [p for p in subprocess.run(["pgrep", "-f", "migrt.pagefill.guard"], capture_output=True,
+                                       text=True).stdout.split() if did in open(f"/proc/{p}/cmdline").read()]
+    # the guard and the filler it forked (same command line): the guard is the filler's parent
+    parents = {p: open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] for p in procs}
+    guards = [p for p in procs if parents[p] not in procs]
+    assert len(procs) == 2 and len(guards) == 1, parents
+    args = json.loads(open(f"/proc/{guards[0]}/cmdline").read().split("\0")[3])
+    status = json.load(open(args["status"]))
+    os.kill(int(guards[0]), signal.SIGKILL)
+    filler = status["filler_pid"]
+    end = time.monotonic() + 60
+    while os.path.exists(f"/proc/{filler}") and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{filler}"), "the filler did not finish after its guard died"
+    st = json.load(open(args["status"]))
+    assert st["state"] == "done" and st["copied_bytes"] >= 384 << 20
+    out = Lines(r)
+    os.kill(int(open(os.path.join(dst, "init.pid")).read()), signal.SIGUSR1)
+    lines = out.wait_for(lambda ls: any(ln.startswith("sum") for ln in ls))
+    assert next(ln.split()[1] for ln in lines if ln.startswith("sum")) == want
+    shutil.rmtree(args["run_dir"], ignore_errors=True)  # its guard, which removes it, was killed
+    run_cli("rm", "fill-guard")
