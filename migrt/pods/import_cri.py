@@ -221,7 +221,9 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
             try:
                 tar, raw_fd = _open_tar(raw)
             except tarfile.TarError as exc:
-                raise CheckpointInvalid(f"{archive}: not a tar archive ({exc})") from exc
+                # tarfile's own text lists every method it tried, one per line: one line is enough here
+                raise CheckpointInvalid(f"{archive}: not a tar archive (plain, gzip, zstd, bzip2 or xz) or an empty "
+                                        "file") from exc
             with tar:
                 for member in tar:
                     count += 1
@@ -279,8 +281,8 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
     except _stream_errors() as exc:
         raise CheckpointInvalid(f"{archive}: unreadable, truncated or corrupted tar archive ({exc})") from exc
     if out.images == 0:
-        raise CheckpointInvalid(f"{archive} has no {CHECKPOINT_DIR}/ directory with CRIU images: not a Kubernetes "
-                                "checkpoint archive (kubelet checkpoint API / CRI CheckpointContainer)")
+        raise CheckpointInvalid(f"{archive} has no {CHECKPOINT_DIR}/ directory with CRIU images: not a checkpoint "
+                                "archive (kubelet checkpoint API / CRI CheckpointContainer, podman checkpoint --export)")
     if not os.path.isfile(os.path.join(images_dir, "inventory.img")):
         raise CheckpointInvalid(f"{archive}: {CHECKPOINT_DIR}/inventory.img is missing (incomplete CRIU images)")
     missing = [m for m in REQUIRED_META if m not in out.meta]

@@ -291,7 +291,8 @@ def test_missing_checkpoint_dir_is_a_clear_error(migrt_env, tmp_path):
     res = invoke(archive, "--name", "nock", "--json")
     assert res.exit_code == 4
     assert "has no checkpoint/ directory with CRIU images" in res.stderr
-    assert "not a Kubernetes checkpoint archive" in res.stderr
+    assert "not a checkpoint archive (kubelet checkpoint API / CRI CheckpointContainer, podman checkpoint --export)" \
+        in res.stderr
     assert json.loads(res.stdout)["exit_code"] == 4
     _nothing_left(migrt_env.store)
 
@@ -334,6 +335,11 @@ def test_truncated_and_non_tar_archives(migrt_env, tmp_path):
     junk.write_bytes(b"this is not a tar archive" * 100)
     res = invoke(str(junk), "--name", "junk")
     assert res.exit_code == 4, res.output
+    assert res.stderr.count("\n") == 1 and "not a tar archive (plain, gzip, zstd, bzip2 or xz)" in res.stderr
+    empty = tmp_path / "empty.tar"
+    empty.write_bytes(b"")
+    res = invoke(str(empty), "--name", "empty")
+    assert res.exit_code == 4 and res.stderr.count("\n") == 1, res.output
     res = invoke(str(tmp_path / "absent.tar"), "--name", "absent")
     assert res.exit_code == 3, res.output
     _nothing_left(migrt_env.store)
