@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -42,6 +43,22 @@ def atomic_file(path: str, mode: int = 0o600, *, text: bool = False) -> Iterator
             os.unlink(tmp)
         raise
     fsync_dir(d)
+
+
+def lock_is_free(lock_path: str) -> bool:
+    """Nobody holds an flock on `lock_path` (or the file is gone): its owner ended or was killed.
+    A probe only: the lock is taken without waiting and let go at once."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: str, data: object, mode: int = 0o600) -> None:

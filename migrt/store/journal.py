@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator
 
 from migrt import faults
-from migrt.store.fsutil import fsync_dir, write_json_atomic
+from migrt.store.fsutil import fsync_dir, lock_is_free, write_json_atomic
 
 DIR = ".journal"
 
@@ -130,23 +130,9 @@ def entries(store_root: str) -> list[dict]:
         data = _read(os.path.join(d, n))
         if data is None:
             continue
-        data["stale"] = _is_stale(os.path.join(d, n[:-5] + ".lock"))
+        data["stale"] = lock_is_free(os.path.join(d, n[:-5] + ".lock"))
         out.append(data)
     return out
-
-
-def _is_stale(lock_path: str) -> bool:
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def take_stale(store_root: str) -> Iterator[Entry]:

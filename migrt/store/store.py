@@ -35,7 +35,7 @@ from migrt import names
 from migrt.errors import CheckpointInvalid, Conflict, MigrtError, NotFound
 from migrt.store import journal
 from migrt.store import manifest as mf
-from migrt.store.fsutil import fsync_dir, hash_tree, write_json_atomic
+from migrt.store.fsutil import fsync_dir, hash_tree, lock_is_free, write_json_atomic
 
 HIDDEN = (".staging", ".locks", ".tmp", journal.DIR, ".incomplete")
 READ_WAIT_S = 10.0    # a reader waits this long for a writer or remover of the same name
@@ -230,17 +230,7 @@ class Store:
             os.close(fd)
 
     def _locked(self, name: str) -> bool:
-        try:
-            fd = os.open(self._lock_path(name), os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+        return not lock_is_free(self._lock_path(name))
 
     @contextlib.contextmanager
     def reading(self, name: str, *, wait: float = READ_WAIT_S) -> Iterator[Checkpoint]:

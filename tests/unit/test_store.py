@@ -708,3 +708,21 @@ def test_atomic_file_all_or_nothing(tmp_path):
         fh.write(b"new")
     assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["f.conf"]
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+
+
+def test_lock_is_free_probes_without_taking_the_lock(tmp_path):
+    import fcntl
+
+    from migrt.store.fsutil import lock_is_free
+
+    path = str(tmp_path / "x.lock")
+    assert lock_is_free(path)                       # no file: nobody holds it
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    assert lock_is_free(path)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        # flock locks belong to the open file description: a probe from this process opens its own
+        assert not lock_is_free(path)
+    finally:
+        os.close(fd)
+    assert lock_is_free(path)
