@@ -139,6 +139,14 @@ if ! diff -rq -x __pycache__ "$pycriu_src" "$site/pycriu" >/dev/null 2>&1; then
     rm -rf "$site/pycriu"
     mv "$site/.pycriu.new" "$site/pycriu"
 fi
+# migrt once depended on the deprecated `pynvml` wrapper (12+), whose .pth import hook slows every
+# Python start in the venv; nvidia-ml-py (a dependency now) provides the pynvml module itself. Only
+# that wrapper goes (an old pynvml 11 that ships pynvml.py stays).
+if "$venv/bin/python" -c 'import importlib.metadata as m, sys
+names = {str(f) for f in (m.files("pynvml") or [])}
+sys.exit(0 if "_pynvml_redirector.pth" in names and "pynvml.py" not in names else 1)' 2>/dev/null; then
+    "$venv/bin/pip" uninstall -q -y pynvml >/dev/null 2>&1 || log "could not remove the deprecated pynvml wrapper"
+fi
 if [ "${MIGRT_DEV:-0}" = 1 ]; then
     "$venv/bin/pip" install -q -e "$here[test]"
 else
