@@ -34,7 +34,9 @@ def _page_filler_check(cfg, criu_uffd: bool) -> dict:
     if why:
         return _check("page filler (lazy restore)", "warn" if mode != "eager" else "ok",
                       f"not usable: {why}" + ("; restores copy eagerly" if mode == "auto" else ""),
-                      "restore_pages: lazy will fail; use auto or eager" if mode == "lazy" else "")
+                      ("restore_pages: lazy will fail here; use auto or eager" if mode == "lazy" else
+                       "nothing to do (restores copy eagerly); for faster restores: a kernel with CONFIG_USERFAULTFD "
+                       "and the fork/remap/remove/unmap events (Linux >= 4.11), run as root"))
     return _check("page filler (lazy restore)", "ok",
                   f"usable (restore_pages: {mode}" + (", set auto to use it" if mode == "eager" else "") + ")")
 

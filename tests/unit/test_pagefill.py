@@ -362,3 +362,19 @@ def test_a_filler_that_cannot_start_falls_back_to_eager_under_auto_only(monkeypa
     with pytest.raises(RuntimeFailed):
         pages_mod.start({"mode": "lazy", "requested": "lazy", "threads": 2}, "/x", container_id="c", root="/r",
                         runc_log=None, log_format="json", log_file=None)
+
+
+def test_doctor_check_of_the_filler(monkeypatch):
+    from migrt.node import doctor
+
+    cfg = Config(path="x")
+    monkeypatch.setattr(uffd, "usable", lambda: None)
+    ok = doctor._page_filler_check(cfg, True)
+    assert ok["status"] == "ok" and ok["detail"].startswith("usable (restore_pages: auto")
+    monkeypatch.setattr(uffd, "usable", lambda: "userfaultfd is not usable")
+    warn = doctor._page_filler_check(cfg, True)
+    assert warn["status"] == "warn" and "copy eagerly" in warn["detail"] and warn["fix"]
+    cfg.restore_pages = "lazy"
+    assert "will fail" in doctor._page_filler_check(cfg, True)["fix"]
+    cfg.restore_pages = "eager"
+    assert doctor._page_filler_check(cfg, True)["status"] == "ok"
