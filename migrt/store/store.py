@@ -257,6 +257,9 @@ class Store:
             entries = sorted(os.listdir(self.root))
         except FileNotFoundError:
             return []
+        except OSError as exc:  # not a directory, no permission (not root), an I/O error
+            raise StoreError(f"store {self.root} cannot be read: {exc.strerror or exc} (the config's 'store' must be "
+                             "a directory migrt owns; run 'migrt doctor')") from exc
         out = []
         for entry in entries:
             if entry.startswith(".") or not os.path.isdir(os.path.join(self.root, entry)):

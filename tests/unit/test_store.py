@@ -726,3 +726,13 @@ def test_lock_is_free_probes_without_taking_the_lock(tmp_path):
     finally:
         os.close(fd)
     assert lock_is_free(path)
+
+
+def test_list_of_a_store_that_is_not_a_directory_is_a_store_error(tmp_path):
+    from migrt.store.store import StoreError
+
+    not_dir = tmp_path / "file"
+    not_dir.write_text("x")
+    with pytest.raises(StoreError, match=r"store .*/file cannot be read: Not a directory"):
+        Store(str(not_dir)).list()
+    assert Store(str(tmp_path / "absent")).list() == []  # absent: empty, as before
