@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import click
 
@@ -212,7 +213,19 @@ def recover(wait_s, list_only, as_json):
     from migrt.ops import recover as recover_mod
 
     cfg = load_config(auto_recover=False)
-    outcomes = [] if list_only else recover_mod.recover(cfg, wait_s=wait_s)
+    outcomes = []
+    if not list_only:
+        stale = [e for e in recover_mod.describe(cfg)["journal"] if e.get("stale")]
+        progress = ConsoleProgress(enabled=None if not as_json else False)
+        if stale:  # helpers still at work can hold it for up to --wait seconds: say so before waiting
+            progress("phase", name="recover", entries=len(stale), wait_s=wait_s)
+            if progress.enabled and not progress.json:
+                click.echo(f"  {len(stale)} interrupted operation(s); waiting up to {wait_s:g} s for their runc/CRIU "
+                           "helpers to end", err=True)
+        t0 = time.monotonic()
+        outcomes = recover_mod.recover(cfg, wait_s=wait_s)
+        if stale:
+            progress("done", name="recover", seconds=round(time.monotonic() - t0, 3))
     left = recover_mod.describe(cfg)
     unfinished = [o for o in outcomes if o.status != "recovered"] + [e for e in left["journal"] if e.get("stale")]
     if as_json:

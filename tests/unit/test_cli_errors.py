@@ -95,3 +95,16 @@ def test_a_closed_stdout_ends_quietly(capfd):
         cmd(as_json=False)
     assert exc.value.code == 1
     assert capfd.readouterr().err == ""
+
+
+def test_recover_says_it_may_wait_before_waiting(migrt_env, monkeypatch):
+    from migrt.store import journal
+
+    journal.begin(str(migrt_env.store), "op-from-a-newer-migrt", container="c9").release()  # its owner is gone
+    monkeypatch.setenv("MIGRT_PROGRESS", "json")
+    res = invoke("recover", "--wait", "7")
+    assert res.exit_code == 6, res.output                    # an unknown operation is left as it is
+    events = [json.loads(line) for line in res.stderr.splitlines() if line.startswith("{")]
+    assert events[0]["progress"] == "phase" and events[0]["name"] == "recover"
+    assert events[0]["entries"] == 1 and events[0]["wait_s"] == 7
+    assert events[-1]["progress"] == "done"
