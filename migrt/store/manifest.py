@@ -32,16 +32,20 @@ def load(path: str, name: str) -> dict:
         raise CheckpointInvalid(f"checkpoint {name}: manifest.json is missing") from exc
     except (OSError, ValueError) as exc:
         raise CheckpointInvalid(f"checkpoint {name}: manifest.json is unreadable: {exc}") from exc
-    if not isinstance(data, dict) or any(k not in data for k in REQUIRED):
-        raise CheckpointInvalid(f"checkpoint {name}: manifest.json lacks required fields {REQUIRED}")
+    if not isinstance(data, dict):
+        raise CheckpointInvalid(f"checkpoint {name}: manifest.json is not a JSON object")
     schema = data.get("schema")
-    if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:  # JSON true is not 1
-        raise CheckpointInvalid(f"checkpoint {name}: manifest schema {schema!r} is invalid")
-    if schema > SCHEMA:
+    # a schema from the future first: its fields may differ, and "upgrade migrt" is the fix
+    if isinstance(schema, int) and not isinstance(schema, bool) and schema > SCHEMA:
         raise CheckpointInvalid(
             f"checkpoint {name}: manifest schema {schema} is newer than this migrt understands ({SCHEMA}); "
             "upgrade migrt"
         )
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise CheckpointInvalid(f"checkpoint {name}: manifest.json lacks required field(s) {', '.join(missing)}")
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:  # JSON true is not 1
+        raise CheckpointInvalid(f"checkpoint {name}: manifest schema {schema!r} is invalid")
     if data.get("name") != name:
         raise CheckpointInvalid(f"checkpoint {name}: manifest names {data.get('name')!r}; it was renamed or tampered with")
     if not isinstance(data["files"], dict):

@@ -625,7 +625,22 @@ def test_renamed_checkpoint_is_refused(store):
 def test_missing_required_field_is_refused(store, field):
     make(store, "ck")
     _rewrite_manifest(store, "ck", {field: None})
-    with pytest.raises(CheckpointInvalid, match="lacks required fields"):
+    with pytest.raises(CheckpointInvalid, match=rf"lacks required field\(s\) {field}$"):  # only what is missing
+        store.get("ck").manifest
+
+
+def test_future_schema_is_named_before_missing_fields(store):
+    make(store, "ck")  # a newer migrt's manifest may have other fields: "upgrade migrt" is the useful message
+    _rewrite_manifest(store, "ck", {"schema": mf.SCHEMA + 1, "files": None, "created": None})
+    with pytest.raises(CheckpointInvalid, match="newer than this migrt understands"):
+        store.get("ck").manifest
+
+
+def test_a_manifest_that_is_not_an_object(store):
+    make(store, "ck")
+    with open(os.path.join(store.root, "ck", "manifest.json"), "w") as fh:
+        fh.write("[1, 2]")
+    with pytest.raises(CheckpointInvalid, match="not a JSON object"):
         store.get("ck").manifest
 
 
