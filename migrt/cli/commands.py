@@ -272,11 +272,15 @@ def version(as_json):
     from migrt.criu.version import versions
     from migrt.errors import MigrtError
 
+    problem = None
     try:
         runtime = config.load().runtime_path()
-    except MigrtError:
-        runtime = "runc"
+    except MigrtError as exc:  # still useful (e.g. in a bug report), but not silently about another runtime
+        runtime, problem = "runc", str(exc)
+        click.echo(f"migrt: warning: {exc}; showing 'runc' from PATH instead", err=True)
     v = versions(runtime)
+    if problem:
+        v["config_error"] = problem
     if as_json:
         emit_json(v)
     else:

@@ -108,3 +108,16 @@ def test_recover_says_it_may_wait_before_waiting(migrt_env, monkeypatch):
     assert events[0]["progress"] == "phase" and events[0]["name"] == "recover"
     assert events[0]["entries"] == 1 and events[0]["wait_s"] == 7
     assert events[-1]["progress"] == "done"
+
+
+def test_version_says_when_the_config_names_another_runtime_than_the_one_shown(migrt_env, tmp_path, monkeypatch):
+    cfg = tmp_path / "rt.yaml"
+    cfg.write_text(f"runtime: {tmp_path / 'gone' / 'runc'}\n")
+    monkeypatch.setenv("MIGRT_CONFIG", str(cfg))
+    res = invoke("version", "--json")
+    assert res.exit_code == 0, res.output                     # versions stay available for bug reports
+    out = json.loads(res.stdout)
+    assert "gone/runc" in out["config_error"] and out["runtime_path"] == "runc"
+    assert "warning" in res.stderr and "showing 'runc' from PATH" in res.stderr
+    monkeypatch.setenv("MIGRT_CONFIG", str(migrt_env.config))
+    assert "config_error" not in json.loads(invoke("version", "--json").stdout)
