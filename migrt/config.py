@@ -129,6 +129,14 @@ def _flat_yaml(text: str) -> dict | None:
     return out or None
 
 
+def _yaml_where(exc) -> str:
+    """PyYAML's error in one line (its own text spans several, with a caret drawing): where and what."""
+    mark = getattr(exc, "problem_mark", None)
+    what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{where}: {' '.join((what or str(exc)).split())}"
+
+
 def load(path: str | None = None) -> Config:
     """Load and validate. A missing file means defaults; a broken one raises ConfigError."""
     path = path or config_path()
@@ -147,7 +155,7 @@ def load(path: str | None = None) -> Config:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config {path}: invalid YAML: {exc}") from exc
+            raise ConfigError(f"config {path}: invalid YAML{_yaml_where(exc)}") from exc
     cfg.loaded = True
     if data is None:
         return cfg

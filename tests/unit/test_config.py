@@ -105,6 +105,20 @@ def test_broken_config_is_a_config_error(tmp_path, text, match):
     assert path in str(info.value)
 
 
+@pytest.mark.parametrize("text, where", [
+    ("runtime: [unclosed\n", "at line 2, column 1: "),
+    ("store: /x\n  bad: indent\n", "at line 2, column 6: mapping values are not allowed here"),
+    ("\tbad: tab\n", "at line 1, column 1: "),
+])
+def test_invalid_yaml_is_one_line_with_where(tmp_path, text, where):
+    # the shim writes this message as one runc-shaped log line; PyYAML's own text spans several
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        config.load(path)
+    msg = str(info.value)
+    assert "\n" not in msg and f"invalid YAML {where}" in msg, msg
+
+
 def test_undecodable_config_is_a_config_error(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_bytes(b"store: /x\xff\n")
