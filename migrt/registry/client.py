@@ -36,6 +36,10 @@ from migrt.registry.reference import Reference
 BUF = 4 << 20
 MAX_MANIFEST = 4 << 20
 RETRIES = 3
+# Connecting (TCP and TLS handshake) gets less time than a request: a registry behind a firewall that
+# drops packets, or one that accepts and never answers, must not hold a pull (inside kubelet's 2-minute
+# StartContainer) for RETRIES+1 times the request timeout.
+CONNECT_TIMEOUT_S = 10.0
 MANIFEST_TYPES = (
     "application/vnd.oci.image.manifest.v1+json",
     "application/vnd.docker.distribution.manifest.v2+json",
@@ -43,6 +47,19 @@ MANIFEST_TYPES = (
     "application/vnd.docker.distribution.manifest.list.v2+json",
 )
 _TRANSIENT = (OSError, http.client.HTTPException, ssl.SSLError)
+
+
+class _Connection(http.client.HTTPSConnection):
+    """HTTPSConnection whose connect and TLS handshake are bounded by CONNECT_TIMEOUT_S; requests on it
+    then by the client's timeout."""
+
+    def connect(self) -> None:
+        request_timeout, self.timeout = self.timeout, min(self.timeout, CONNECT_TIMEOUT_S)
+        try:
+            super().connect()
+        finally:
+            self.timeout = request_timeout
+        self.sock.settimeout(request_timeout)
 
 
 @dataclass
@@ -122,7 +139,7 @@ class Client:
             conns = self._local.conns = {}
         conn = conns.get(host)
         if conn is None:
-            conn = http.client.HTTPSConnection(host, timeout=self.timeout, context=self.ctx, blocksize=1 << 20)
+            conn = _Connection(host, timeout=self.timeout, context=self.ctx, blocksize=1 << 20)
             conns[host] = conn
             with self._auth_lock:
                 self._all.append(conn)

@@ -113,3 +113,25 @@ def test_wrong_credentials_and_untrusted_ca(fake):
     c = Client(parse(f"{host}/team/ckpt:v1"), credentials=None, ca_file=None)
     with pytest.raises(RegistryError, match="not trusted.*registry_ca_file"):
         c.ping()  # the system CAs do not know this certificate: said at once, not retried
+
+
+def test_a_registry_that_never_answers_the_handshake_is_given_up_on_quickly(monkeypatch):
+    import socket
+    import time
+
+    from migrt.registry import client as client_mod
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts connections; nobody ever speaks TLS on them
+    monkeypatch.setattr(client_mod, "CONNECT_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(client_mod, "RETRIES", 1)
+    monkeypatch.setattr(client_mod.time, "sleep", lambda s: None)
+    c = Client(parse(f"127.0.0.1:{silent.getsockname()[1]}/team/ckpt:v1"), timeout=120)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RegistryError, match="connecting failed after 2 tries:.*timed out"):
+            c.ping()
+    finally:
+        silent.close()
+    assert time.monotonic() - t0 < 5          # 2 x the connect timeout, not 2 x the 120 s request timeout
