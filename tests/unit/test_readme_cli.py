@@ -62,3 +62,12 @@ def test_every_command_is_documented():
     documented = {path for path, _ in _rows()}
     missing = [" ".join(p) for p in _leaves(cli) if p not in documented]
     assert not missing, f"commands without a row in README's CLI reference: {missing}"
+
+
+def test_every_option_is_documented():
+    leaves = _leaves(cli)
+    for path, options in _rows():
+        for param in leaves[path].params:
+            names = [o for o in param.opts + param.secondary_opts if o.startswith("-")]
+            if names and "--help" not in names:
+                assert set(names) & options, f"'migrt {' '.join(path)}' has {names[0]}, missing from README's row"
