@@ -224,8 +224,19 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                 # tarfile's own text lists every method it tried, one per line: one line is enough here
                 raise CheckpointInvalid(f"{archive}: not a tar archive (plain, gzip, zstd, bzip2 or xz) or an empty "
                                         "file") from exc
+            done = 0
+
+            def advance(pos: int) -> None:
+                """Progress in archive bytes (compressed ones for a compressed archive), the unit of the
+                phase's total (the archive's size): member sizes would pass 100% on a compressed archive."""
+                nonlocal done
+                if pos > done:
+                    progress("bytes", name="extract", bytes=pos - done)
+                    done = pos
+
             with tar:
                 for member in tar:
+                    advance(member.offset if raw_fd is not None else raw.tell())
                     count += 1
                     if count > MAX_MEMBERS:
                         raise CheckpointInvalid(f"{archive}: more than {MAX_MEMBERS} members; not a checkpoint archive")
@@ -250,7 +261,6 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                         out.images += 1
                         out.image_bytes += n
                         out.written += n
-                        progress("bytes", name="extract", bytes=n)
                     elif len(parts) != 1:
                         out.ignored.append("/".join(parts))
                     elif top in META:
@@ -266,7 +276,6 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                             out.devshm = dest
                         n = _write_member(tar, member, dest, raw_fd)
                         out.written += n
-                        progress("bytes", name="extract", bytes=n)
                     elif top in (DUMP_LOG, STATS):
                         if member.size > MAX_LOG_BYTES:
                             out.ignored.append(top)
@@ -278,6 +287,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                             out.dump_log = dest
                     else:
                         out.ignored.append(top)
+            advance(os.fstat(raw.fileno()).st_size)
     except _stream_errors() as exc:
         raise CheckpointInvalid(f"{archive}: unreadable, truncated or corrupted tar archive ({exc})") from exc
     if out.images == 0:

@@ -127,6 +127,18 @@ def _nothing_left(store_root) -> None:
 
 # -- a good archive ---------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("gz", [False, True])
+def test_extract_progress_counts_archive_bytes_up_to_its_size(cfg, tmp_path, gz):
+    # the phase's total is the archive's size: compressed bytes for a compressed archive (member sizes
+    # went past 100% there)
+    archive = write_archive(tmp_path / "a.tar", base_entries(), gz=gz)
+    events = []
+    import_cri.import_archive(cfg, archive, name="p", progress=lambda e, **f: events.append((e, f)))
+    [total] = [f["total_bytes"] for e, f in events if e == "phase" and f["name"] == "extract"]
+    got = [f["bytes"] for e, f in events if e == "bytes" and f.get("name") == "extract"]
+    assert total == os.path.getsize(archive) and sum(got) == total and all(n > 0 for n in got)
+
+
 def test_inspect_of_an_import_names_its_origin_not_none(cfg, migrt_env, tmp_path):
     archive = write_archive(tmp_path / "web.tar", base_entries())
     assert invoke(archive).exit_code == 0
