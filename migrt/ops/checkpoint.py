@@ -141,7 +141,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                 t0 = time.monotonic()
                 layer = rootfs.capture(upper, staging.path, [m.get("destination", "") for m in bundle.mounts])
                 timings["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
-                total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(staging.images) for f in fs)
+                total = staging.payload_bytes()  # images, logs and the writable layer: what commit hashes
                 fields = _fields(req, root, state, bundle, bundle_dir, opts, layer, timings, created, runtime, est)
                 fields["op_id"] = journal.id  # recovery's proof that this commit is the interrupted one
                 fields["root_mode"] = root_mode

@@ -599,7 +599,7 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
     root_mode = recorded_root_mode(staging.images)
     if root_mode is not None:
         fields["root_mode"] = root_mode
-    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(staging.path) for f in fs)
+    total = staging.payload_bytes()
     progress("phase", name="commit", total_bytes=total)
     t0 = time.monotonic()
     data = staging.commit(fields, progress=lambda n: progress("bytes", name="commit", bytes=n))

@@ -120,6 +120,11 @@ class Staging:
         _mkdir(self.images)
         _mkdir(self.work)
 
+    def payload_bytes(self) -> int:
+        """What commit() will hash (every file but work/), e.g. the total of its progress."""
+        return sum(os.path.getsize(os.path.join(dirpath, f)) for dirpath, dirs, fs in os.walk(self.path)
+                   if not (dirpath == self.work or dirpath.startswith(self.work + os.sep)) for f in fs)
+
     def commit(self, fields: dict, *, progress: Callable[[int], None] | None = None,
                fault: Callable[[str], None] | None = None) -> dict:
         """Hash, fsync and publish. `fault(step)` is a test seam to simulate a crash between steps."""

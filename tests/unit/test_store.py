@@ -751,3 +751,16 @@ def test_list_of_a_store_that_is_not_a_directory_is_a_store_error(tmp_path):
     with pytest.raises(StoreError, match=r"store .*/file cannot be read: Not a directory"):
         Store(str(not_dir)).list()
     assert Store(str(tmp_path / "absent")).list() == []  # absent: empty, as before
+
+
+def test_payload_bytes_is_what_commit_hashes(store):
+    progressed = []
+    with store.writer("pb") as w:
+        for rel, n in (("images/pages-1.img", 5000), ("logs/dump.log", 300), ("rootfs-diff.tar", 1024),
+                       ("work/scratch", 777)):
+            os.makedirs(os.path.dirname(os.path.join(w.path, rel)), exist_ok=True)
+            with open(os.path.join(w.path, rel), "wb") as fh:
+                fh.write(b"x" * n)
+        total = w.payload_bytes()
+        data = w.commit({"created": "2026-11-24T08:00:00Z"}, progress=progressed.append)
+    assert total == 5000 + 300 + 1024 == data["size_bytes"] == sum(progressed)   # work/ is not part of it
