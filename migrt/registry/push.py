@@ -118,7 +118,9 @@ def _push_archive(cfg: Config, client: Client, store: Store, ckpt, ref: Referenc
         tar = os.path.join(tmp, "checkpoint.tar")
         progress("phase", name="archive", total_bytes=ckpt.manifest.get("size_bytes") or 0)
         t0 = time.monotonic()
-        info = export(ckpt, tar, verify=True)
+        info = export(ckpt, tar, verify=True,  # its bytes are this phase's; its own phase events are not
+                      progress=lambda event, **f: progress("bytes", name="archive", bytes=f["bytes"])
+                      if event == "bytes" else None)
         progress("done", name="archive", seconds=round(time.monotonic() - t0, 3))
         digest, size = info["sha256"], info["size"]
         _upload(cfg, client, {digest: (tar, 0, size)}, progress)

@@ -107,3 +107,26 @@ def test_import_reads_the_export(tmp_path):
     assert data["gpu"] == GPU
     assert data["source"]["cri"]["pod_namespace"] == "team"
     assert data["rootfs"]["captured"] and data["rootfs"]["deleted"] == 1 and data["rootfs"]["opaque"] == 1
+
+
+def test_push_cri_reports_the_archive_bytes_in_its_archive_phase(tmp_path, monkeypatch):
+    # migrt push --format cri builds the archive with export(): its bytes land in push's "archive" phase
+    from migrt.registry import push as push_mod
+
+    store = Store(str(tmp_path / "store"))
+    ckpt = _checkpoint(store)
+    events = []
+
+    class _Stop(Exception):
+        pass
+
+    def no_upload(*_a, **_k):
+        raise _Stop
+
+    monkeypatch.setattr(push_mod, "_upload", no_upload)
+    with pytest.raises(_Stop):
+        push_mod._push_archive(Config(path="", store=str(tmp_path / "store")), None, store, ckpt, None,
+                               lambda e, **f: events.append((e, f)))
+    names = [(e, f.get("name")) for e, f in events if e != "bytes"]
+    assert names == [("phase", "archive"), ("done", "archive")]            # export's own phase is not shown
+    assert sum(f["bytes"] for e, f in events if e == "bytes" and f["name"] == "archive") > 70 << 10
