@@ -6,6 +6,7 @@ import click
 
 from migrt.cli.group import cli, handle_errors, load_config
 from migrt.cli.render import ConsoleProgress, emit_json, human_size
+from migrt.errors import UsageError
 
 
 def _progress(as_json: bool) -> ConsoleProgress:
@@ -76,6 +77,9 @@ def export_cmd(name, output, as_json):
     from migrt.pods.export_cri import export
     from migrt.store import Store
 
+    if output == "-":  # not stdout: the archive is written beside its path and renamed into place
+        raise UsageError("-o -: export writes a file (atomically: renamed into place once complete); give a path, "
+                         f"e.g. -o /tmp/{name}.tar")
     cfg = load_config()
     store = Store(cfg.store)
     progress = _progress(as_json)

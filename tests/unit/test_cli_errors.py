@@ -121,3 +121,10 @@ def test_version_says_when_the_config_names_another_runtime_than_the_one_shown(m
     assert "warning" in res.stderr and "showing 'runc' from PATH" in res.stderr
     monkeypatch.setenv("MIGRT_CONFIG", str(migrt_env.config))
     assert "config_error" not in json.loads(invoke("version", "--json").stdout)
+
+
+def test_export_to_dash_is_refused_not_a_file_named_dash(migrt_env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = invoke("export", "c1", "-o", "-", "--json")
+    assert res.exit_code == 2 and "give a path" in _json_error(res)["error"]
+    assert not (tmp_path / "-").exists()
