@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -42,6 +43,11 @@ def test_pid_alive_counts_processes_not_threads():
 def test_cmdline_and_rss_of_a_process():
     proc = subprocess.Popen(["sleep", "30"])
     try:
+        # Popen returns once the child exists; its exec may still be under way (cmdline empty or the
+        # parent's for a moment): wait for it, bounded, then the helper must read the exec'd argv
+        deadline = time.monotonic() + 10
+        while store._cmdline(proc.pid) != ["sleep", "30"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert store._cmdline(proc.pid) == ["sleep", "30"]
         assert gpu_preempt._rss(proc.pid) > 0
     finally:
