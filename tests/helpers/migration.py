@@ -107,7 +107,7 @@ class Counter:
 class Receiver:
     """`migrt receive` in host B's network namespace."""
 
-    def __init__(self, nodes, hosts, port: int, *args: str, once: bool = True) -> None:
+    def __init__(self, nodes, hosts, port: int, *args: str, once: bool = True, env: dict | None = None) -> None:
         self.port = port
         self.dir = nodes["base"] / f"recv-{port}-{uuid.uuid4().hex[:4]}"
         self.dir.mkdir()
@@ -116,7 +116,7 @@ class Receiver:
         if once:
             argv.append("--once")
         with open(self.stdout, "wb") as out, open(self.stderr, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env_of(nodes["b"]))
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env or env_of(nodes["b"]))
         deadline = time.monotonic() + 20
         while b"listening on" not in self.stderr.read_bytes():
             assert self.proc.poll() is None, self.stderr.read_text()

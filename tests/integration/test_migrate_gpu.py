@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import time
@@ -21,6 +20,7 @@ import uuid
 import pytest
 
 from migrt.gpu import fakenode
+from tests.helpers import migration
 from tests.helpers.bundles import make_bundle
 from tests.helpers.twohosts import ADDR_B, in_ns, lazy_pipe_limit, two_hosts
 from tests.integration.conftest import CLI
@@ -77,68 +77,22 @@ def target_bundle(nodes, gpu: str = UB) -> str:
                        env=[f"NVIDIA_VISIBLE_DEVICES={gpu}"])
 
 
-class Counter:
+class Counter(migration.Counter):
     def __init__(self, nodes) -> None:
-        self.cid = f"gmig-{uuid.uuid4().hex[:6]}"
-        self.root = nodes["a"]["root"]
+        cid = f"gmig-{uuid.uuid4().hex[:6]}"
         # The shell, the container's init, is the one "CUDA process" (ns_init_only): what it forks holds no
         # GPU context, as a CUDA process's forks hold none.
-        bundle = make_bundle(str(nodes["base"] / "a" / f"bundle-{self.cid}"), ["sh", "-c", COUNTER],
+        bundle = make_bundle(str(nodes["base"] / "a" / f"bundle-{cid}"), ["sh", "-c", COUNTER],
                              env=[nodes["marker"], f"NVIDIA_VISIBLE_DEVICES={UA}"])
-        r_in, w_in = os.pipe()
-        self.r_out, w_out = os.pipe()
-        rc = subprocess.run(["runc", "--root", self.root, "run", "-d", "--bundle", bundle, self.cid], stdin=r_in,
-                            stdout=w_out, stderr=w_out, timeout=60).returncode
-        for fd in (r_in, w_in, w_out):
-            os.close(fd)
-        assert rc == 0
-        self.buf = b""
+        super().__init__(nodes["a"]["root"], bundle, cid)
         assert len(self.read_for(1.2)) >= 3
 
-    def read_for(self, seconds: float) -> list:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            ready, _, _ = select.select([self.r_out], [], [], 0.05)
-            if ready:
-                chunk = os.read(self.r_out, 65536)
-                if not chunk:
-                    break
-                self.buf += chunk
-        return parse_ticks(self.buf.decode(errors="replace"))
 
-    def status(self) -> str | None:
-        res = subprocess.run(["runc", "--root", self.root, "state", self.cid], capture_output=True, text=True)
-        return json.loads(res.stdout)["status"] if res.returncode == 0 else None
+class Receiver(migration.Receiver):
+    """`migrt receive --once` on host B, seeing host B's simulated GPU."""
 
-    def close(self) -> None:
-        os.close(self.r_out)
-
-
-class Receiver:
     def __init__(self, nodes, hosts, port: int, *args: str, env: dict | None = None) -> None:
-        d = nodes["base"] / f"recv-{port}-{uuid.uuid4().hex[:4]}"
-        d.mkdir()
-        self.stdout, self.stderr = d / "stdout", d / "stderr"
-        argv = in_ns(hosts["b"], CLI, "receive", "--listen", f"{ADDR_B}:{port}", "--json", "--once", *args)
-        with open(self.stdout, "wb") as out, open(self.stderr, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env or _env(nodes["b"]))
-        deadline = time.monotonic() + 20
-        while b"listening on" not in self.stderr.read_bytes():
-            assert self.proc.poll() is None, self.stderr.read_text()
-            assert time.monotonic() < deadline, "receiver did not start"
-            time.sleep(0.05)
-
-    def results(self) -> list[dict]:
-        return [json.loads(line) for line in self.stdout.read_text().splitlines() if line.startswith("{")]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().__init__(nodes, hosts, port, *args, env=env or _env(nodes["b"]))
 
 
 def migrate(nodes, hosts, port: int, cid: str) -> subprocess.CompletedProcess:
