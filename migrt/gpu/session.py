@@ -5,13 +5,18 @@ checkpoint all. On any failure every process already touched is brought back (re
 so the workload goes on, and the first error is raised with what the undo could not do.
 resume_all: restore all (onto other GPUs with a remap), then unlock all; every process is tried,
 and one error names every process that did not come back.
+resume_as_ready: the same, but each process's restore starts as soon as its host memory is in (a
+lazy restore fills it while the processes run; the driver reads it), several at once; the first
+failure stops it (see there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
+from migrt.errors import MigrtError
 from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuBackend, GpuError, Remap
 
 DEFAULT_LOCK_TIMEOUT_MS = 30_000
@@ -91,6 +96,71 @@ def resume_all(pids: list[int], backend: GpuBackend, remap: Remap | None = None,
             call=getattr(cause, "call", ""), pid=getattr(cause, "pid", None), code=getattr(cause, "code", None),
             details=[f"pid {p}: {e}" for p, e in failed.items() if e is not cause],
         ) from cause
+
+
+def resume_as_ready(pids: list[int], backend: GpuBackend, remap: Remap | None,
+                    ready: Callable[[list[int]], Iterable[int]], *, poll_s: float = 0.01,
+                    clock: Callable[[], float] = time.monotonic) -> dict[int, tuple[float, float]]:
+    """Restore each process once ready(waiting pids) names it, in parallel with the restores already
+    running, then unlock all (as resume_all: no process runs CUDA work before every one is restored).
+    ready() must not block; it raises when the memory can never come (the page filler failed).
+    Returns pid -> (clock() at its restore's start, seconds it took).
+
+    The first failure (a restore, or ready()) stops it: no further restore starts, those running
+    end, the processes restored so far are unlocked (as resume_all does with those that came back)
+    and one error is raised: the restore's GpuError, or ready()'s own error, with what happened to
+    each process in its details. The caller removes the container."""
+    pids = list(dict.fromkeys(pids))
+    waiting = list(pids)
+    spans: dict[int, tuple[float, float]] = {}
+    futures: dict[int, Future] = {}
+    memory_error: BaseException | None = None
+
+    def restore(pid: int) -> None:
+        t0 = clock()
+        try:
+            backend.restore(pid, remap)
+        finally:
+            spans[pid] = (t0, clock() - t0)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(pids), 32)), thread_name_prefix="migrt-gpu") as pool:
+        while waiting and not any(f.done() and f.exception() is not None for f in futures.values()):
+            try:
+                go = set(ready(list(waiting)))
+            except Exception as exc:  # noqa: BLE001 - re-raised below, once the restores in flight ended
+                memory_error = exc
+                break
+            for pid in [p for p in waiting if p in go]:
+                waiting.remove(pid)
+                futures[pid] = pool.submit(restore, pid)
+            if waiting:
+                time.sleep(poll_s)
+    failed = {pid: f.exception() for pid, f in futures.items() if f.exception() is not None}
+    restored = [p for p in pids if p in futures and p not in failed]
+    if memory_error is None and not failed:
+        failed = _each(restored, backend.unlock, True)
+        if not failed:
+            return spans
+        restored = []
+    undo = _each(restored, backend.unlock, True)
+    cause_pid = next((p for p in pids if p in failed), None)
+    details = [f"pid {p}: {e}" for p, e in failed.items() if p != cause_pid or memory_error is not None]
+    details += [f"pid {p}: restored, then unlocked" for p in restored if p not in undo]
+    details += [f"pid {p}: restored, unlock failed: {e}" for p, e in undo.items()]
+    details += [f"pid {p}: not restored (still checkpointed)" for p in waiting]
+    if memory_error is not None:
+        if isinstance(memory_error, MigrtError):
+            memory_error.details.extend(f"GPU restore: {d}" for d in details)
+            raise memory_error
+        raise GpuError(f"GPU restore of {len(pids)} process(es) stopped: {memory_error!r}",
+                       details=details) from memory_error
+    cause = failed[cause_pid]
+    raise GpuError(
+        f"GPU restore of {len(failed)} of {len(pids)} process(es) failed "
+        f"(pids {', '.join(str(p) for p in pids if p in failed)}): {cause}",
+        call=getattr(cause, "call", ""), pid=getattr(cause, "pid", None), code=getattr(cause, "code", None),
+        details=details,
+    ) from cause
 
 
 def resume_if_needed(pids: list[int], backend: GpuBackend, *, parallel: bool = True) -> None:

@@ -6,7 +6,8 @@ Checkpoint:  suspend(...) finds the container's live CUDA processes; if any, loc
              container must keep running (--leave-running) or the dump failed.
 Restore:     plan_restore(...) is the preflight (before anything is touched); GpuRestore.resume(pid)
              after the lower runtime's restore: finds the restored CUDA processes, fixes the
-             container's /dev/nvidia* nodes, restores (with the UUID remap) and unlocks them.
+             container's /dev/nvidia* nodes, restores (with the UUID remap) and unlocks them. After a
+             lazy restore each process's GPU restore starts as soon as its own memory is in.
 Whenever migrt drives the GPU it sets MIGRT_GPU_HANDLED=1 in the lower runtime's environment, which
 CRIU passes on to action scripts: the hooks/cuda-criu-action then stands aside.
 A container without CUDA processes, or a checkpoint without GPU state, needs neither libcuda nor NVML.
@@ -144,8 +145,10 @@ class GpuRestore:
     inv: inventory.Inventory
     what: str
 
-    def resume(self, init_pid: int, progress: Progress = null_progress) -> dict[str, float]:
-        """After the lower runtime restored the container (init_pid): GPU restore + unlock."""
+    def resume(self, init_pid: int, progress: Progress = null_progress, memory=None) -> dict:
+        """After the lower runtime restored the container (init_pid): GPU restore + unlock.
+        memory: a lazy restore's fill as the GPU restore sees it (ops/pages.MemoryReady: `ready(pids)`,
+        `t0`, `about(pid)`); each process's GPU restore then starts once its own memory is in."""
         want = len(self.section.get("processes") or [])
         t0 = time.monotonic()
         pids = []
@@ -164,11 +167,21 @@ class GpuRestore:
         except OSError as exc:
             raise GpuError(f"{self.what}: cannot set up /dev/nvidia* in the restored container: {exc}") from exc
         progress("phase", name="gpu-restore", processes=len(pids))
-        session.resume_all(pids, self.backend, self.placement.remap())
+        timings: dict = {}
+        if memory is None:
+            session.resume_all(pids, self.backend, self.placement.remap())
+        else:
+            spans = session.resume_as_ready(pids, self.backend, self.placement.remap(), memory.ready)
+            first = min(start for start, _ in spans.values())
+            timings["gpu_memory_wait_s"] = round(first - t0, 3)  # the first GPU restore waited for its memory
+            timings["gpu_restores"] = [
+                {"pid": p, **memory.about(p), "gpu_restore_start_s": round(spans[p][0] - memory.t0, 3),
+                 "gpu_restore_s": round(spans[p][1], 3)} for p in pids]
+            t0 = first
         seconds = round(time.monotonic() - t0, 3)
         progress("done", name="gpu-restore", seconds=seconds)
         log_mod.get().info("gpu_restored", pids=pids, pairs=self.placement.to_dict(), devnodes=changes, seconds=seconds)
-        return {"gpu_restore_s": seconds}
+        return {"gpu_restore_s": seconds, **timings}
 
 
 def plan_restore(cfg, section: dict | None, config: dict, what: str, *,
@@ -200,7 +213,8 @@ def check_driver(gpu: GpuRestore | None) -> None:
                                  f"{select.unavailable_reason(gpu.backend)}")
 
 
-def resume_restored(gpu: GpuRestore | None, init_pid: int, timings: dict, progress: Progress = null_progress) -> None:
+def resume_restored(gpu: GpuRestore | None, init_pid: int, timings: dict, progress: Progress = null_progress,
+                    memory=None) -> None:
     """The restore paths' one line: nothing without GPU state."""
     if gpu is not None:
-        timings.update(gpu.resume(init_pid, progress))
+        timings.update(gpu.resume(init_pid, progress, memory))

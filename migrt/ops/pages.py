@@ -14,9 +14,10 @@ that another mechanism already makes lazy (lazy migration's page server) is left
 from __future__ import annotations
 
 import os
+import time
 
 from migrt.config import RESTORE_PAGES, Config
-from migrt.errors import PreconditionFailed, UsageError
+from migrt.errors import PreconditionFailed, RuntimeFailed, UsageError
 
 ENV = "MIGRT_RESTORE_PAGES"
 MAX_AUTO_THREADS = 8
@@ -67,7 +68,6 @@ def start(decision: dict, images: str, *, container_id: str, root: str, runc_log
     there while the checkpoint's pages are still being hashed): the filler starts copying then."""
     if decision["mode"] != "lazy":
         return None
-    from migrt.errors import RuntimeFailed
     from migrt.pagefill import PageFill
 
     try:
@@ -80,23 +80,65 @@ def start(decision: dict, images: str, *, container_id: str, root: str, runc_log
         return None
 
 
-def after_restore(fill, decision: dict, pid: int, timings: dict, *, wait: bool) -> None:
-    """runc restore returned: fail now if the filler already failed, hand it the init pid, and wait
-    for the whole memory when asked to (a GPU restore needs it)."""
-    import time
+def after_restore(fill, pid: int) -> None:
+    """runc restore returned: fail now if the filler already failed, hand it the init pid. The
+    restore then waits for every page only when asked to (`--wait-pages`: wait_all); a GPU restore
+    waits for each CUDA process's own memory (MemoryReady)."""
+    check(fill)
+    fill.restored(pid)
 
-    from migrt.errors import RuntimeFailed
 
+def check(fill) -> None:
+    """Fail now if the filler already failed."""
     try:
         fill.check()
     except RuntimeFailed as exc:
         raise RuntimeFailed(f"restore failed: {exc.message}") from exc
-    fill.restored(pid)
-    if wait:
-        t0 = time.monotonic()
-        st = fill.wait()
-        timings["pages_wait_s"] = round(time.monotonic() - t0, 3)
-        decision["fill"] = {k: st.get(k) for k in ("copied_bytes", "fill_s", "counts") if k in st}
+
+
+def wait_all(fill, decision: dict, timings: dict) -> None:
+    """Until every page is in (the fill's figures go into the decision)."""
+    t0 = time.monotonic()
+    st = fill.wait()
+    timings["pages_wait_s"] = round(time.monotonic() - t0, 3)
+    decision["fill"] = {k: st.get(k) for k in ("copied_bytes", "fill_s", "counts") if k in st}
+
+
+class MemoryReady:
+    """The fill as a GPU restore sees it (ops/gpu_steps): which CUDA processes, by host pid, have all
+    their memory in. The filler knows processes by their pid inside the container (CRIU's images);
+    a process it does not list is ready once the whole fill is over."""
+
+    def __init__(self, fill) -> None:
+        from migrt.pagefill.session import container_vpid
+
+        self.fill = fill
+        self.t0 = fill.started
+        self._vpid = container_vpid
+        self._vpids: dict[int, int | None] = {}
+        self._ready_at: dict[int, float] = {}
+
+    def ready(self, pids: list[int]) -> set[int]:
+        """Without waiting: those of pids whose memory is in. Raises RuntimeFailed when the filler
+        failed (it never will be)."""
+        try:
+            done = self.fill.completed()
+        except RuntimeFailed as exc:
+            raise RuntimeFailed(f"restore failed: {exc.message}") from exc
+        now = round(time.monotonic() - self.t0, 3)
+        out = set()
+        for pid in pids:
+            if pid not in self._vpids:
+                self._vpids[pid] = self._vpid(pid)
+            if done is None or self._vpids[pid] in done:
+                out.add(pid)
+                self._ready_at.setdefault(pid, now)
+        return out
+
+    def about(self, pid: int) -> dict:
+        """For the restore's timings: the pid inside the container, and when its memory was seen
+        complete (seconds after the filler was started, as the GPU restore's start)."""
+        return {"vpid": self._vpids.get(pid), "memory_in_s": self._ready_at.get(pid)}
 
 
 def failed(fill, exc) -> None:

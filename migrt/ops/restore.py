@@ -153,11 +153,16 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                 timings["restore_s"] = round(time.monotonic() - t0, 3)
                 checks.raise_failure()  # CRIU's gate already held the tree for it; this is the second lock
                 progress("done", name="restore", seconds=timings["restore_s"])
-                if fill:  # the GPU restore reads the process's memory: all of it must be in
-                    pages.after_restore(fill, page_mode, pid, timings, wait=gpu is not None or target.wait_pages)
+                if fill:
+                    pages.after_restore(fill, pid)
                 if gpu is not None:
                     entry.update("gpu-restore", pid=pid)
-                gpu_steps.resume_restored(gpu, pid, timings, progress)  # GPU restore (remap) + unlock
+                # GPU restore (remap) + unlock. The driver reads each process's memory: with the filler,
+                # a process's GPU restore starts once its own memory is in, the others' still arriving
+                memory = pages.MemoryReady(fill) if fill and gpu else None
+                gpu_steps.resume_restored(gpu, pid, timings, progress, memory=memory)
+                if fill and target.wait_pages:
+                    pages.wait_all(fill, page_mode, timings)
             except (MigrtError, OSError) as exc:
                 if os.path.exists(state_dir):  # ours: it did not exist before
                     unmount_under(state_dir)  # a killed runc's criu-root bind mount: delete would walk into it

@@ -42,6 +42,7 @@ class PageFill:
         self.threads = threads
         self.socket_path = os.path.join(run_dir, SOCKET_NAME)
         self.status_path = os.path.join(run_dir, "status.json")
+        self.started = time.monotonic()  # the restore's timings say when things happened relative to this
         self._last: dict = {}
 
     @classmethod
@@ -140,6 +141,19 @@ class PageFill:
         if st.get("state") == "failed":
             raise RuntimeFailed(f"the page filler failed: {st.get('error') or 'unknown error'}")
         return st
+
+    def completed(self) -> set[int] | None:
+        """Without waiting: the processes (pids inside the container) whose memory is all in; None
+        once every process's is (the fill is over: a process without lazy memory is never listed).
+        Raises RuntimeFailed when the filler failed or the restore was aborted."""
+        st = self.check()
+        if st.get("state") == "done":
+            return None
+        if st.get("state") == "aborted":
+            raise RuntimeFailed("the page filler stopped: the restore was aborted")
+        if not st.get("restore_finished"):
+            return set()
+        return {int(p) for p, rec in (st.get("pids") or {}).items() if rec.get("done")}
 
     def wait(self, vpids: list[int] | None = None, timeout: float | None = None, interval: float = 0.01) -> dict:
         """Until the given processes (pids inside the container; None: all) have all their memory.
