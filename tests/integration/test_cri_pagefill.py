@@ -2,12 +2,18 @@
 containerd CRI -> containerd-shim-runc-v2 -> `migrt-runc create` with MIGRT_RESTORE -> runc restore
 --lazy-pages, with the memory copied by migrt's filler under its guard.
 
-The pod's process holds 96 MiB of random data and rehashes it at every tick (hashticker.c). The
-session's config lowers `fill_min_mib` to 64 for this test only, so `restore_pages: auto` (the
-default) picks the filler as it would for a big container on a real node. The guard and the filler
-outlive `migrt-runc create`: they run in their own session, are reparented to the shim (the pod's
-subreaper) and must be gone, reaped, with their run directory, once the memory is in; the restored
-container must then stop and go away like any other.
+The session's config lowers `fill_min_mib` to 64 for these tests only, so `restore_pages: auto`
+(the default) picks the filler for 96 MiB as it would for a big container on a real node. The guard
+and the filler outlive `migrt-runc create`: they run in their own session, are reparented to the
+pod's shim (its subreaper) and must be gone, reaped, with their run directory, once the memory is in;
+the restored container must stop and go away like any other.
+
+- The production set-up: the pod's process holds 96 MiB of random data and rehashes it at every
+  tick (hashticker.c); here the fill ends within `create` (about 0.05 s for 96 MiB).
+- A containerd whose shims carry the test seam MIGRT_FILL_PACE_MIBS (16 MiB/s): the pod runs while
+  its memory arrives (memhog, which touches its data only on SIGUSR1), its guard adopted by the shim;
+  memory faulted in during the fill hashes as before the checkpoint; a StopContainer in the middle of
+  the fill ends the container, the filler and the guard cleanly.
 """
 
 from __future__ import annotations
@@ -20,15 +26,18 @@ import subprocess
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import pytest
 
-from tests.helpers.cri import read_cri_log
+from tests.helpers.cri import CriContainerd, PodNetwork, read_cri_log, remove_cgroups
 from tests.integration.conftest import run_cli
+from tests.integration.conftest_cri import _remove_all_pods, new_client
 from tests.integration.workloads import parse_ticks
 
 pytestmark = pytest.mark.integration
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 DATA_MIB = 96
 FILL_MIN_MIB = 64  # below DATA_MIB, far above the memory of the other tests' containers
 BIN_DEST = "/opt/migrt-test"  # where the workload's directory is mounted in both pods
@@ -37,13 +46,15 @@ EXIT_ON_SIGTERM = 7  # hashticker.c
 
 
 @pytest.fixture(scope="module")
-def ticker_dir(tmp_path_factory) -> str:
+def bin_dir(tmp_path_factory) -> str:
+    """hashticker and memhog (bench/memhog.c), static, in a directory both pods mount at BIN_DEST."""
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
-        pytest.fail("gcc is needed to build the test workload (it is installed on CI)")
-    d = tmp_path_factory.mktemp("hashticker")
-    subprocess.run([gcc, "-static", "-O2", "-o", str(d / "hashticker"), os.path.join(HERE, "hashticker.c")],
-                   check=True)
+        pytest.fail("gcc is needed to build the test workloads (it is installed on CI)")
+    d = tmp_path_factory.mktemp("fillbin")
+    for name, src in (("hashticker", os.path.join(HERE, "hashticker.c")),
+                      ("memhog", os.path.join(REPO, "bench", "memhog.c"))):
+        subprocess.run([gcc, "-static", "-O2", "-o", str(d / name), src], check=True)
     return str(d)
 
 
@@ -109,23 +120,53 @@ def _guard_procs(cid: str) -> dict[int, dict]:
 
 class FillWatch(threading.Thread):
     """Records, while StartContainer restores and until stopped, every page-filler process of a
-    container: pid -> its run directory."""
+    container (pid -> its run directory, the parent pids it had) and the last status it wrote."""
 
     def __init__(self, cid: str) -> None:
         super().__init__(daemon=True)
         self.cid = cid
         self.seen: dict[int, str] = {}
+        self.ppids: dict[int, set[int]] = {}
+        self.status: dict = {}
         self.halt = threading.Event()
 
     def run(self) -> None:
         while not self.halt.is_set():
             for pid, args in _guard_procs(self.cid).items():
-                self.seen.setdefault(pid, args.get("run_dir") or "")
+                run_dir = self.seen.setdefault(pid, args.get("run_dir") or "")
+                ppid = _ppid(pid)
+                if ppid:
+                    self.ppids.setdefault(pid, set()).add(ppid)
+                st = _read_json(os.path.join(run_dir, "status.json"))
+                if st:
+                    self.status = st
             self.halt.wait(0.02)
+
+    def guard(self) -> int:
+        """The guard's pid: the one whose parent is not a page-filler process (the filler's is the guard)."""
+        guards = [p for p, parents in self.ppids.items() if not parents & set(self.seen)]
+        assert len(guards) == 1, (self.seen, self.ppids)
+        return guards[0]
 
     def stop(self) -> None:
         self.halt.set()
         self.join(10)
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
 
 
 def _proc_state(pid: int) -> str | None:
@@ -192,7 +233,34 @@ def _shim_pids(sandbox_id: str) -> list[int]:
     return out
 
 
-def test_restore_through_the_page_filler_into_new_pod(cri, cri_containerd, migrt_config, fill_min_mib, ticker_dir,
+def _container_cgroups(cid: str) -> list[str]:
+    """The cgroup directories of a running restored container (its init's, from migrt's marker)."""
+    markers = glob.glob(f"/run/containerd/runc/*/{cid}/migrt-restored")
+    assert len(markers) == 1, markers
+    dirs = _cgroup_dirs(_read_json(markers[0])["pid"])
+    assert dirs, f"no cgroup for container {cid}"
+    return dirs
+
+
+def _remove_and_delete_pod(cri, pod: str, cid: str, cgroups: list[str]) -> None:
+    """RemoveContainer of the exited container, then its pod: runc's state (with migrt's marker) and
+    the container's cgroups are gone, and the pod's shim exits."""
+    shims = _shim_pids(pod)
+    assert shims, f"no shim serves pod {pod}"
+    cri.remove(cid)
+    assert cid not in [c.id for c in cri.list_containers()]
+    assert not glob.glob(f"/run/containerd/runc/*/{cid}")
+    left = [d for d in cgroups if os.path.exists(d)]
+    assert not left, left
+    cri.delete_pod(pod)
+    assert pod not in [p.id for p in cri.list_pods()]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_proc_state(p) for p in shims):
+        time.sleep(0.1)
+    assert not [p for p in shims if _proc_state(p)], f"pod {pod}'s shim {shims} did not exit"
+
+
+def test_restore_through_the_page_filler_into_new_pod(cri, cri_containerd, migrt_config, fill_min_mib, bin_dir,
                                                       tmp_path):
     image = cri_containerd.image
     command = [f"{BIN_DEST}/hashticker", str(DATA_MIB)]
@@ -200,7 +268,7 @@ def test_restore_through_the_page_filler_into_new_pod(cri, cri_containerd, migrt
 
     # -- pod A: the workload, checkpointed (stopped) with `migrt checkpoint`, then deleted ----------
     pod_a = cri.run_pod("hashticker", "team-a")
-    src = cri.create_container(pod_a, "app", image, command, mounts=[(ticker_dir, BIN_DEST)])
+    src = cri.create_container(pod_a, "app", image, command, mounts=[(bin_dir, BIN_DEST)])
     cri.start(src)
     _wait_ticks(cri, src, lambda t: len(t) >= 3)
     run_cli("checkpoint", src, "--name", name)
@@ -215,7 +283,7 @@ def test_restore_through_the_page_filler_into_new_pod(cri, cri_containerd, migrt
         dirs_before = _fill_dirs()
         pod_b = cri.run_pod("hashticker-restored", "team-a")
         cid = cri.create_container(pod_b, "app", image, command, env={"MIGRT_RESTORE": name},
-                                   mounts=[(ticker_dir, BIN_DEST)])
+                                   mounts=[(bin_dir, BIN_DEST)])
         watch = FillWatch(cid)
         watch.start()
         try:
@@ -241,8 +309,7 @@ def test_restore_through_the_page_filler_into_new_pod(cri, cri_containerd, migrt
             after = _wait_ticks(cri, cid, lambda t: len(t) >= 3)
             assert after[0][0] == last[0] + 1, f"first tick after the restore {after[0]}, last before {last}"
             assert all(t[1] == last[1] and t[2] == last[1] for t in after), (after, last)
-            cgroups = _cgroup_dirs(marker["pid"])  # the restored init's (host pid)
-            assert cgroups, f"no cgroup of the restored init {marker['pid']}"
+            cgroups = _container_cgroups(cid)
 
             # the guard and its filler were there, and are gone once the memory is in: exited and
             # reaped (by the shim, their subreaper once migrt-runc exited), run directory removed
@@ -258,9 +325,6 @@ def test_restore_through_the_page_filler_into_new_pod(cri, cri_containerd, migrt
         assert not _log_events(migrt_config["log"], "page_fill_failed", "container", cid)
 
         # -- stop, remove: containerd sees the restored init exit, not the guard's --------------------
-        shims = _shim_pids(pod_b)
-        assert shims, f"no shim serves pod {pod_b}"
-        assert read_cri_log(cri.status(cid).log_path).count("\n") >= len(after)
         t0 = time.monotonic()
         cri.stop(cid, timeout=20)  # SIGTERM: the workload's handler exits 7 at once
         stop_s = time.monotonic() - t0
@@ -269,17 +333,205 @@ def test_restore_through_the_page_filler_into_new_pod(cri, cri_containerd, migrt
         assert stop_s < 10, f"StopContainer took {stop_s:.1f} s (SIGTERM should end it at once)"
         log = read_cri_log(st.log_path)
         assert f"term {parse_ticks(log)[-1][0]}" in log, log[-500:]
-        cri.remove(cid)
-        assert cid not in [c.id for c in cri.list_containers()]
-        assert not glob.glob(f"/run/containerd/runc/*/{cid}")  # runc's state (and the marker) deleted
-        for d in cgroups:
-            assert not os.path.exists(d) or not open(os.path.join(d, "cgroup.procs")).read().strip(), d
-        cri.delete_pod(pod_b)
-        assert pod_b not in [p.id for p in cri.list_pods()]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_proc_state(p) for p in shims):
-            time.sleep(0.1)
-        assert not [p for p in shims if _proc_state(p)], f"pod {pod_b}'s shim {shims} did not exit"
+        _remove_and_delete_pod(cri, pod_b, cid, cgroups)
         print(f"StartContainer (restore) {start_s:.2f} s, StopContainer {stop_s:.2f} s")
     finally:
         run_cli("rm", name, check=False)
+
+
+# -- memory still arriving while the pod runs: a containerd whose shims pace the filler ---------------
+
+PACE_MIBS = 16  # the filler's background copy in the paced containerd: 96 MiB take 6 s unless touched
+
+
+class _PacedContainerd(CriContainerd):
+    """A CRI containerd whose shims, and so migrt-runc and the page filler, run with the test seam
+    MIGRT_FILL_PACE_MIBS (environment: the only way a seam reaches migrt-runc under containerd)."""
+
+    def env(self) -> dict:
+        return {**super().env(), "MIGRT_FILL_PACE_MIBS": str(PACE_MIBS)}
+
+
+@pytest.fixture(scope="module")
+def paced_containerd(cri_containerd, cri_stubs, tmp_path_factory):
+    """Beside cri_containerd (same version, its own network namespace, root and pods)."""
+    base = tmp_path_factory.mktemp(f"cri-paced-{cri_containerd.version}")
+    token = uuid.uuid4().hex[:8]
+    net = PodNetwork(str(base), token)
+    ctd = _PacedContainerd(str(base / "containerd"), net, version=cri_containerd.version)
+    ctd.cgroup_root = f"/migrt-cri-{token}"
+    try:
+        net.create()
+        ctd.start()
+        ctd.image, _pause = ctd.import_images()
+        yield ctd
+    finally:
+        if ctd.proc and ctd.proc.poll() is None:
+            _remove_all_pods(ctd, cri_stubs, str(base))
+        ctd.stop()
+        net.cleanup()
+        remove_cgroups(ctd.cgroup_root)
+
+
+@pytest.fixture
+def paced(paced_containerd, cri_stubs, tmp_path):
+    client = new_client(paced_containerd, cri_stubs, str(tmp_path / "kubelet"))
+    try:
+        yield client
+    finally:
+        client.cleanup()
+        client.close()
+
+
+@dataclass
+class MemhogCheckpoint:
+    name: str
+    ready: str  # memhog's hash of its data, printed once at its start
+    last_tick: int
+
+
+def _memhog(text: str) -> tuple[str | None, list[int], list[str]]:
+    """(ready hash, tick numbers, sum hashes) from memhog's output."""
+    ready, ticks, sums = None, [], []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == "ready":
+            ready = parts[1]
+        elif len(parts) == 3 and parts[0] == "tick" and parts[1].isdigit():
+            ticks.append(int(parts[1]))
+        elif len(parts) == 2 and parts[0] == "sum":
+            sums.append(parts[1])
+    return ready, ticks, sums
+
+
+def _wait_output(cri, cid: str, pred, timeout: float = 60) -> tuple:
+    path = cri.status(cid).log_path
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = _memhog(read_cri_log(path))
+        if pred(*out):
+            return out
+        time.sleep(0.1)
+    raise AssertionError(f"memhog's output not as expected in {path}: {read_cri_log(path)[-1000:]!r}; "
+                         f"container {cri.state_name(cid)}")
+
+
+@pytest.fixture(scope="module")
+def memhog_checkpoint(paced_containerd, cri_stubs, bin_dir, tmp_path_factory) -> MemhogCheckpoint:
+    """memhog (96 MiB that it touches only on SIGUSR1) checkpointed in pod team-a/memhog, then deleted."""
+    client = new_client(paced_containerd, cri_stubs, str(tmp_path_factory.mktemp("memhog") / "kubelet"))
+    name = f"cri-fill-memhog-{uuid.uuid4().hex[:6]}"
+    try:
+        pod = client.run_pod("memhog", "team-a")
+        cid = client.create_container(pod, "app", paced_containerd.image, [f"{BIN_DEST}/memhog", str(DATA_MIB)],
+                                      mounts=[(bin_dir, BIN_DEST)])
+        client.start(cid)
+        _wait_output(client, cid, lambda ready, ticks, _s: ready and len(ticks) >= 10)
+        run_cli("checkpoint", cid, "--name", name)
+        client.wait_state(cid, "CONTAINER_EXITED")
+        ready, ticks, _sums = _memhog(read_cri_log(client.status(cid).log_path))
+        client.delete_pod(pod)
+        yield MemhogCheckpoint(name, ready, ticks[-1])
+    finally:
+        client.cleanup()
+        client.close()
+        run_cli("rm", name, check=False)
+
+
+@dataclass
+class PacedRestore:
+    pod: str
+    cid: str
+    watch: FillWatch
+    run_dir: str  # the fill's run directory (/run/migrt/fill/f-*)
+    cgroups: list[str]  # the container's cgroup directories
+
+
+def _restore_paced(cri, ctd, ckpt: MemhogCheckpoint, bin_dir: str, pod_name: str, migrt_config: dict) -> PacedRestore:
+    """A new pod asking for the memhog checkpoint, started; returns once the guard has outlived
+    migrt-runc create and been adopted by the pod's shim (its subreaper)."""
+    pod = cri.run_pod(pod_name, "team-a")
+    cid = cri.create_container(pod, "app", ctd.image, [f"{BIN_DEST}/memhog", str(DATA_MIB)],
+                               env={"MIGRT_RESTORE": ckpt.name}, mounts=[(bin_dir, BIN_DEST)])
+    watch = FillWatch(cid)
+    watch.start()
+    cri.start(cid)
+    cri.wait_state(cid, "CONTAINER_RUNNING")
+    restored = _log_events(migrt_config["log"], "restored", "container_id", cid)
+    assert len(restored) == 1 and restored[0]["pages"]["mode"] == "lazy", restored
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(watch.ppids) < 2:
+        time.sleep(0.02)
+    guard = watch.guard()
+    shims = _shim_pids(pod)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _ppid(guard) not in shims:
+        time.sleep(0.02)
+    parent = _ppid(guard)
+    assert parent in shims, f"the guard's parent is {parent} ({_comm(parent)}), not the pod's shim {shims}"
+    return PacedRestore(pod, cid, watch, watch.seen[guard], _container_cgroups(cid))
+
+
+def _comm(pid: int | None) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "?"
+
+
+def _still_filling(run_dir: str) -> dict:
+    st = _read_json(os.path.join(run_dir, "status.json"))
+    assert st.get("state") == "filling" and 0 < st["lazy_bytes"] - st["copied_bytes"], st
+    return st
+
+
+def test_memory_arriving_while_the_pod_runs(paced, paced_containerd, migrt_config, fill_min_mib, bin_dir,
+                                           memhog_checkpoint):
+    """The pod runs on memory still arriving (paced fill), its guard adopted by the pod's shim; kubelet
+    execs into it; memhog hashes its 96 MiB (faulting in what the fill has not copied yet): the hash
+    from before the checkpoint."""
+    ckpt = memhog_checkpoint
+    r = _restore_paced(paced, paced_containerd, ckpt, bin_dir, "memhog-fill", migrt_config)
+    try:
+        _still_filling(r.run_dir)
+        _ready, ticks, _sums = _wait_output(paced, r.cid, lambda _r, ticks, _s: len(ticks) >= 20)
+        assert ticks[0] == ckpt.last_tick + 1, f"first tick after the restore {ticks[0]}, last before {ckpt.last_tick}"
+        _still_filling(r.run_dir)  # memhog ticks without touching its data: the background copy is paced
+        code, out, err = paced.exec_sync(r.cid, ["kill", "-USR1", "1"])  # hash it all now
+        assert code == 0, (out, err)
+        _ready, _ticks, sums = _wait_output(paced, r.cid, lambda _r, _t, sums: sums)
+        assert sums == [ckpt.ready], (sums, ckpt.ready)
+        _wait_gone(list(r.watch.seen), [r.run_dir], timeout=30)
+    finally:
+        r.watch.stop()
+    assert not _log_events(migrt_config["log"], "page_fill_failed", "container", r.cid)
+    paced.stop(r.cid, timeout=1)  # memhog, pid 1 without a SIGTERM handler, ignores it: SIGKILL after 1 s
+    st = paced.wait_state(r.cid, "CONTAINER_EXITED")
+    assert st.exit_code == 137, (st.exit_code, st.reason, st.message)
+    _remove_and_delete_pod(paced, r.pod, r.cid, r.cgroups)
+
+
+def test_pod_stopped_while_its_memory_is_arriving(paced, paced_containerd, migrt_config, fill_min_mib, bin_dir,
+                                                 memhog_checkpoint):
+    """StopContainer while most of the memory is still to come: the container exits (containerd is
+    not confused by the guard, a child of its shim), the filler and the guard end without reporting a
+    failure, and nothing is left."""
+    r = _restore_paced(paced, paced_containerd, memhog_checkpoint, bin_dir, "memhog-stop", migrt_config)
+    try:
+        _still_filling(r.run_dir)
+        t0 = time.monotonic()
+        paced.stop(r.cid, timeout=1)  # SIGTERM ignored (see above), SIGKILL after 1 s
+        st = paced.wait_state(r.cid, "CONTAINER_EXITED")
+        assert st.exit_code == 137, (st.exit_code, st.reason, st.message)
+        assert time.monotonic() - t0 < 10
+        _wait_gone(list(r.watch.seen), [r.run_dir], timeout=30)
+    finally:
+        r.watch.stop()
+    last = r.watch.status
+    assert last.get("state") != "failed" and last["copied_bytes"] < last["lazy_bytes"], last
+    # a filler failure would be in migrt's log (the bundle, with runc's log, is gone: containerd
+    # deleted the task when it exited)
+    assert not _log_events(migrt_config["log"], "page_fill_failed", "container", r.cid)
+    assert not os.path.exists(paced_containerd.bundle(r.cid))
+    _remove_and_delete_pod(paced, r.pod, r.cid, r.cgroups)
