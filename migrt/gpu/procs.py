@@ -204,12 +204,17 @@ def runc_state(root: str, container_id: str) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def container_cuda_pids(root: str, container_id: str) -> list[int]:
-    """The live CUDA processes of a runc container (empty when it has none or is not running)."""
+def runc_container_pids(root: str, container_id: str) -> list[int]:
+    """Every process of a runc container, from runc's state file (empty when it is not running)."""
     state = runc_state(root, container_id) or {}
     pid = state.get("init_process_pid")
     if not isinstance(pid, int) or pid <= 0 or not alive(pid):
         return []
     paths = state.get("cgroup_paths") or {}
     cgroup = paths.get("") or paths.get("pids") if isinstance(paths, dict) else None
-    return cuda_pids(container_pids(pid, cgroup if isinstance(cgroup, str) and os.path.isdir(cgroup) else None))
+    return container_pids(pid, cgroup if isinstance(cgroup, str) and os.path.isdir(cgroup) else None)
+
+
+def container_cuda_pids(root: str, container_id: str) -> list[int]:
+    """The live CUDA processes of a runc container (empty when it has none or is not running)."""
+    return cuda_pids(runc_container_pids(root, container_id))

@@ -15,12 +15,12 @@ from migrt.config import Config
 from migrt.criu.options import CriuOptions
 from migrt.criu.version import versions
 from migrt.errors import Conflict, MigrtError, RuntimeFailed
-from migrt.gpu import records
+from migrt.gpu import procs, records
 from migrt.oci.bundle import Bundle
 from migrt.ops import gpu_steps, recover, space
 from migrt.pods import rootfs
 from migrt.progress import Progress, null_progress
-from migrt.runtime import markers
+from migrt.runtime import lazy_memory, markers
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
@@ -87,6 +87,9 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
         raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be checkpointed")
     was_paused = state.get("status") == "paused"
     name = names.validate(req.name) if req.name else default_name(req.container_id)
+    # memory a lazy restore is still filling would be missing from the dump (and from the estimate)
+    waited = lazy_memory.wait_filled(lambda: procs.runc_container_pids(root, req.container_id),
+                                     f"checkpoint of container {req.container_id}")
     bundle_dir = state.get("bundle") or ""
     try:
         bundle = Bundle.load(bundle_dir)
@@ -101,7 +104,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
         space.check(store.root, est, f"checkpoint of container {req.container_id}")
     store.gc()
     created = time.time()
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {"memory_wait_s": waited} if waited else {}
     upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle_dir else None  # while still mounted
     root_mode = rootfs.root_mode(bundle.rootfs) if bundle_dir else None  # what CRIU records for "/"
     work = _work_dir()

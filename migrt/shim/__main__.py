@@ -94,6 +94,23 @@ def _pause(parsed: RuncArgv, lower: str) -> int | None:
     return gpu_pause.pause(parsed, lower) if parsed.command == "pause" else gpu_pause.resume(parsed, lower)
 
 
+def _memory_arriving(parsed: RuncArgv, lower: str) -> int | None:
+    """checkpoint of a container whose memory a lazy restore is still filling: wait until it is all in
+    (CRIU would skip the pages not yet there: runtime/lazy_memory.py); an exit code if it never is."""
+    from migrt.errors import MigrtError
+    from migrt.gpu import procs
+    from migrt.runtime import lazy_memory
+
+    cid = parsed.command_args().container_id or ""
+    root = parsed.root or _lower.default_root(lower)
+    try:
+        lazy_memory.wait_filled(lambda: procs.runc_container_pids(root, cid), f"container {cid}")
+    except MigrtError as exc:
+        runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
+        return exc.exit_code
+    return None
+
+
 def _gpu(parsed: RuncArgv, lower: str) -> int | None:
     """checkpoint/restore with GPU state: migrt drives the GPU; None to pass the call through."""
     from migrt.gpu import procs, records
@@ -135,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         if rc is not None:
             return rc
     elif parsed.command in ("checkpoint", "restore"):
+        rc = _memory_arriving(parsed, lower) if parsed.command == "checkpoint" else None
+        if rc is not None:
+            return rc
         rc = _gpu(parsed, lower)
         if rc is not None:
             return rc

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
 import threading
 import time
 import uuid
@@ -535,3 +536,53 @@ def test_pod_stopped_while_its_memory_is_arriving(paced, paced_containerd, migrt
     assert not _log_events(migrt_config["log"], "page_fill_failed", "container", r.cid)
     assert not os.path.exists(paced_containerd.bundle(r.cid))
     _remove_and_delete_pod(paced, r.pod, r.cid, r.cgroups)
+
+
+# -- a checkpoint of a container whose memory is still arriving ----------------------------------------
+# CRIU dumps the pages pagemap shows present: before the fix, a checkpoint taken mid-fill held only what
+# the filler had copied so far, and its restore read zeros elsewhere (memhog's hash differed, silently).
+
+def test_checkpoint_waits_for_memory_still_arriving(paced, paced_containerd, migrt_config, fill_min_mib, bin_dir,
+                                                    memhog_checkpoint):
+    """`migrt checkpoint` of a container restored lazily, while most of its memory is still to come,
+    waits for the fill; the new checkpoint restores with the memory memhog had at the first one."""
+    ckpt = memhog_checkpoint
+    r = _restore_paced(paced, paced_containerd, ckpt, bin_dir, "memhog-again", migrt_config)
+    name = f"cri-fill-again-{uuid.uuid4().hex[:6]}"
+    try:
+        try:
+            _still_filling(r.run_dir)
+            data = json.loads(run_cli("checkpoint", r.cid, "--name", name, "--json").stdout)
+            assert data["timings"].get("memory_wait_s", 0) > 1, data["timings"]  # 16 MiB/s: seconds to go
+        finally:
+            r.watch.stop()
+        paced.wait_state(r.cid, "CONTAINER_EXITED")
+        _ready, ticks, _sums = _memhog(read_cri_log(paced.status(r.cid).log_path))
+        again = MemhogCheckpoint(name, ckpt.ready, ticks[-1])
+        r2 = _restore_paced(paced, paced_containerd, again, bin_dir, "memhog-again-restored", migrt_config)
+        r2.watch.stop()
+        code, out, err = paced.exec_sync(r2.cid, ["kill", "-USR1", "1"])
+        assert code == 0, (out, err)
+        _ready, ticks2, sums = _wait_output(paced, r2.cid, lambda _r, _t, sums: sums)
+        assert ticks2[0] == again.last_tick + 1, (ticks2[:3], again.last_tick)
+        assert sums == [ckpt.ready], f"memory after checkpoint mid-fill + restore: {sums}, want {ckpt.ready}"
+    finally:
+        run_cli("rm", name, check=False)
+
+
+@pytest.mark.cri_checkpoint_api
+def test_cri_checkpoint_container_waits_for_memory_still_arriving(paced, paced_containerd, migrt_config, fill_min_mib,
+                                                                  bin_dir, memhog_checkpoint, tmp_path):
+    """kubelet's checkpoint API (containerd -> migrt-runc checkpoint) mid-fill: the archive holds all
+    96 MiB of memhog's data, not just what had arrived."""
+    r = _restore_paced(paced, paced_containerd, memhog_checkpoint, bin_dir, "memhog-kubelet", migrt_config)
+    location = str(tmp_path / "checkpoint.tar")
+    try:
+        _still_filling(r.run_dir)
+        paced.checkpoint_container(r.cid, location)
+    finally:
+        r.watch.stop()
+    with tarfile.open(location) as tar:
+        pages = sum(m.size for m in tar.getmembers() if os.path.basename(m.name).startswith("pages-"))
+    assert pages >= DATA_MIB << 20, f"{pages >> 20} MiB of pages in the CRI checkpoint"
+    assert paced.state_name(r.cid) == "CONTAINER_RUNNING"  # kubelet's checkpoint leaves it running
