@@ -2,6 +2,7 @@
 """What the restore path costs before its first CRIU call, step by step, each in a fresh interpreter.
 
     python bench/restore_start.py [--runs 5] [--importtime FILE]
+    python bench/restore_start.py --create [--runs 11] [--shim PATH ...]    # as root: real migrt-runc creates
 
 Steps (medians over --runs fresh interpreters; each row adds one step to the previous one, so a
 row's own cost is its difference from the row above):
@@ -12,15 +13,30 @@ row's own cost is its difference from the row above):
   NVML inventory    + migrt.gpu.inventory.take() (pynvml: nvmlInit and the queries)
   libcuda + cuInit  + the CUDA driver backend loaded (ctypes, cuInit(0))
 --importtime FILE: `python -X importtime` of the restore imports, sorted by cumulative time.
+
+--create: the real thing, as containerd calls it. A busybox container (a few MiB) under a private
+runc root is checkpointed once with `migrt checkpoint` into a private store; then --runs times, for
+each --shim in turn (before/after comparisons side by side), `migrt-runc --root R --log L
+--log-format json create --bundle B ID` of a bundle with MIGRT_RESTORE. The config's `runtime:` is a
+sh wrapper that stamps the wall clock (date +%s%N) when it is called with `restore`, then execs runc:
+"exec to runc restore" is that stamp minus the moment before the exec (the wrapper's own start
+included; "sh + date" measures it alone). Also from migrt's `restored` event: the steps before the
+runc call (timings.start_marks: the process's age, the first step at 10 ms resolution, exact
+differences after it) and the create's wall time. Each restored container is deleted; the store, the
+bundles and the runc root are removed at the end. Time it as installed, with migrt's bytecode
+cached (PYTHONDONTWRITEBYTECODE in the environment makes every run compile migrt again).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,11 +64,122 @@ def once(args: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+SHIM = "/usr/local/bin/migrt-runc"
+CLI = shutil.which("migrt") or "/usr/local/bin/migrt"
+WRAPPER = """#!/bin/sh
+for a in "$@"; do [ "$a" = restore ] && {{ date +%s%N >> {stamp}; break; }}; done
+exec {runc} "$@"
+"""
+
+
+def _restored_event(log_file: str, cid: str) -> dict:
+    with open(log_file) as fh:
+        for line in reversed(fh.read().splitlines()):
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") == "restored" and ev.get("container_id") == cid:
+                return ev
+    raise RuntimeError(f"no 'restored' event for {cid} in {log_file}")
+
+
+def create_runs(runs: int, shims: list[str]) -> int:
+    sys.path.insert(0, REPO)
+    from tests.helpers.bundles import make_bundle
+
+    base = tempfile.mkdtemp(prefix="migrt-restore-start-")
+    root, store, stamp = (os.path.join(base, n) for n in ("runc-root", "store", "stamp"))
+    wrapper, config, log_file = (os.path.join(base, n) for n in ("runc-wrapper", "config.yaml", "migrt.log"))
+    with open(wrapper, "w") as fh:
+        fh.write(WRAPPER.format(stamp=stamp, runc=shutil.which("runc")))
+    os.chmod(wrapper, 0o755)
+    with open(config, "w") as fh:
+        fh.write(f"runtime: {wrapper}\nstore: {store}\nlog_file: {log_file}\nlog_level: info\n")
+    env = {**os.environ, "MIGRT_CONFIG": config}
+    devnull = subprocess.DEVNULL
+    rows: dict[str, list[dict]] = {shim: [] for shim in shims}
+    created: list[str] = []
+    calib = []
+    try:
+        src = make_bundle(os.path.join(base, "src"), ["sh", "-c", "while true; do sleep 1; done"])
+        subprocess.run(["runc", "--root", root, "run", "-d", "--bundle", src, "rs-src"], stdin=devnull,
+                       stdout=devnull, stderr=devnull, check=True, timeout=60)
+        subprocess.run([CLI, "checkpoint", "rs-src", "--root", root, "--name", "rs-ck"], env=env, check=True,
+                       stdout=devnull, timeout=120)
+        subprocess.run(["runc", "--root", root, "delete", "--force", "rs-src"], check=False, timeout=60)
+        bundle = make_bundle(os.path.join(base, "dst"), ["sh", "-c", "echo fresh"], env=["MIGRT_RESTORE=rs-ck"])
+        for i in range(runs):
+            t0 = time.time_ns()
+            out = subprocess.run(["sh", "-c", "date +%s%N"], capture_output=True, text=True, check=True)
+            calib.append((int(out.stdout) - t0) / 1e6)
+            for k, shim in enumerate(shims):  # side by side: the shims alternate within each run
+                cid = f"rs-dst-{i}-{k}"
+                runc_log = os.path.join(base, f"runc-{cid}.log")
+                if os.path.exists(stamp):
+                    os.unlink(stamp)
+                t0 = time.time_ns()
+                rc = subprocess.run([shim, "--root", root, "--log", runc_log, "--log-format", "json", "create",
+                                     "--bundle", bundle, cid], stdin=devnull, stdout=devnull, stderr=devnull,
+                                    env=env, timeout=120).returncode
+                wall = (time.time_ns() - t0) / 1e6
+                created.append(cid)
+                if rc != 0:
+                    with open(runc_log) as fh:
+                        raise RuntimeError(f"{shim} create failed ({rc}): {fh.read()[-2000:]}")
+                with open(stamp) as fh:
+                    to_criu = (int(fh.read().split()[0]) - t0) / 1e6
+                t = _restored_event(log_file, cid).get("timings") or {}
+                rows[shim].append({"exec_to_criu_ms": to_criu, "create_wall_ms": wall,
+                                   "marks": t.get("start_marks") or {}})
+                subprocess.run(["runc", "--root", root, "delete", "--force", cid], check=False, timeout=60)
+                created.remove(cid)
+    finally:
+        for cid in created:
+            subprocess.run(["runc", "--root", root, "delete", "--force", cid], check=False, timeout=60)
+        subprocess.run(["runc", "--root", root, "delete", "--force", "rs-src"], capture_output=True, timeout=60)
+        subprocess.run([CLI, "rm", "rs-ck"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(base, ignore_errors=True)
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    print(f"create with MIGRT_RESTORE of a busybox checkpoint, medians of {runs} runs, the shims alternating "
+          f"(python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} at the end); "
+          f"sh + date alone (the wrapper's own start): {med(calib):.1f} ms")
+    first = None
+    print("\n| migrt-runc | exec to runc restore ms | x first | create wall ms |\n|---|---|---|---|")
+    for shim in shims:
+        ms = med(r["exec_to_criu_ms"] for r in rows[shim])
+        first = first or ms
+        print(f"| {shim} | {ms:.1f} | {ms / first:.2f} | {med(r['create_wall_ms'] for r in rows[shim]):.1f} |")
+    for shim in shims:
+        steps = list(rows[shim][0]["marks"]) if rows[shim] else []
+        print(f"\n{shim}: the steps before the runc call (migrt's marks: process age; the first at 10 ms resolution)")
+        print("| step | ms | this step ms |\n|---|---|---|")
+        prev = 0.0
+        for step in steps:
+            ms = med(r["marks"].get(step) for r in rows[shim])
+            if ms is None:
+                continue
+            print(f"| {step} | {ms * 1000:.1f} | {ms * 1000 - prev:+.1f} |")
+            prev = ms * 1000
+    print("restore_start " + " ".join(f"exec_to_criu_ms[{k}]={med(r['exec_to_criu_ms'] for r in rows[s]):.1f}"
+                                      for k, s in enumerate(shims)))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--importtime", help="write python -X importtime of the restore imports here")
+    ap.add_argument("--create", action="store_true", help="time a real migrt-runc create (root, runc, CRIU)")
+    ap.add_argument("--shim", action="append", help=f"a migrt-runc to time (default {SHIM}); several alternate "
+                    "run by run (e.g. ones `migrt install runtime --bindir DIR` wrote for other installs)")
     args = ap.parse_args()
+    if args.create:
+        return create_runs(args.runs, args.shim or [SHIM])
     print(f"python {sys.version.split()[0]} ({sys.executable}); medians of {args.runs} fresh interpreters")
     print("| step (cumulative) | ms | this step ms |\n|---|---|---|")
     prev = 0.0

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 Progress = Callable[..., None]
 
 
-def null_progress(event: str, **fields: Any) -> None:
+def null_progress(event: str, **fields: object) -> None:
     return None

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 from migrt.gpu import procs
-from migrt.gpu.inventory import Inventory
+
+if TYPE_CHECKING:  # annotations only: the restore path reads HANDLED_ENV without loading the inventory
+    from migrt.gpu.inventory import Inventory
 
 SCHEMA = 1
 IMAGE_FILE = "migrt-gpu.json"

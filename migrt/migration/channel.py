@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from migrt.store.fsutil import TreeHasher, make_entry
 from migrt.errors import UsageError
 from migrt.migration import protocol as p
+from migrt.pagefill.remote import page_key
 from migrt.migration.protocol import AuthError, TransferError
 from migrt.migration.tls import TLSFiles, wrap_client, wrap_server
 
@@ -105,7 +106,9 @@ class Channel:
                  stall: float = STALL_TIMEOUT) -> None:
         self.sock = sock
         self.peer = "%s:%s" % sock.getpeername()[:2]
+        self.peer_host = sock.getpeername()[0]
         self.local_host = sock.getsockname()[0]
+        self.pages_key = page_key(session)  # the page streams' key (pagefill/remote.py): never on the wire
         mine, theirs = (b"S", b"C") if is_server else (b"C", b"S")
         self._out = p.Sealer(session, mine)
         self._in = p.Sealer(session, theirs)

@@ -88,9 +88,37 @@ def abort_page_server(page_server: tuple[str, int] | None) -> None:
         pass
 
 
-def settle_dump(runtime: str, cid: str, page_server: tuple[str, int] | None, *, finish: bool, timeout: float = 120.0) -> None:
+def _is_page_server(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"migrt.migration.pageserve" in fh.read()
+    except OSError:
+        return False
+
+
+def settle_pages(pages_pid: int | None, *, finish: bool, timeout: float = 120.0) -> None:
+    """migrt's page server of a lazy migration (pageserve.py): with finish=False it is stopped at once
+    (the source resumes); with finish=True it is left to serve the target's last pages (it ends when
+    the target has them all, or once nobody asks for anything)."""
+    if not pages_pid:
+        return
+    deadline = time.monotonic() + timeout
+    if finish:
+        while _is_page_server(pages_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    if _is_page_server(pages_pid):
+        try:
+            os.kill(pages_pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def settle_dump(runtime: str, cid: str, page_server: tuple[str, int] | None, *, finish: bool, timeout: float = 120.0,
+                pages_pid: int | None = None) -> None:
     """Wait until no dump of `cid` runs any more. A lazy dump serves pages until told otherwise:
-    with finish=False it is aborted; with finish=True it is left to serve its last pages."""
+    with finish=False it is aborted; with finish=True it is left to serve its last pages. The same
+    for migrt's page server (pages_pid)."""
+    settle_pages(pages_pid, finish=finish, timeout=timeout)
     deadline = time.monotonic() + timeout
     while True:
         pids = runtime_procs(runtime, cid)
@@ -128,19 +156,19 @@ def destroy_source(runtime: str, root: str, cid: str) -> str:
 
 def resolve_source(cfg: Config, *, runtime: str, root: str, cid: str, to: str, name: str,
                    target_cid: str | None, page_server: tuple[str, int] | None = None,
-                   was_paused: bool = False) -> tuple[str | None, str]:
+                   was_paused: bool = False, pages_pid: int | None = None) -> tuple[str | None, str]:
     """After losing the target between the handover request and its answer: ask it, then resume or
     delete the frozen source. Returns (the target's state or None, a sentence for the error)."""
     state = ask_target(cfg, to, name, target_cid, wait=ASK_STALLS * cfg.migration_stall_timeout)
     if state == RUNNING:
-        settle_dump(runtime, cid, page_server, finish=True)
+        settle_dump(runtime, cid, page_server, finish=True, pages_pid=pages_pid)
         return state, f"the target runs it as {target_cid}; " + destroy_source(runtime, root, cid)
     if state == ABSENT:
-        settle_dump(runtime, cid, page_server, finish=False)
+        settle_dump(runtime, cid, page_server, finish=False, pages_pid=pages_pid)
         if was_paused:
             return state, f"the target has no copy; container {cid} was left paused, as it was"
         return state, "the target has no copy; " + resume_source(runtime, root, cid)
-    settle_dump(runtime, cid, page_server, finish=True)
+    settle_dump(runtime, cid, page_server, finish=True, pages_pid=pages_pid)
     return None, (f"the target {to} did not answer, so it is unknown whether it runs the container: {cid} stays "
                   f"FROZEN here with its state intact (never two copies). If the target runs {target_cid}, run "
                   f"'runc --root {root} delete --force {cid}' here; otherwise 'runc --root {root} resume {cid}'")

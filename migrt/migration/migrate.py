@@ -31,7 +31,7 @@ from migrt.config import Config
 from migrt.criu import lazy as lazy_mod
 from migrt.criu.options import CriuOptions
 from migrt.criu.version import versions
-from migrt.errors import Conflict, MigrtError, UsageError
+from migrt.errors import Conflict, MigrtError, RuntimeFailed, UsageError
 from migrt.oci.bundle import Bundle
 from migrt.pods import rootfs
 from migrt.ops.checkpoint import default_name
@@ -45,7 +45,9 @@ from migrt.migration.channel import RemoteError
 from migrt.migration.gpu import GpuSource
 from migrt.migration.guard import Guard
 from migrt.migration.wire import Channel, TransferError, connect, load_key
+from migrt.migration import pageserve
 from migrt.migration.tls import TLSFiles
+from migrt.pagefill import images as pagefill_images
 
 MODES = ("stop-and-copy", "lazy")
 MAX_PRE_DUMPS = 8
@@ -126,12 +128,14 @@ class _Source:
         self.was_paused = was_paused
         self.frozen = False
         self.guard = guard
-        self.page_server: tuple[str, int] | None = None
+        self.page_server: tuple[str, int] | None = None  # CRIU's, while the lazy dump runs
+        self.pages_pid: int | None = None                 # migrt's page server (pageserve.py), after it
         self.staging: str | None = None
         self.gpu = gpu  # its CUDA processes (migration/gpu.py), if any
 
     def _where(self) -> dict:
         return {"runtime": self.runtime, "root": self.root, "cid": self.cid, "page_server": self.page_server,
+                "pages_pid": self.pages_pid,
                 "remove": [self.staging] if self.staging else [],
                 "gpu_pids": self.gpu.pids if self.gpu and self.gpu.section is not None else []}
 
@@ -143,9 +147,13 @@ class _Source:
             control.pause(self.runtime, self.root, self.cid)
         self.frozen = True
 
-    def serving(self, page_server: tuple[str, int]) -> None:
+    def serving(self, page_server: tuple[str, int] | None) -> None:
         self.page_server = page_server
         self.guard.arm({**self.guard.current, "page_server": page_server})
+
+    def serving_pages(self, pid: int | None) -> None:
+        self.pages_pid = pid
+        self.guard.arm({**self.guard.current, "pages_pid": pid})
 
     def handing_over(self, cfg: Config, to: str, name: str, target_cid: str | None) -> None:
         """From here on, only the target's answer decides (see handover.py)."""
@@ -310,7 +318,7 @@ class _Run:
         state, outcome = handover.resolve_source(
             self.cfg, runtime=source.runtime, root=source.root, cid=source.cid, to=self.req.to,
             name=self.result["name"], target_cid=self.ready.get("container_id"), page_server=source.page_server,
-            was_paused=source.was_paused)
+            was_paused=source.was_paused, pages_pid=source.pages_pid)
         self.result["handover"] = {"lost": str(exc), "target": state, "outcome": outcome}
         # decided here (unknown included: the source stays frozen for a person to decide, as the error says)
         source.guard.arm({"do": "remove", "remove": [source.staging] if source.staging else []})
@@ -395,41 +403,49 @@ class _Run:
         ch.send({"type": "bye"})
 
     def lazy(self) -> None:
+        """Post-copy: CRIU dumps everything but the memory (its lazy dump), which stays in the frozen
+        source; migrt's page server (pageserve.py) then serves it to the target's page filler over
+        several streams while the target already runs."""
         req, ch, source = self.req, self.ch, self.source
         failed = f"lazy migration of {req.container_id} to {req.to} failed"
         if not self.ready.get("restore"):
             raise UsageError(f"lazy migration needs a target that restores at once; start 'migrt receive' on "
                              f"{req.to} with --restore BUNDLE")
-        host = ch.local_host
-        port = _free_port(host)
+        if "migrt-pages/1" not in (self.ready.get("pages") or []):
+            raise UsageError(f"the receiver on {req.to} fetches lazy pages with CRIU's daemon (an older migrt): "
+                             "upgrade migrt there, or migrate without --lazy")
         self.progress("phase", name="dump", container=req.container_id)
         self.t_freeze = time.monotonic()
-        dump = None
+        dump = server = None
         try:
             if source.gpu.section is not None:  # as in stop_and_copy: GPU first, the guard knows
                 source.guard.arm({"do": "remove", "remove": [self.staging.path], "gpu_pids": source.gpu.pids})
+            server = self._start_page_server()  # before the freeze: its start is no downtime
+            source.serving_pages(server.proc.pid)
             with ch.busy("gpu-checkpoint"):
                 source.gpu.suspend(self.progress)
             source.freeze(self.staging.path)
-            source.serving((host, port))
+            crit = ("127.0.0.1", _free_port("127.0.0.1"))  # CRIU's page server: only ended, never used
+            source.serving(crit)
             with ch.busy("dump"):
                 dump = control.LazyCheckpoint(source.runtime, source.root, req.container_id,
                                               image_path=self.staging.images, work_path=self.staging.work,
-                                              options=self.opts, page_server=(host, port), env=source.gpu.env())
+                                              options=self.opts, page_server=crit, env=source.gpu.env())
                 dump.wait_ready(LAZY_READY_TIMEOUT)
+                dump.finish(LAZY_READY_TIMEOUT)
+                source.serving(None)
+                self._serve_pages(server)
                 self._timed("dump", self.t_freeze)
                 source.gpu.write(self.staging.images, self.fields, self.phases)
                 self._dump_extras()
             files = self._send_all(release=False)
         except MigrtError as exc:
             ch.error(f"source aborted: {exc}", exc.exit_code)
-            if dump:
-                dump.abort()
+            _stop(dump, server)
             raise self._failed(exc, failed) from exc
         except BaseException:
             ch.error("source aborted")
-            if dump:
-                dump.abort()
+            _stop(dump, server)
             source.rollback()
             raise
         self.progress("phase", name="restore", target=self.ready.get("container_id"))
@@ -438,7 +454,7 @@ class _Run:
         running = False
         try:
             ch.send({"type": "commit", "manifest": {**self.fields, "files": files},
-                     "page_server": {"address": host, "port": port}})
+                     "pages": {"protocol": "migrt-pages/1", "port": server.port}})
             restored = ch.recv("restored")
             t_running = time.monotonic()
             running = True
@@ -449,16 +465,49 @@ class _Run:
             t0 = time.monotonic()
             done = ch.recv("done")
         except RemoteError as exc:  # the target failed, and removed its copy before saying so
-            dump.abort()
+            _stop(None, server)
             lost = (" (it had run there since the restore: what it did there is lost; it continues from the freeze)"
                     if running else "")
             raise MigrationFailed(f"{failed}: {exc}; {source.rollback(target_kept=True)}{lost}", exc) from exc
         except (MigrtError, KeyboardInterrupt) as exc:
             self._lost_target(exc, f"lost the target during the lazy migration of {req.container_id}")
             return
-        with contextlib.suppress(MigrtError):  # the target confirmed every page: CRIU's exit status adds nothing
-            dump.wait(self.cfg.migration_stall_timeout * 3)
+        served = server.wait(self.cfg.migration_stall_timeout * 3)  # it ends on the target's last word
         self._timed("pages", t0)
         self.result["lazy_pages_s"] = done.get("pages_s")
+        self.result["pages"] = {"bytes": served.get("bytes"), "requests": served.get("requests"),
+                                "streams": served.get("streams"), "fill": done.get("fill")}
+        source.serving_pages(None)
         source.destroy()
         ch.send({"type": "bye"})
+
+    def _start_page_server(self) -> pageserve.Handle:
+        try:
+            return pageserve.Handle.start(host=self.ch.local_host, key=self.ch.pages_key, peer=self.ch.peer_host,
+                                          tls=self.cfg.migration_tls or None,
+                                          idle_s=self.cfg.migration_stall_timeout * 3)
+        except pageserve.FetchError as exc:
+            raise RuntimeFailed(str(exc)) from exc
+
+    def _serve_pages(self, server: pageserve.Handle) -> None:
+        """The dump is done: the page server may read the dumped processes (frozen, left in place)."""
+        try:
+            init = int(LowerRuntime(self.source.runtime).state(self.source.root, self.req.container_id)["pid"])
+            pids = pageserve.container_pids(init)
+            wanted = set(pagefill_images.read_pids(self.staging.images))
+        except (pageserve.FetchError, pagefill_images.ImageError, MigrtError, OSError, KeyError, ValueError) as exc:
+            raise RuntimeFailed(f"cannot map the dumped processes to this node's pids: {exc}") from exc
+        missing = sorted(wanted - set(pids))
+        if missing:
+            raise RuntimeFailed(f"the dumped processes {missing} are not in container {self.req.container_id} any more")
+        try:
+            server.serve({v: pids[v] for v in wanted})
+        except pageserve.FetchError as exc:
+            raise RuntimeFailed(str(exc)) from exc
+
+
+def _stop(dump: "control.LazyCheckpoint | None", server: "pageserve.Handle | None") -> None:
+    if dump:
+        dump.abort()
+    if server:
+        server.stop()

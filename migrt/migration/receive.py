@@ -15,8 +15,8 @@ Any failure before the commit discards the staging directory: nothing becomes vi
 
 A restored copy is kept unless it fails here (its restore, or a lazy copy's pages), in which case it
 is killed before the sender hears about it; a cut connection changes nothing (handover.py has the
-rule). runc restore and criu lazy-pages are watched: no progress for `migration_stall_timeout`
-seconds (or the lazy daemon gone) and they are killed and cleaned up (watchdog.py). A guard process
+rule). runc restore and a lazy copy's page filler are watched: no progress for `migration_stall_timeout`
+seconds (or the filler failed) and they are killed and cleaned up (watchdog.py). A guard process
 (guard.py) does the same cleaning if the receiver itself is killed.
 """
 
@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from migrt import faults, names
 from migrt.config import Config
 from migrt.criu import lazy as lazy_mod
-from migrt.errors import Conflict, MigrtError, UsageError
+from migrt.errors import Conflict, MigrtError, RuntimeFailed, UsageError
 from migrt.oci.bundle import Bundle
+from migrt.pagefill import PageFill
 from migrt.ops.restore import RestoreTarget, restore_checkpoint
 from migrt.runtime.lower import default_root
 from migrt.store import Store
@@ -51,6 +52,8 @@ from migrt.migration.wire import Channel, TransferError, accept, load_key, parse
 from migrt.migration.protocol import AuthError
 from migrt.migration.tls import TLSFiles
 from migrt.runtime.markers import marker_path
+
+PAGES_PROTOCOL = "migrt-pages/1"  # lazy pages from migrt's page server (pageserve.py, pagefill/remote.py)
 
 MODES = ("stop-and-copy", "lazy")
 DECIDE_TIMEOUT = 3600.0  # a query waits for the migration it asks about (which progress deadlines bound)
@@ -210,6 +213,7 @@ class Receiver:
         with importing(self.store, name) as imp:
             guard.arm({"do": "remove", "remove": [imp.path]})
             ch.send({"type": "ready", "restore": bool(self.opts.restore_bundle), "container_id": restore_id,
+                     "pages": [PAGES_PROTOCOL],
                      **({"gpu": out["gpu"]} if out.get("gpu") is not None else {})})
             while True:
                 msg = ch.recv("file", "commit")
@@ -228,28 +232,28 @@ class Receiver:
             fields = dict(manifest)
             fields["migration"] = {"from": ch.peer, "mode": mode, "received_at": _utc(time.time()),
                                    "source_container": offer.get("container_id")}
-            lazy = None
+            fill = None
             if mode == "lazy":
-                page_server = self._page_server(msg, ch)
-                fields["lazy"] = {"pages": "on the source's page server", **page_server}
+                spec = self._page_source(msg, ch)
+                fields["lazy"] = {"pages": "on the source's page server", "address": spec["address"],
+                                  "port": spec["port"]}
                 imp.verify(manifest.get("files"))  # CRIU never reads an unverified image
-                lazy = self._start_lazy_daemon(name, imp.images, page_server)
-                guard.arm({"do": "remove", "remove": [imp.path, lazy.workdir], "pids": [lazy.daemon.proc.pid]})
+                fill = self._start_filler(imp.images, spec, restore_id)
+                guard.arm({"do": "remove", "remove": [imp.path], "pids": [fill.proc.pid]})
             t1 = time.monotonic()
             try:
                 with ch.busy("commit"):
                     imp.commit(fields, manifest.get("files"), durable=mode != "lazy")
             except BaseException:
-                if lazy:
-                    lazy.close()
+                if fill:
+                    _stop_fill(fill)
                 raise
             out["timings"]["commit_s"] = round(time.monotonic() - t1, 3)
         out["committed"] = True
-        if lazy:
+        if fill:
             out["unsettled"] = True  # until the sender's bye: it may have to ask again
-            guard.arm({"do": "remove", "remove": [lazy.workdir], "pids": [lazy.daemon.proc.pid],
-                       "store": self.store.root, "name": name})
-            self._restore_lazy(ch, name, restore_id, lazy, guard, decided, out)
+            guard.arm({"do": "remove", "pids": [fill.proc.pid], "store": self.store.root, "name": name})
+            self._restore_lazy(ch, name, restore_id, fill, guard, decided, out)
             return
         guard.arm({"do": "nothing"})  # the committed checkpoint stays, whatever happens next
         # From here until the sender's bye, a sender that loses us may be about to ask again (it asks
@@ -319,22 +323,35 @@ class Receiver:
         except ValueError:
             return False
 
-    @staticmethod
-    def _page_server(msg: dict, ch: Channel) -> dict:
-        ps = msg.get("page_server") or {}
-        peer_host = ch.sock.getpeername()[0]
-        # The daemon connects only to the authenticated peer itself, never to an address it names.
-        if ps.get("address") != peer_host or not isinstance(ps.get("port"), int) or not 0 < ps["port"] < 65536:
-            raise UsageError(f"lazy migration: page server {ps!r} is not on the sending node {peer_host}")
-        return {"address": peer_host, "port": ps["port"]}
+    def _page_source(self, msg: dict, ch: Channel) -> dict:
+        """Where the filler fetches the pages: always the authenticated peer itself (never an address
+        it names), with a key derived from this connection's session (pagefill/remote.py)."""
+        ps = msg.get("pages") or {}
+        if ps.get("protocol") != PAGES_PROTOCOL or not isinstance(ps.get("port"), int) or not 0 < ps["port"] < 65536:
+            raise UsageError(f"lazy migration: the sender offers its pages as {ps!r}; this node takes "
+                             f"{PAGES_PROTOCOL} only")
+        return {"address": ch.peer_host, "port": ps["port"], "key": ch.pages_key.hex(),
+                "tls": self.cfg.migration_tls or None, "timeout": self.stall}
 
-    def _restore(self, name: str, restore_id: str, guard: Guard, lazy: "_LazyDaemon | None" = None,
+    def _start_filler(self, images: str, spec: dict, restore_id: str) -> PageFill:
+        """The page filler for the images just verified, fetching from the source: started before the
+        commit and the restore's preparations, so that its start-up overlaps them. It keeps the images
+        directory open, so the commit's rename does not disturb it."""
+        from migrt.ops import pages
+
+        try:
+            return PageFill.start(images, threads=pages.streams(self.cfg), container_id=restore_id, root=self.root,
+                                  log_file=self.cfg.log_file, remote=spec)
+        except MigrtError as exc:
+            raise RuntimeFailed(f"lazy migration: {exc}") from exc
+
+    def _restore(self, name: str, restore_id: str, guard: Guard, fill: PageFill | None = None,
                  **seams) -> dict:
         """restore_checkpoint under the progress deadline; a stuck or failed restore is killed and
         everything it left (mounts in its work directory, the container's state) removed."""
         where: dict = {}
         before = seams.pop("before_restore", None)
-        extra_pids = [lazy.daemon.proc.pid] if lazy else []
+        extra_pids = [fill.proc.pid] if fill else []
 
         def prepare(view: str, work: str) -> None:
             where["work"] = work
@@ -342,8 +359,8 @@ class Receiver:
                 before(view, work)
 
         def daemon_gone() -> str | None:
-            rc = lazy.daemon.proc.poll() if lazy else None
-            return None if rc in (None, 0) else f"criu lazy-pages exited (status {rc}) while the restore needed it"
+            st = fill.status() if fill else {}
+            return f"the page filler failed: {st.get('error')}" if st.get("state") == "failed" else None
 
         def supervise(proc) -> int:
             guard.arm({**guard.current, "do": "kill-restore", "runtime": self.runtime, "root": self.root,
@@ -352,8 +369,8 @@ class Receiver:
                 return watchdog.supervise(proc, stall=self.stall, what=f"runc restore of {restore_id}",
                                           also=lambda: extra_pids, check=daemon_gone)
             except watchdog.Stuck:
-                if lazy:
-                    lazy.daemon.stop()
+                if fill:
+                    _stop_fill(fill)
                 if where.get("work"):
                     watchdog.kill_users(where["work"])
                     watchdog.unmount_under(where["work"])
@@ -367,45 +384,24 @@ class Receiver:
                 return restore_checkpoint(self.cfg, name, RestoreTarget(
                     container_id=restore_id, bundle=Bundle.load(os.path.abspath(self.opts.restore_bundle)),
                     root=self.root, stdio=(devnull, sink, sink), verified=True, before_restore=prepare,
-                    supervise=supervise, **seams))
+                    supervise=supervise, fill=fill, **seams))
         except BaseException:
             watchdog.clear_container(self.runtime, self.root, restore_id)
             guard.arm({**guard.current, "do": "remove", "pids": [], "cid": None})  # cleaned up already
             raise
 
-    def _start_lazy_daemon(self, name: str, images: str, page_server: dict) -> "_LazyDaemon":
-        """`criu lazy-pages` for the images just verified: started before the commit and the restore's
-        preparations, so that its start-up (~50 ms here) overlaps them. It keeps the images directory
-        open, so the commit's rename does not disturb it; its socket lives in a directory of ours (short:
-        a unix socket path has at most 107 bytes) and is linked into runc's work directory right before
-        the restore."""
-        workdir = tempfile.mkdtemp(prefix="migrt-lazy-")
-        try:
-            daemon = lazy_mod.LazyPagesDaemon(images, workdir, page_server["address"], page_server["port"],
-                                              os.path.join(workdir, "lazy-pages.log"))
-        except BaseException:
-            shutil.rmtree(workdir, ignore_errors=True)
-            raise
-        return _LazyDaemon(daemon, workdir)
-
-    def _restore_lazy(self, ch: Channel, name: str, restore_id: str, lazy: "_LazyDaemon", guard: Guard,
+    def _restore_lazy(self, ch: Channel, name: str, restore_id: str, fill: PageFill, guard: Guard,
                       decided: threading.Event, out: dict) -> None:
-        """Restore at once from a checkpoint without memory pages; `criu lazy-pages` fetches them from
-        the source while the container already runs. The copy is kept only if every page arrives;
-        otherwise it is killed before the sender hears about it. The pageless checkpoint is removed
-        afterwards."""
-        daemon = lazy.daemon
-
-        def link_daemon(view: str, work: str) -> None:
-            daemon.wait_listening()
-            os.symlink(daemon.socket, os.path.join(work, "lazy-pages.socket"))
-
+        """Restore at once from a checkpoint without memory pages; the page filler fetches them from the
+        source while the container already runs. The copy is kept only if every page arrives;
+        otherwise it is killed (the filler's guard does it; we then remove what is left) before the
+        sender hears about it. The pageless checkpoint is removed afterwards."""
         try:
             with ch.busy("restore"):
-                res = self._restore(name, restore_id, guard, lazy, extra=["--lazy-pages"], before_restore=link_daemon)
+                res = self._restore(name, restore_id, guard, fill)
             # A receiver killed from here on takes the copy with it (its pages would never all arrive).
             guard.arm({**guard.current, "do": "kill-restore", "runtime": self.runtime, "root": self.root,
-                       "cid": restore_id, "pids": [daemon.proc.pid], "work": None})
+                       "cid": restore_id, "pids": [fill.proc.pid], "work": None})
             out.update(restored=True, container_id=restore_id, pid=res["pid"])
             out["timings"]["restore_s"] = res["timings"].get("total_s")
             out["timings"]["restore"] = res["timings"]
@@ -417,11 +413,9 @@ class Receiver:
             t0 = time.monotonic()
             try:
                 with ch.busy("pages") if connected else contextlib.nullcontext():
-                    rc = watchdog.supervise(daemon.proc, stall=self.stall,
-                                            what="criu lazy-pages (fetching memory pages from the source)")
-                if rc != 0:
-                    raise daemon.failure(f"criu lazy-pages failed (exit status {rc})")
+                    st = _wait_fill(fill, self.stall)
             except MigrtError as exc:
+                _stop_fill(fill)
                 watchdog.clear_container(self.runtime, self.root, restore_id)
                 guard.arm({**guard.current, "do": "remove", "pids": [], "cid": None})
                 out.update(restored=False)
@@ -431,18 +425,45 @@ class Receiver:
                 decided.set()
             guard.arm({"do": "nothing"})
             out["timings"]["pages_s"] = round(time.monotonic() - t0, 3)
+            out["pages"] = {k: st.get(k) for k in ("copied_bytes", "fill_s", "threads", "counts") if k in st}
             if connected:
                 try:
-                    ch.send({"type": "done", "pages_s": out["timings"]["pages_s"]})
+                    ch.send({"type": "done", "pages_s": out["timings"]["pages_s"], "fill": out["pages"]})
                     ch.recv("bye")
                     out["unsettled"] = False
                 except TransferError as exc:
                     out["handover"] = f"connection lost after the pages arrived ({exc}); the container runs here"
         finally:
-            lazy.close()
+            fill.detach()
             with contextlib.suppress(MigrtError, OSError):
                 self.store.remove(name)
             out["committed"] = False  # a checkpoint without its pages is not kept
+
+
+def _wait_fill(fill: PageFill, stall: float) -> dict:
+    """Until every page is in; RuntimeFailed when the filler failed or copied nothing for `stall` s."""
+    last, t_last = -1, time.monotonic()
+    while True:
+        try:
+            return fill.wait(timeout=min(stall, 1.0), interval=0.02)
+        except RuntimeFailed as exc:
+            st = fill.status()
+            if st.get("state") in ("failed", "aborted") or "has not finished" not in exc.message:
+                raise
+            copied = st.get("copied_bytes") or 0
+            if copied != last:
+                last, t_last = copied, time.monotonic()
+            elif time.monotonic() - t_last > stall:
+                raise RuntimeFailed(f"no memory page arrived from the source for {stall:.0f} s "
+                                    f"({copied >> 20} of {(st.get('lazy_bytes') or 0) >> 20} MiB in)") from exc
+
+
+def _stop_fill(fill: PageFill) -> None:
+    """The restore is abandoned: the filler stops (its guard kills a container it already serves)."""
+    fill.abort()
+    with contextlib.suppress(OSError):
+        fill.proc.kill()
+    fill.stop(10)
 
 
 def _check_id(cid: object) -> None:
@@ -450,10 +471,3 @@ def _check_id(cid: object) -> None:
         raise UsageError(f"invalid container id {cid!r} to restore into")
 
 
-class _LazyDaemon:
-    def __init__(self, daemon: lazy_mod.LazyPagesDaemon, workdir: str) -> None:
-        self.daemon, self.workdir = daemon, workdir
-
-    def close(self) -> None:
-        self.daemon.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)

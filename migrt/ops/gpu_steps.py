@@ -140,7 +140,7 @@ def suspended(cfg, container_id: str, init_pid: int | None, config: dict | None,
 @dataclass
 class GpuRestore:
     section: dict
-    backend: GpuBackend
+    backend: GpuBackend | None  # None until restore_driver() gave one (see plan_restore)
     placement: preflight.Placement
     inv: inventory.Inventory
     what: str
@@ -187,30 +187,40 @@ class GpuRestore:
 def plan_restore(cfg, section: dict | None, config: dict, what: str, *,
                  load_driver: bool = True) -> GpuRestore | None:
     """Preflight: None for a checkpoint without GPU state; PreconditionFailed on any mismatch.
-    load_driver=False leaves loading libcuda (cuInit, the slow part) to check_driver(), which the
-    restore runs while CRIU restores (ops/restore_checks.py)."""
+    load_driver=False leaves loading libcuda (cuInit, the slow part) to restore_driver(); the
+    restore runs both while CRIU restores (ops/restore.py)."""
     if not has_gpu_state(section):
         return None
+    gpu = restore_preflight(section, config, what)
+    gpu.backend = restore_driver(cfg, what) if load_driver else _restore_backend(cfg)
+    return gpu
+
+
+def restore_preflight(section: dict, config: dict, what: str) -> GpuRestore:
+    """The NVML part of the preflight: the new container's GPUs, their models and free memory, and
+    how the checkpoint's GPUs map onto them. The backend is left to restore_driver()."""
     inv = inventory.take(with_processes=False)
     try:
         targets = visible.from_config(config, inv) if inv.available else None
     except visible.VisibleError as exc:
         raise PreconditionFailed(f"{what}: {exc}") from exc
     placement = preflight.check(section, inv, targets, what=what)
-    if load_driver:
-        backend = _usable_backend(cfg, f"{what} holds GPU state")
-    elif select.override is not None or backend_choice(cfg) == "none":
-        backend = select.get_backend(backend_choice(cfg))
-    else:
-        backend = select.get_backend("cuda")  # "cuda" does not load the library yet; "auto" would
-    return GpuRestore(section=section, backend=backend, placement=placement, inv=inv, what=what)
+    return GpuRestore(section=section, backend=None, placement=placement, inv=inv, what=what)
 
 
-def check_driver(gpu: GpuRestore | None) -> None:
+def _restore_backend(cfg) -> GpuBackend:
+    if select.override is not None or backend_choice(cfg) == "none":
+        return select.get_backend(backend_choice(cfg))
+    return select.get_backend("cuda")  # "cuda" does not load the library yet; "auto" would
+
+
+def restore_driver(cfg, what: str) -> GpuBackend:
     """The driver part of the preflight: libcuda loads (cuInit) with the checkpoint API."""
-    if gpu is not None and not gpu.backend.available():
-        raise PreconditionFailed(f"{gpu.what} holds GPU state, but the CUDA checkpoint API is not usable here: "
-                                 f"{select.unavailable_reason(gpu.backend)}")
+    backend = _restore_backend(cfg)
+    if not backend.available():
+        raise PreconditionFailed(f"{what} holds GPU state, but the CUDA checkpoint API is not usable here: "
+                                 f"{select.unavailable_reason(backend)}")
+    return backend
 
 
 def resume_restored(gpu: GpuRestore | None, init_pid: int, timings: dict, progress: Progress = null_progress,

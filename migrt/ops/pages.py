@@ -21,15 +21,30 @@ from migrt.errors import PreconditionFailed, RuntimeFailed, UsageError
 
 ENV = "MIGRT_RESTORE_PAGES"
 MAX_AUTO_THREADS = 8
+MIN_STREAMS = 4
 
 
 def threads(cfg: Config) -> int:
     return cfg.fill_threads or max(2, min(MAX_AUTO_THREADS, os.cpu_count() or 2))
 
 
-def decide(cfg: Config, images: str, *, name: str, other_lazy: bool) -> dict:
+def streams(cfg: Config) -> int:
+    """Copy threads of a lazy migration's filler, each with its own stream to the source: at least
+    MIN_STREAMS, so that requests stay in flight while others wait on the network."""
+    return cfg.fill_threads or max(MIN_STREAMS, threads(cfg))
+
+
+def migration_mode(fill, lazy_bytes: int | None = None) -> dict:
+    """The recorded decision of a restore whose filler a lazy migration started (pages from the source)."""
+    return {"mode": "lazy", "requested": "migration", "reason": "lazy migration: pages from the source node",
+            "threads": fill.threads, "lazy_bytes": lazy_bytes}
+
+
+def decide(cfg: Config, images: str, *, name: str, other_lazy: bool, manifest_files: dict | None = None) -> dict:
     """{"mode": "lazy"|"eager", "requested", "reason", "lazy_bytes", "threads"}; PreconditionFailed
-    when 'lazy' was asked for and cannot be done."""
+    when 'lazy' was asked for and cannot be done. manifest_files (the checkpoint's file list with
+    sizes): under auto, page images smaller than fill_min_mib in all decide eager at once, without
+    reading the images (their lazy memory can only be less)."""
     requested = os.environ.get(ENV) or cfg.restore_pages
     if requested not in RESTORE_PAGES:
         raise UsageError(f"{ENV} must be one of {RESTORE_PAGES}, got {requested!r}")
@@ -38,6 +53,12 @@ def decide(cfg: Config, images: str, *, name: str, other_lazy: bool) -> dict:
         return {**out, "reason": "restore_pages is eager"}
     if other_lazy:
         return {**out, "reason": "pages come lazily from elsewhere (lazy migration)"}
+    if requested == "auto" and manifest_files is not None:
+        pages_bytes = sum(meta.get("size") or 0 for rel, meta in manifest_files.items()
+                          if rel.startswith("images/pages-") and rel.endswith(".img"))
+        if pages_bytes < cfg.fill_min_mib << 20:
+            return {**out, "pages_bytes": pages_bytes,
+                    "reason": f"{pages_bytes >> 20} MiB of page images is below fill_min_mib ({cfg.fill_min_mib})"}
     from migrt import pagefill
     from migrt.pagefill.uffd import usable
 

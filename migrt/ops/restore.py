@@ -18,11 +18,10 @@ from migrt.config import POLICIES, Config
 from migrt.criu.options import CriuOptions
 from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
-from migrt.ops import gpu_steps, pages, recover, restore_checks
-from migrt.pods import engines, namespaces, rootfs
+from migrt.ops import pages, restore_checks
+from migrt.pods import namespaces, rootfs
 from migrt.registry import reference
 from migrt.progress import Progress, null_progress
-from migrt.runtime.cleanup import unmount_under
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
 from migrt.store import Store, journal
@@ -48,6 +47,7 @@ class RestoreTarget:
     verified: bool = False
     before_restore: Callable[[str, str], None] | None = None
     supervise: Callable | None = None
+    fill: object | None = None  # a PageFill started by the caller (lazy migration: pages from the source)
 
 
 def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: Progress = null_progress) -> dict:
@@ -57,7 +57,10 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
     store = Store(cfg.store)
     try:
         _mark("restore")
-        recover.recover(cfg, wait_s=0)  # never delay a restore (containerd's create) for someone else's helpers
+        if any(e.get("stale") for e in journal.entries(store.root)):  # someone's interrupted operation
+            from migrt.ops import recover
+
+            recover.recover(cfg, wait_s=0)  # never delay a restore (containerd's create) for someone else's helpers
         _mark("recovered")
         with store.reading(name) as ckpt:
             with journal.recording(store.root, "restore", name=name, container=target.container_id,
@@ -87,43 +90,52 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
     state_dir = os.path.join(target.root, target.container_id)
     if os.path.exists(state_dir):
         raise Conflict(f"container {target.container_id} already exists in {target.root}")
-    # GPU preflight, before anything is touched (None: the checkpoint has no GPU state); loading the
-    # driver (cuInit) is left to a check that runs while CRIU restores
-    gpu = gpu_steps.plan_restore(cfg, ckpt.manifest.get("gpu"), target.bundle.config, f"checkpoint {name}",
-                                 load_driver=False)
-    _mark("gpu_preflight")
-    check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore)
-    options = CriuOptions.from_dict(ckpt.manifest.get("options"))
-    page_mode = pages.decide(cfg, ckpt.images, name=name,
-                             other_lazy="--lazy-pages" in target.extra or target.before_restore is not None)
     work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
-    entry.update("preparing", work=work)
-    os.makedirs(work, mode=0o700, exist_ok=True)
-    global_tokens = target.global_tokens
-    log_path = target.log_path
-    if global_tokens is None:
-        log_path = os.path.join(work, "runc.log")
-        global_tokens = ["--root", target.root, "--log", log_path, "--log-format", "json"]
-    # While runc and CRIU restore: the large image files hashed, the CUDA driver loaded; the restored
-    # tree waits at CRIU's post-restore for their verdict (ops/restore_checks.py).
+    # Checks that run while the restore prepares and CRIU restores; the restored tree waits at CRIU's
+    # post-restore for their verdict, and migrt checks it again before anything runs on a GPU
+    # (ops/restore_checks.py): the large image files hashed, and for a checkpoint with GPU state the
+    # GPU preflight (NVML: the new container's GPUs, their models, free memory, the remap) and the
+    # driver's load (cuInit). Their modules are imported there too, off the path to CRIU.
     checks = restore_checks.RestoreChecks(work)
-    if background:
-        checks.add("verify_background", lambda: ckpt.verify_hashes(background))
-    if gpu is not None:
-        checks.add("gpu_driver", lambda: gpu_steps.check_driver(gpu))
-    checks.start()
+    section = ckpt.manifest.get("gpu")
+    has_gpu = bool(section and section.get("processes"))  # gpu_steps.has_gpu_state, without importing it
+    if has_gpu:
+        what = f"checkpoint {name}"
+        checks.add("gpu_preflight", lambda: _gpu_steps().restore_preflight(section, target.bundle.config, what))
+        checks.add("gpu_driver", lambda: _gpu_steps().restore_driver(cfg, what))
     fill = None
+    gate = None
     try:
+        check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore)
+        options = CriuOptions.from_dict(ckpt.manifest.get("options"))
+        if target.fill is not None:  # a lazy migration's filler, already fetching from the source
+            page_mode = pages.migration_mode(target.fill)
+        else:
+            page_mode = pages.decide(cfg, ckpt.images, name=name, manifest_files=ckpt.manifest.get("files"),
+                                     other_lazy="--lazy-pages" in target.extra or target.before_restore is not None)
+        entry.update("preparing", work=work)
+        os.makedirs(work, mode=0o700, exist_ok=True)
+        global_tokens = target.global_tokens
+        log_path = target.log_path
+        if global_tokens is None:
+            log_path = os.path.join(work, "runc.log")
+            global_tokens = ["--root", target.root, "--log", log_path, "--log-format", "json"]
+        if background:
+            checks.add("verify_background", lambda: ckpt.verify_hashes(background))
+        checks.start()
         # the page filler (lazy restore) must listen before CRIU starts
-        fill = pages.start(page_mode, ckpt.images, container_id=target.container_id, root=target.root,
-                           runc_log=target.log_path if target.global_tokens is not None else None,
-                           log_format=target.log_format, log_file=cfg.log_file, post_restore=checks.ran_path)
+        fill = target.fill if target.fill is not None else pages.start(
+            page_mode, ckpt.images, container_id=target.container_id, root=target.root,
+            runc_log=target.log_path if target.global_tokens is not None else None,
+            log_format=target.log_format, log_file=cfg.log_file, post_restore=checks.ran_path)
         if (ckpt.manifest.get("rootfs") or {}).get("captured"):
             t0 = time.monotonic()
             rootfs.apply(ckpt.path, target.bundle.rootfs)
             timings["rootfs_apply_s"] = round(time.monotonic() - t0, 3)
         if ckpt.manifest.get("devshm"):
-            rootfs.apply_devshm(os.path.join(ckpt.path, engines.DEVSHM_TAR), target.bundle.mounts)
+            from migrt.pods.engines import DEVSHM_TAR
+
+            rootfs.apply_devshm(os.path.join(ckpt.path, DEVSHM_TAR), target.bundle.mounts)
         with store.restore_view(ckpt) as view:
             _mark("view")
             hostname = namespaces.retarget_uts(view, target.bundle)
@@ -138,7 +150,11 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                 fill.link(work)
             if target.before_restore:
                 target.before_restore(view, work)
-            env = gpu_steps.runtime_env(gpu)
+            env = None
+            if has_gpu:  # migrt drives the GPU: CRIU's GPU hook (hooks/cuda-criu-action) stands aside
+                from migrt.gpu.records import HANDLED_ENV
+
+                env = {**os.environ, HANDLED_ENV: "1"}
             if checks.pending:
                 env = checks.gate_env(env)
             entry.update("restoring", view=view)
@@ -155,16 +171,19 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                 progress("done", name="restore", seconds=timings["restore_s"])
                 if fill:
                     pages.after_restore(fill, pid)
-                if gpu is not None:
+                if has_gpu:
                     entry.update("gpu-restore", pid=pid)
-                # GPU restore (remap) + unlock. The driver reads each process's memory: with the filler,
-                # a process's GPU restore starts once its own memory is in, the others' still arriving
-                memory = pages.MemoryReady(fill) if fill and gpu else None
-                gpu_steps.resume_restored(gpu, pid, timings, progress, memory=memory)
+                    gpu = checks.value("gpu_preflight")
+                    gpu.backend = checks.value("gpu_driver")
+                    # GPU restore (remap) + unlock. The driver reads each process's memory: with the filler,
+                    # a process's GPU restore starts once its own memory is in, the others' still arriving
+                    timings.update(gpu.resume(pid, progress, pages.MemoryReady(fill) if fill else None))
                 if fill and target.wait_pages:
                     pages.wait_all(fill, page_mode, timings)
             except (MigrtError, OSError) as exc:
                 if os.path.exists(state_dir):  # ours: it did not exist before
+                    from migrt.runtime.cleanup import unmount_under
+
                     unmount_under(state_dir)  # a killed runc's criu-root bind mount: delete would walk into it
                     runtime.delete_force(target.root, target.container_id)
                 if fill:
@@ -181,7 +200,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
         timings.update({f"{k}_s": v for k, v in checks.seconds().items()})
         # whether CRIU ran the gate (held the tree until the checks passed); migrt checked them too
         gate = ("held" if checks.gate_ran else "not run") if checks.pending else None
-        if fill:
+        if fill and target.fill is None:  # (a caller's filler is the caller's to let go)
             fill.detach()  # the filler carries on alone; its guard kills the container should it fail
         shutil.rmtree(work, ignore_errors=True)
     timings["total_s"] = round(time.monotonic() - t_all, 3)
@@ -189,13 +208,29 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
             "timings": timings, "restore_gate": gate, "pages": page_mode}
 
 
+def _gpu_steps():
+    """The GPU steps' modules (NVML, ctypes, threads: ~15 ms to import), loaded only for a checkpoint
+    with GPU state, and then in the check threads that run while CRIU restores."""
+    from migrt.ops import gpu_steps
+
+    return gpu_steps
+
+
 _MARKS: dict[str, float | None] = {}
+_FIRST: list[float] = []  # (process age, time.monotonic()) at the first mark
 
 
 def _mark(step: str) -> float | None:
     """The process's age when `step` was reached (the restore path's start, step by step, in the
-    `restored` log event's timings.start_marks)."""
-    _MARKS[step] = age = _process_age_s()
+    `restored` log event's timings.start_marks): the first from /proc (10 ms resolution), the
+    others that plus time.monotonic()'s difference, so that the steps' own costs are exact."""
+    if not _FIRST:
+        age = _process_age_s()
+        if age is None:
+            _MARKS[step] = None
+            return None
+        _FIRST.extend((age, time.monotonic()))
+    _MARKS[step] = age = round(_FIRST[0] + time.monotonic() - _FIRST[1], 4)
     return age
 
 

@@ -1,8 +1,9 @@
 """Checks that run WHILE CRIU restores, and the gate that holds the restored tree until they pass.
 
 A restore used to verify the checkpoint (sha256 of every file) and run the GPU preflight (NVML,
-libcuda) before starting runc; at 32 GiB that is ~3 s in front of CRIU. Now the slow checks run in
-threads while runc and CRIU restore, and nothing restored runs before they have passed:
+libcuda) before starting runc; at 32 GiB that is ~3 s in front of CRIU. Now the slow checks (the
+large files' hashes, the GPU preflight and the driver's load) run in threads while runc and CRIU
+restore, and nothing restored runs before they have passed:
 
 CRIU runs action scripts at fixed points of a restore. At `post-restore` every task is restored
 but none has been resumed yet; a script that exits non-zero there makes CRIU kill the whole tree
@@ -143,6 +144,9 @@ class RestoreChecks:
         """Wait for every check; the first failure (in the order added) as a MigrtError, or None."""
         if self._watcher is not None:
             self._done.wait()
+        else:  # the restore stopped before start(): no verdict to write, but the threads must end
+            for _, t in self._threads:
+                t.join()
         for name, _ in self._threads:
             exc = self._errors.get(name)
             if exc is None:

@@ -1,5 +1,7 @@
 """The filler proper: copies a restored tree's lazy memory into its tasks with several threads of
-UFFDIO_COPY straight from the mmap'ed pages images, serving page faults first.
+UFFDIO_COPY straight from the mmap'ed pages images, serving page faults first. In a lazy migration
+the pages are on the source node instead (remote.py): each thread fetches the range it copies over its
+own stream, the event thread the faults' ranges over its own.
 
 Threads: one event thread polls every task's userfaultfd and the guard's socket; N copy threads fill
 the biggest remaining segment first, `CHUNK` bytes at a time. Correctness rests on one lock:
@@ -41,9 +43,12 @@ from dataclasses import dataclass, field
 
 from migrt.pagefill import uffd
 from migrt.pagefill.images import PAGE, Plan
+from migrt.pagefill.remote import FetchError, RemotePages
 
 CHUNK = 4 << 20
 FAULT_WINDOW = 64 << 10
+REMOTE_CHUNK = 2 << 20          # a fetch from the source: big enough to stream, small enough for faults
+REMOTE_FAULT_WINDOW = 256 << 10
 STATUS_EVERY_S = 0.5
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -94,6 +99,9 @@ class RWLock:
 class PagesFile:
     """A pages-<id>.img mapped read-only: UFFDIO_COPY reads it straight from the page cache."""
 
+    def address(self, _vpid: int, offset: int, _n: int) -> int:
+        return self.base + offset
+
     def __init__(self, path: str) -> None:
         self.path = path
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -115,7 +123,7 @@ class Task:
     id: int
     vpid: int
     fd: int
-    pages: PagesFile | None
+    pages: PagesFile | RemotePages | None
     segs: list  # of Seg, sorted by start, never empty ones
     lazy_bytes: int
     copied: int = 0
@@ -174,8 +182,11 @@ def _remap(segs: list[Seg], frm: int, to: int, length: int) -> list[Seg]:
 
 class Filler:
     def __init__(self, plan: Plan, *, threads: int, guard: socket.socket, status_path: str | None,
-                 post_restore: str | None = None) -> None:
+                 post_restore: str | None = None, remote: RemotePages | None = None) -> None:
         self.plan = plan
+        self.remote = remote           # pages on the source node (lazy migration), else the local images
+        self.chunk = REMOTE_CHUNK if remote else CHUNK
+        self.fault_window = REMOTE_FAULT_WINDOW if remote else FAULT_WINDOW
         self.nthreads = max(1, threads)
         self.guard = guard
         self.status_path = status_path
@@ -244,7 +255,9 @@ class Filler:
         if proc is None:
             raise FillError(f"CRIU sent the userfaultfd of pid {vpid}, which the images do not list")
         pages = None
-        if proc.segments:
+        if proc.segments and self.remote:
+            pages = self.remote
+        elif proc.segments:
             pages = self.files.get(proc.pages_file) or PagesFile(proc.pages_file)
             self.files[proc.pages_file] = pages
             if pages.size < max(s.offset + s.length for s in proc.segments):
@@ -284,7 +297,7 @@ class Filler:
             cur = (t, s) if s.alive and not t.done else None
         self.current = cur
         t, s = cur
-        n = min(CHUNK, s.length)
+        n = min(self.chunk, s.length)
         job = (t, s.start, n, s.offset, s.inherited)
         s.start += n
         s.offset += n
@@ -300,9 +313,14 @@ class Filler:
             os.kill(os.getpid(), signal.SIGKILL)  # test seam: the filler dies mid-way
         err, done = 0, n
         try:
-            uffd.copy(t.fd, start, t.pages.base + offset, n)
+            uffd.copy(t.fd, start, t.pages.address(t.vpid, offset, n), n)
         except uffd.UffdError as exc:
             err, done = exc.errno, exc.done
+        except FetchError as exc:
+            with self.state:
+                t.inflight -= 1
+                self._fail(f"pid {t.vpid}: {exc}")
+            return errno.EIO
         with self.state:
             t.inflight -= 1
             t.copied += done
@@ -335,7 +353,21 @@ class Filler:
         self.work.notify_all()
         self._wake()
 
+    def _connect(self) -> bool:
+        """Remote pages: this thread's stream to the source, opened before anything waits on it."""
+        if self.remote is None:
+            return True
+        try:
+            self.remote.connect()
+            return True
+        except FetchError as exc:
+            with self.state:
+                self._fail(str(exc))
+            return False
+
     def _worker(self) -> None:
+        if not self._connect():
+            return
         while True:
             with self.state:
                 while not self.stop and not self.copying:
@@ -399,10 +431,11 @@ class Filler:
         seg = self._find(t, addr) if not t.done else None
         if seg is None:
             return ("zero", t, addr)
-        a = max(seg.start, addr & ~(FAULT_WINDOW - 1))
-        b = min(seg.end, a + FAULT_WINDOW)
+        w = self.fault_window
+        a = max(seg.start, addr & ~(w - 1))
+        b = min(seg.end, a + w)
         if b <= addr:
-            a, b = addr, min(seg.end, addr + FAULT_WINDOW)
+            a, b = addr, min(seg.end, addr + w)
         off = seg.offset + (a - seg.start)
         if b < seg.end:
             self._insert(t, Seg(b, seg.end, seg.offset + (b - seg.start), seg.inherited))
@@ -509,6 +542,7 @@ class Filler:
         workers = [threading.Thread(target=self._worker, name=f"fill-{i}", daemon=True) for i in range(self.nthreads)]
         for w in workers:
             w.start()
+        self._connect()  # this (event) thread's stream serves the faults
         guard_ok = True
         self.write_status("filling")
         while True:
@@ -543,6 +577,7 @@ class Filler:
             poller.register(self.wake_r, select.POLLIN)
             waiting_gate = not self.copying and self.post_restore
             ready = poller.poll(0 if jobs else 10 if waiting_gate else 200)
+            t_ready = time.monotonic()
             if waiting_gate and os.path.exists(self.post_restore):
                 # CRIU's post-restore: every task restored, every lazy VMA registered, none resumed
                 with self.state:
@@ -572,6 +607,9 @@ class Filler:
                     self._serve(jobs)
                 finally:
                     self.rw.release_shared()
+                took = round((time.monotonic() - t_ready) * 1000, 1)  # reading the faults + serving them
+                with self.state:
+                    self.counts["fault_max_ms"] = max(self.counts.get("fault_max_ms", 0), took)
             if time.monotonic() - self._last_status > STATUS_EVERY_S:
                 self.write_status("filling")
         with self.state:
@@ -583,6 +621,8 @@ class Filler:
             if not t.closed:
                 t.closed = True
                 os.close(t.fd)
+        if self.remote:
+            self.remote.close(done=self.fatal is None and self.t_done is not None)
         if self.fatal:
             self.write_status("failed", error=self.fatal)
             try:

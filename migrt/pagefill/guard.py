@@ -35,7 +35,8 @@ import sys
 import time
 
 from migrt.pagefill import images as images_mod
-from migrt.pagefill.engine import Filler, write_json
+from migrt.pagefill.engine import REMOTE_CHUNK, Filler, write_json
+from migrt.pagefill.remote import RemotePages
 
 RESTORE_FINISHED = 0x52535446
 KILL_WAIT_S = 10.0
@@ -71,7 +72,12 @@ class Guard:
             with open("/proc/self/oom_score_adj", "w") as fh:  # best effort: needs CAP_SYS_RESOURCE
                 fh.write("-999")
         images = f"/proc/self/fd/{self.args['images_fd']}"
-        plan = images_mod.plan(images)
+        remote = None
+        if self.args.get("remote"):  # lazy migration: the pages are on the source node
+            with open(self.args["remote"], encoding="utf-8") as fh:
+                remote = json.load(fh)
+            os.unlink(self.args["remote"])  # it holds the stream key: read once
+        plan = images_mod.plan(images, remote=remote is not None)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:  # the filler
@@ -84,7 +90,8 @@ class Guard:
                     with open("/proc/self/oom_score_adj", "w") as fh:
                         fh.write("0")
                 code = Filler(plan, threads=self.args["threads"], guard=theirs, status_path=self.status_path,
-                              post_restore=self.args.get("post_restore")).run()
+                              post_restore=self.args.get("post_restore"),
+                              remote=RemotePages(remote, REMOTE_CHUNK) if remote else None).run()
             except BaseException as exc:  # noqa: BLE001 - report anything, then die
                 with contextlib.suppress(OSError):
                     theirs.send(f"E filler crashed: {exc!r}".encode()[:4000])

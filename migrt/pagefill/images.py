@@ -193,7 +193,9 @@ class Plan:
         return sum(p.lazy_bytes for p in self.processes.values())
 
 
-def process_plan(images: str, pid: int) -> ProcessPlan:
+def process_plan(images: str, pid: int, remote: bool = False) -> ProcessPlan:
+    """remote: the images of a lazy dump (`runc checkpoint --lazy-pages`), whose lazy pages stayed in
+    the source process: a segment's `offset` is then its address there (where remote.py fetches it)."""
     if not os.path.exists(os.path.join(images, f"pagemap-{pid}.img")):  # a zombie: no memory at all
         return ProcessPlan(pid=pid, pages_file="")
     pages_id, entries = read_pagemap(images, pid)
@@ -207,7 +209,7 @@ def process_plan(images: str, pid: int) -> ProcessPlan:
         if e.flags & PE_LAZY:
             if e.flags & PE_PARENT:
                 raise ImageError(f"process {pid}: lazy pages in a parent image (pre-dump chain) at {e.vaddr:#x}")
-            if not e.flags & PE_PRESENT:
+            if not e.flags & PE_PRESENT and not remote:
                 raise ImageError(f"process {pid}: lazy pagemap entry without pages at {e.vaddr:#x}")
             start, end = e.vaddr, e.vaddr + length
             while start < end:
@@ -221,10 +223,13 @@ def process_plan(images: str, pid: int) -> ProcessPlan:
                 if vma.flags & MAP_HUGETLB:
                     raise ImageError(f"process {pid}: lazy pages in a hugetlbfs VMA at {start:#x}")
                 stop = min(end, vma.end)
-                _append(plan.segments, Segment(start, stop, offset + (start - e.vaddr), vma.inherited), vma)
+                where = start if remote else offset + (start - e.vaddr)
+                _append(plan.segments, Segment(start, stop, where, vma.inherited), vma)
                 start = stop
         if e.flags & PE_PRESENT and not e.flags & PE_PARENT:
             offset += length
+    if remote:
+        return plan
     try:
         size = os.stat(pages_file).st_size
     except OSError as exc:
@@ -246,9 +251,10 @@ def _append(segments: list[Segment], seg: Segment, vma: Vma) -> None:
     segments.append(seg)
 
 
-def plan(images: str) -> Plan:
-    """The filler's work for a checkpoint's images; ImageError when it cannot do it."""
+def plan(images: str, remote: bool = False) -> Plan:
+    """The filler's work for a checkpoint's images; ImageError when it cannot do it. remote: a lazy
+    dump's images, whose lazy pages are fetched from the source (see process_plan)."""
     pids = read_pids(images)
     if not pids:
         raise ImageError("pstree.img lists no process")
-    return Plan(images=images, processes={pid: process_plan(images, pid) for pid in pids})
+    return Plan(images=images, processes={pid: process_plan(images, pid, remote) for pid in pids})

@@ -48,10 +48,11 @@ class PageFill:
     @classmethod
     def start(cls, images: str, *, threads: int, container_id: str | None = None, root: str | None = None,
               runc_log: str | None = None, log_format: str = "json", log_file: str | None = None,
-              post_restore: str | None = None) -> PageFill:
+              post_restore: str | None = None, remote: dict | None = None) -> PageFill:
         """Start the guard (and through it the filler) for a restore from `images`. post_restore: a
         file that appears once every task is restored (not resumed): copying may start then, before
-        CRIU's end-of-restore message."""
+        CRIU's end-of-restore message. remote: the pages are on the source node (lazy migration):
+        {"address", "port", "key" (hex), "tls" (None or {cert, key, ca}), "timeout"} (remote.py)."""
         run = _run_dir()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         images_fd = control_r = control_w = -1
@@ -64,6 +65,11 @@ class PageFill:
                     "status": os.path.join(run, "status.json"), "threads": threads, "container_id": container_id,
                     "root": root, "runc_log": runc_log, "log_format": log_format, "log_file": log_file,
                     "run_dir": run, "post_restore": post_restore}
+            if remote is not None:  # in a file of our 0700 run directory: the key stays off argv
+                args["remote"] = os.path.join(run, "remote.json")
+                fd = os.open(args["remote"], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    json.dump(remote, fh)
             # the guard imports migrt from where we did (a venv, a checkout)
             pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -6,7 +6,6 @@ container's hostname (read from the namespace it joins, or config.json's `hostna
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import os
 
@@ -21,6 +20,8 @@ def ns_uname(ns_path: str) -> tuple[str, str]:
     fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
 
     def child() -> bytes:
+        import ctypes  # setns: only when a namespace is joined (not on the restore's path to CRIU)
+
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.setns(fd, CLONE_NEWUTS) != 0:
             raise OSError(ctypes.get_errno(), f"setns({ns_path})")

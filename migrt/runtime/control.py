@@ -8,6 +8,7 @@ import os
 import resource
 import select
 import socket
+import struct
 import subprocess
 import time
 
@@ -15,6 +16,8 @@ from migrt.criu.logs import error_lines
 from migrt.criu.options import CriuOptions
 from migrt.errors import RuntimeFailed
 from migrt.runtime.runc import _last_runc_error
+
+PS_IOV_CLOSE = 0x1023  # criu/page-xfer.c
 
 
 def _run(runtime: str, root: str, args: list[str], what: str, timeout: float = 60) -> None:
@@ -105,6 +108,23 @@ class LazyCheckpoint:
         finally:
             os.close(self._status)
             self._status = -1
+
+    def finish(self, timeout: float) -> None:
+        """Ask CRIU's page server for nothing: a PS_IOV_CLOSE right away ends the lazy dump with the
+        images written and the memory left in the (frozen) tasks, which migrt's own page server
+        (migration/pageserve.py) then serves. CRIU 4.2's request is `u32 cmd; u64 nr_pages; u64 vaddr;
+        u64 dst_id` (32 bytes, natural alignment); it answers a 4-byte status."""
+        if not self._ready:
+            raise RuntimeFailed(f"lazy checkpoint of {self.cid}: CRIU is not serving pages")
+        try:
+            with socket.create_connection(self.page_server, timeout=timeout) as sk:
+                sk.sendall(struct.pack("<I4xQQQ", PS_IOV_CLOSE, 0, 0, 0))
+                sk.recv(4)
+        except OSError as exc:
+            self.abort()
+            raise RuntimeFailed(f"lazy checkpoint of {self.cid}: cannot end CRIU's page server: {exc}") from exc
+        self._ready = False
+        self.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every page has been served (CRIU exits)."""

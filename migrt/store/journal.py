@@ -20,7 +20,6 @@ import fcntl
 import json
 import os
 import time
-import uuid
 from collections.abc import Iterator
 
 from migrt import faults
@@ -89,7 +88,7 @@ def begin(store_root: str, op: str, phase: str = "started", **fields) -> Entry:
     """A new entry, locked by this process, recorded durably before the caller does anything."""
     d = _dir(store_root)
     os.makedirs(d, mode=0o700, exist_ok=True)
-    entry_id = f"{op}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    entry_id = f"{op}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{os.urandom(3).hex()}"
     fd = os.open(os.path.join(d, f"{entry_id}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     data = {"id": entry_id, "op": op, "pid": os.getpid(), "started": time.time(), **fields}

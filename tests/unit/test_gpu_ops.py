@@ -210,12 +210,17 @@ def test_restore_onto_the_same_gpu_needs_no_remap(cfg, node, tmp_path):
     assert node.synced == [(NEW_INIT, [0])]
 
 
-def test_preflight_mismatch_touches_nothing_and_keeps_the_checkpoint(cfg, node, tmp_path):
+def test_preflight_mismatch_stops_the_restore_before_the_gpu_and_keeps_the_checkpoint(cfg, node, tmp_path):
+    """The preflight runs while CRIU restores (the restore gate holds the tree at post-restore until
+    it passed; the fake runc has no gate, so migrt's own second check stops it here): the restored
+    container is removed before any GPU call on it, the checkpoint stays whole."""
     take_checkpoint(cfg)
     with pytest.raises(PreconditionFailed, match="ran on 1 GPU.*gets 2"):
         restore_into(cfg, tmp_path, ["NVIDIA_VISIBLE_DEVICES=all"])
-    assert [c[0] for c in FakeLower.calls] == ["pause", "checkpoint", "delete"]  # runc restore never ran
-    assert not (tmp_path / "rr" / "c2").exists()
+    assert [c[0] for c in FakeLower.calls] == ["pause", "checkpoint", "delete", "restore", "delete"]
+    assert node.backend.calls_of("restore") == [] and node.backend.calls_of("state") == []
+    assert node.states(NEW_INIT, NEW_CHILD) == [CHECKPOINTED, CHECKPOINTED]
+    (tmp_path / "rr" / "c2").rmdir()  # what runc's delete does (the fake's does not)
     Store(cfg.store).get("ck1").verify()  # still whole, and usable:
     restore_into(cfg, tmp_path, [f"NVIDIA_VISIBLE_DEVICES={U1}"])
     assert node.states(NEW_INIT, NEW_CHILD) == [RUNNING, RUNNING]

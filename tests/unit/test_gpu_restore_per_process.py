@@ -1,6 +1,8 @@
-"""A lazy restore's GPU restores: each CUDA process's GPU restore starts as soon as ITS memory is in
-(the page filler still filling the others), several at once, all unlocked together at the end. On the
-fake GPU backend with a scripted fill in place of the page filler; no container, no GPU."""
+"""A restore's GPU steps off the path to CRIU and per process: the GPU preflight (NVML) and the
+driver's load run while CRIU restores, and after a lazy restore each CUDA process's GPU restore
+starts as soon as ITS memory is in (the page filler still filling the others), several at once, all
+unlocked together at the end. On the fake GPU backend with a scripted fill in place of the page
+filler; no container, no GPU."""
 
 from __future__ import annotations
 
@@ -10,11 +12,11 @@ import time
 
 import pytest
 
-from migrt.errors import RuntimeFailed
+from migrt.errors import PreconditionFailed, RuntimeFailed
 from migrt.gpu import session
 from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuError
 from migrt.gpu.fake import FakeGpuBackend
-from migrt.ops import pages
+from migrt.ops import gpu_steps, pages
 from migrt.pagefill import session as fill_session
 from migrt.store import Store
 from tests.unit.test_gpu_ops import (  # noqa: F401 - fixtures
@@ -235,3 +237,30 @@ def test_an_eager_restore_restores_every_gpu_process_at_once(cfg, node, tmp_path
     assert node.states(NEW_INIT, NEW_CHILD) == [RUNNING, RUNNING]
     assert "gpu_restores" not in result["timings"] and result["pages"]["mode"] == "eager"
 
+
+
+# -- the GPU preflight while CRIU restores ----------------------------------------------------------------
+def test_the_gpu_preflight_runs_while_criu_restores(cfg, node, tmp_path, monkeypatch):
+    take_checkpoint(cfg)
+    criu_called = threading.Event()
+
+    def take(*a, **kw):  # NVML answers only once runc restore has been called: a preflight in front hangs
+        assert criu_called.wait(10), "the GPU preflight ran before runc restore"
+        return node.inv
+
+    monkeypatch.setattr(gpu_steps.inventory, "take", take)
+    restore = FakeLower.restore
+    monkeypatch.setattr(FakeLower, "restore", lambda self, spec, **kw: criu_called.set() or restore(self, spec, **kw))
+    result = restore_into(cfg, tmp_path, [f"NVIDIA_VISIBLE_DEVICES={U1}"])
+    assert node.states(NEW_INIT, NEW_CHILD) == [RUNNING, RUNNING]
+    assert result["timings"]["gpu_preflight_s"] >= 0 and result["timings"]["gpu_driver_s"] >= 0
+
+
+def test_a_driver_that_does_not_load_stops_the_restore_before_the_gpu(cfg, node, tmp_path, monkeypatch):
+    take_checkpoint(cfg)
+    monkeypatch.setattr(node.backend, "available", lambda: False)
+    with pytest.raises(PreconditionFailed, match="holds GPU state, but the CUDA checkpoint API is not usable"):
+        restore_into(cfg, tmp_path, [f"NVIDIA_VISIBLE_DEVICES={U1}"])
+    assert [c[0] for c in FakeLower.calls][-2:] == ["restore", "delete"]
+    assert node.backend.calls_of("restore") == [] and node.states(NEW_INIT, NEW_CHILD) == [CHECKPOINTED] * 2
+    Store(cfg.store).get("ck1").verify()

@@ -14,9 +14,12 @@ import textwrap
 from migrt.store import Store
 
 # structlog pulled in asyncio; pycriu pulls in protobuf; click, psutil, pynvml, zstandard, yaml are not
-# needed before CRIU runs (pynvml is imported by the GPU preflight only for checkpoints with GPU state)
+# needed before CRIU runs. The GPU steps (NVML, ctypes, thread pools) run in threads while CRIU restores,
+# and only for checkpoints with GPU state; recovery only when the journal holds a stale entry; the page
+# filler only for checkpoints whose page images reach fill_min_mib; a thread pool only for large hashes.
 NOT_BEFORE_CRIU = ("click", "structlog", "asyncio", "pycriu", "google.protobuf", "psutil", "pynvml", "zstandard", "yaml",
-                   "ssl", "http", "email")
+                   "ssl", "http", "email", "migrt.ops.gpu_steps", "migrt.ops.recover", "migrt.pagefill",
+                   "concurrent.futures", "ctypes", "uuid", "logging", "typing")
 
 PROBE = textwrap.dedent("""\
     import json, sys
@@ -46,7 +49,7 @@ def test_the_probe_sees_a_heavy_import(tmp_path):
     probe = PROBE.replace("import migrt.shim.__main__", "import migrt.shim.__main__, click")
     out = subprocess.run([sys.executable, "-c", probe.format(config=str(config), heavy=NOT_BEFORE_CRIU)],
                          capture_output=True, text=True, timeout=60, check=True)
-    assert json.loads(out.stdout) == ["click"]
+    assert "click" in json.loads(out.stdout)  # (with what click itself imports)
 
 
 RESTORE_PROBE = textwrap.dedent("""\
