@@ -9,11 +9,12 @@ pod's shim (its subreaper) and must be gone, reaped, with their run directory, o
 the restored container must stop and go away like any other.
 
 - The production set-up: the pod's process holds 96 MiB of random data and rehashes it at every
-  tick (hashticker.c); here the fill ends within `create` (about 0.05 s for 96 MiB).
+  tick (hashticker.c); on the test machine the fill ends within `create` (0.05 s for 96 MiB).
 - A containerd whose shims carry the test seam MIGRT_FILL_PACE_MIBS (16 MiB/s): the pod runs while
   its memory arrives (memhog, which touches its data only on SIGUSR1), its guard adopted by the shim;
   memory faulted in during the fill hashes as before the checkpoint; a StopContainer in the middle of
-  the fill ends the container, the filler and the guard cleanly.
+  the fill ends the container, the filler and the guard cleanly; a checkpoint taken in the middle of
+  the fill (`migrt checkpoint`, CRI CheckpointContainer) waits for it and holds all the memory.
 """
 
 from __future__ import annotations
