@@ -119,6 +119,9 @@ class LazyCheckpoint:
         try:
             with socket.create_connection(self.page_server, timeout=timeout) as sk:
                 sk.sendall(struct.pack("<I4xQQQ", PS_IOV_CLOSE, 0, 0, 0))
+                # half-close at once: CRIU corks its socket, so its status would wait out the cork
+                # (200 ms); our end-of-stream makes it end the session and flush
+                sk.shutdown(socket.SHUT_WR)
                 sk.recv(4)
         except OSError as exc:
             self.abort()
