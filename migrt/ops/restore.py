@@ -95,14 +95,16 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
     # post-restore for their verdict, and migrt checks it again before anything runs on a GPU
     # (ops/restore_checks.py): the large image files hashed, and for a checkpoint with GPU state the
     # GPU preflight (NVML: the new container's GPUs, their models, free memory, the remap) and the
-    # driver's load (cuInit). Their modules are imported there too, off the path to CRIU.
+    # driver's load (cuInit), which start as runc is called (their Python work would compete for the
+    # GIL with the steps before it); their modules are imported there too, off the path to CRIU.
     checks = restore_checks.RestoreChecks(work)
     section = ckpt.manifest.get("gpu")
     has_gpu = bool(section and section.get("processes"))  # gpu_steps.has_gpu_state, without importing it
     if has_gpu:
         what = f"checkpoint {name}"
-        checks.add("gpu_preflight", lambda: _gpu_steps().restore_preflight(section, target.bundle.config, what))
-        checks.add("gpu_driver", lambda: _gpu_steps().restore_driver(cfg, what))
+        checks.add("gpu_preflight", lambda: _gpu_steps().restore_preflight(section, target.bundle.config, what),
+                   deferred=True)
+        checks.add("gpu_driver", lambda: _gpu_steps().restore_driver(cfg, what), deferred=True)
     fill = None
     gate = None
     try:
@@ -162,6 +164,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
             timings["criu_call_after_start_s"] = _mark("criu")  # the shim's own start, for bench/
             timings["start_marks"] = dict(_MARKS)
             t0 = time.monotonic()
+            checks.release()
             try:
                 pid = runtime.restore(spec, global_tokens=global_tokens, stdio=target.stdio, log_path=log_path,
                                       env=env,

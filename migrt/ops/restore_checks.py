@@ -68,9 +68,18 @@ class RestoreChecks:
         self._values: dict[str, object] = {}
         self._done = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._go = threading.Event()  # deferred checks wait for release()
+        self._cancelled = False
 
-    def add(self, name: str, fn: Callable[[], object]) -> None:
+    def add(self, name: str, fn: Callable[[], object], *, deferred: bool = False) -> None:
+        """deferred: the check waits for release() (the caller's last step before runc), so that
+        its Python work does not hold the GIL while the caller still prepares; it never runs if the
+        restore stops before that."""
         def run() -> None:
+            if deferred:
+                self._go.wait()
+                if self._cancelled:
+                    return
             t0 = time.monotonic()
             try:
                 self._values[name] = fn()
@@ -81,6 +90,10 @@ class RestoreChecks:
         t = threading.Thread(target=run, name=f"migrt-check-{name}", daemon=True)
         self._threads.append((name, t))
         t.start()
+
+    def release(self) -> None:
+        """The deferred checks may run now."""
+        self._go.set()
 
     def start(self) -> None:
         """Every check added: a watcher writes the verdict for the gate once they have all ended."""
@@ -142,6 +155,9 @@ class RestoreChecks:
 
     def failure(self) -> MigrtError | None:
         """Wait for every check; the first failure (in the order added) as a MigrtError, or None."""
+        if not self._go.is_set():  # the restore stopped before runc: deferred checks never run
+            self._cancelled = True
+            self._go.set()
         if self._watcher is not None:
             self._done.wait()
         else:  # the restore stopped before start(): no verdict to write, but the threads must end

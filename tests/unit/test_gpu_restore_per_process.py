@@ -264,3 +264,25 @@ def test_a_driver_that_does_not_load_stops_the_restore_before_the_gpu(cfg, node,
     assert [c[0] for c in FakeLower.calls][-2:] == ["restore", "delete"]
     assert node.backend.calls_of("restore") == [] and node.states(NEW_INIT, NEW_CHILD) == [CHECKPOINTED] * 2
     Store(cfg.store).get("ck1").verify()
+
+
+# -- deferred checks: the GPU ones start as runc is called ----------------------------------------------
+def test_a_deferred_check_runs_only_once_released(tmp_path):
+    from migrt.ops.restore_checks import RestoreChecks
+
+    ran = threading.Event()
+    checks = RestoreChecks(str(tmp_path))
+    checks.add("later", lambda: ran.set() or "value", deferred=True)
+    checks.start()
+    assert not ran.wait(0.2)  # held until the caller's last step before runc
+    checks.release()
+    assert checks.failure() is None and ran.is_set() and checks.value("later") == "value"
+
+
+def test_a_deferred_check_never_runs_when_the_restore_stops_before_runc(tmp_path):
+    from migrt.ops.restore_checks import RestoreChecks
+
+    ran = threading.Event()
+    checks = RestoreChecks(str(tmp_path))
+    checks.add("later", ran.set, deferred=True)
+    assert checks.failure() is None and not ran.is_set() and checks.seconds() == {}
