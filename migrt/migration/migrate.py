@@ -483,7 +483,7 @@ class _Run:
 
     def _start_page_server(self) -> pageserve.Handle:
         try:
-            return pageserve.Handle.start(host=self.ch.local_host, key=self.ch.pages_key, peer=self.ch.peer_host,
+            return pageserve.Handle.start(host=self.ch.local_host, key=self.ch.pages_key, peer=None,
                                           tls=self.cfg.migration_tls or None,
                                           idle_s=self.cfg.migration_stall_timeout * 3)
         except pageserve.FetchError as exc:

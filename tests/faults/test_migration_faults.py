@@ -5,8 +5,8 @@ Every fault must end within seconds on both sides with exactly one copy of the c
 left behind (staging directories, runc state, guard processes, mounts), and the next migration must
 succeed. Faults: SIGKILL of `migrt migrate` and of `migrt receive` at each phase (found from the
 sender's progress events, MIGRT_PROGRESS=json, and from the processes the receiver runs), the
-connection cut at chosen points by a proxy (tests/helpers/cutproxy.py), the target's `criu
-lazy-pages` daemon killed during the restore, and a restore that hangs (CRIU stopped with SIGSTOP).
+connection cut at chosen points by a proxy (tests/helpers/cutproxy.py), the target's page filler
+killed during the restore, the source's page server killed while the pages flow, and a restore that hangs (CRIU stopped with SIGSTOP).
 The config's `migration_stall_timeout` is 3 s here.
 """
 
@@ -196,7 +196,8 @@ class Case:
             assert not os.path.isdir(staging) or os.listdir(staging) == [], f"staging left on {node}"
         b_root = self.nodes["b"]["root"]
         assert (self.tcid in os.listdir(b_root)) == (survivor == "target"), os.listdir(b_root)
-        assert not in_netns(pids_matching("lazy-pages", "migrt-lazy-"), self.hosts["b"]), "a lazy-pages daemon was left"
+        assert not in_netns(pids_matching("migrt.pagefill.guard"), self.hosts["b"]), "a page filler was left"
+        assert not in_netns(pids_matching("migrt.migration.pageserve"), self.hosts["a"]), "a page server was left"
         assert not pids_matching("restore --detach", self.tcid), "a runc restore was left"
         assert not criu_using(str(self.nodes["base"])), "a CRIU process was left"
         with open("/proc/self/mountinfo") as fh:
@@ -249,35 +250,36 @@ def case(nodes, hosts, request):
 
 # -- the target's CRIU ---------------------------------------------------------------------------
 
-def test_lazy_daemon_killed_during_restore(case, lazy_capable):
-    """The target's `criu lazy-pages` dies while `runc restore --lazy-pages` runs (where CRIU used to
-    deadlock): the target kills the restore at once, cleans up and tells the source, which resumes."""
+def test_page_filler_killed_during_restore(case, lazy_capable):
+    """The target's page filler (its guard and the filler it forked) dies while `runc restore
+    --lazy-pages` runs (where CRIU used to deadlock when its lazy-pages daemon died): the target kills
+    the restore at once, cleans up and tells the source, which resumes."""
     c = case("lzkill")
     recv = c.receiver()
     try:
         mig = c.migrate("--lazy")
         mig.wait_event(phase("restore"))
         deadline = time.monotonic() + 20
-        while (not (daemons := in_netns(pids_matching("lazy-pages", "migrt-lazy-"), c.hosts["b"]))
+        while (not (fillers := in_netns(pids_matching("migrt.pagefill.guard"), c.hosts["b"]))
                or not pids_matching("restore --detach", c.tcid)):
-            assert time.monotonic() < deadline, "no restore with a lazy-pages daemon seen"
+            assert time.monotonic() < deadline, "no restore with a page filler seen"
             time.sleep(0.005)
         t_kill = time.monotonic()
-        for pid in daemons:
-            os.kill(pid, signal.SIGKILL)
+        for pid in fillers:
+            os.killpg(pid, signal.SIGKILL)  # the guard and its filler (a session of their own)
         rc, text, _ = mig.finish()
         ended = time.monotonic() - t_kill
         recv.wait(SETTLE)
     finally:
         recv.stop()
-    print(f"[lazy daemon killed] the source ended {ended:.2f} s after the kill")
+    print(f"[page filler killed] the source ended {ended:.2f} s after the kill")
     assert rc != 0, text
     assert ended < 2 * STALL, f"the source took {ended:.1f} s to end"
     assert "resumed on this node" in text, text
     assert c.settle() == "source"
     c.check_clean("source")
     assert c.name not in visible(c.nodes)
-    assert os.path.exists(os.path.join(c.nodes["b"]["bundle"], "rootfs", "bin", "busybox")), "DEBUG rootfs damaged"
+    assert os.path.exists(os.path.join(c.nodes["b"]["bundle"], "rootfs", "bin", "busybox")), "rootfs damaged"
     c.next_migration_succeeds()
 
 
@@ -448,9 +450,9 @@ def test_connection_cut(case, spec, lazy, expected, request):
 # -- lazy: kills while the memory pages flow -------------------------------------------------------
 
 def test_migrate_killed_while_lazy_pages_flow(case, lazy_capable):
-    """The target runs and fetches its pages from the source's CRIU page server when `migrt migrate`
-    dies: the page server goes on (it is not migrate's to lose), the guard asks the target, which
-    answers once every page has arrived, and deletes the source."""
+    """The target runs and fetches its pages from the source's page server when `migrt migrate` dies:
+    the page server goes on (a process of its own, not migrate's to lose), the guard asks the target,
+    which answers once every page has arrived, and deletes the source."""
     c = case("mkl")
     recv = c.receiver()
     try:
@@ -467,9 +469,34 @@ def test_migrate_killed_while_lazy_pages_flow(case, lazy_capable):
     c.check_clean(survivor)
 
 
+def test_page_server_killed_while_lazy_pages_flow(case, lazy_capable):
+    """The source's page server dies while the target still fetches pages: the target's filler cannot
+    complete the copy, so the target kills it (never a copy running on missing memory) and says so;
+    the source resumes from the freeze."""
+    c = case("pskill")
+    recv = c.receiver()
+    try:
+        with throttled(c.hosts):
+            mig = c.migrate("--lazy")
+            mig.wait_event(phase("pages"))
+            servers = in_netns(pids_matching("migrt.migration.pageserve"), c.hosts["a"])
+            assert servers, "no page server seen"
+            for pid in servers:
+                os.kill(pid, signal.SIGKILL)
+            rc, text, took = mig.finish()
+            survivor = c.settle()
+        recv.wait(SETTLE)
+    finally:
+        recv.stop()
+    print(f"[page server killed] migrate ended after {took:.2f} s, exit {rc}")
+    assert survivor == "source" and rc != 0, text
+    assert "resumed on this node" in text and "memory pages" in text, text
+    c.check_clean(survivor)
+
+
 def test_receive_killed_while_lazy_pages_flow(case, lazy_capable):
     """`migrt receive` dies while its restored copy still fetches pages: its guard kills the copy (it
-    would never get all its memory) and the lazy-pages daemon; the source, asking the restarted
+    would never get all its memory) and the page filler; the source, asking the restarted
     receiver, learns that nothing runs there and resumes."""
     c = case("rkl")
     recv = c.receiver()
