@@ -87,12 +87,14 @@ class PageServer:
 
     # -- one stream --------------------------------------------------------------------------------
     def _handshake(self, sock: socket.socket) -> socket.socket | None:
+        """The authenticated stream, or None (the caller closes `sock`)."""
         sock.settimeout(10)
         if self.tls:
             sock = self.tls.wrap_socket(sock, server_side=True)
         nonce = os.urandom(NONCE)
         sock.sendall(MAGIC + nonce)
         if not hmac.compare_digest(recv_exact(sock, 32), answer(self.key, nonce)):
+            sock.close()
             return None
         sock.sendall(b"\0")
         sock.settimeout(None)
@@ -103,9 +105,10 @@ class PageServer:
         try:
             if self.peer and addr[0] != self.peer:
                 raise PermissionError(f"connection from {addr[0]}, not from the target {self.peer}")
-            sock = self._handshake(raw)
-            if sock is None:
+            authed = self._handshake(raw)
+            if authed is None:
                 raise PermissionError(f"{addr[0]} does not hold this migration's key")
+            sock = authed
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self.lock:
                 self.streams += 1
@@ -132,7 +135,7 @@ class PageServer:
                     self.bytes += n
                     self.requests += 1
                     self.last = time.monotonic()
-        except PermissionError as exc:
+        except (PermissionError, ssl.SSLError) as exc:
             with self.lock:
                 self.refused += 1
                 self.errors.append(str(exc))

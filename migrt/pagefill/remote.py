@@ -107,8 +107,13 @@ class _Stream:
             if not hello.startswith(MAGIC):
                 raise FetchError("the source's page server speaks another protocol")
             sock.sendall(answer(bytes.fromhex(spec["key"]), hello[len(MAGIC):]))
-            if recv_exact(sock, 1) != b"\0":
-                raise FetchError("the source's page server refused us")
+            try:
+                welcome = recv_exact(sock, 1)
+            except FetchError:
+                welcome = b""
+            if welcome != b"\0":
+                raise FetchError(f"the source's page server {spec['address']}:{spec['port']} refused this node "
+                                 "(not this migration's key)")
         except (OSError, ssl.SSLError, FetchError) as exc:
             sock.close()
             if isinstance(exc, FetchError):
