@@ -104,3 +104,24 @@ def test_a_failing_preflight_stops_the_restore_at_the_gate_and_keeps_the_checkpo
         assert gpu_calls(fake_gpu) == ["lock", "checkpoint", "restore", "unlock"]
     finally:
         dst.close()
+
+
+def test_through_the_page_filler_the_gpu_restore_waits_for_its_own_memory(runc_root, fake_gpu, migrt_config,
+                                                                          tmp_path, monkeypatch):
+    """The real filler's status, keyed by pids inside the container, and the restored host pid meet:
+    the GPU restore of the container's init starts once its memory is complete."""
+    tick, digest = checkpoint_marked(runc_root, tmp_path, fake_gpu, "gpu-start-lazy")
+    monkeypatch.setenv("MIGRT_RESTORE_PAGES", "lazy")
+    dst, did, log = create(runc_root, tmp_path, "gpu-start-lazy")
+    try:
+        assert dst.rc == 0, open(log).read() if os.path.exists(log) else ""
+        assert gpu_calls(fake_gpu) == ["lock", "checkpoint", "restore", "unlock"]
+        ev = restored_event(migrt_config, did)
+        assert ev["pages"]["mode"] == "lazy"
+        (one,) = ev["timings"]["gpu_restores"]
+        assert one["pid"] == ev["pid"] and one["vpid"] == 1
+        assert 0 <= one["memory_in_s"] <= one["gpu_restore_start_s"] and one["gpu_restore_s"] >= 0
+        after = parse_ticks(dst.read_for(1.0))
+        assert after and after[0][0] == tick + 1 and all(t[2] == digest for t in after)
+    finally:
+        dst.close()
