@@ -172,13 +172,6 @@ out=$("$venv/bin/migrt" install runtime --bindir "$bindir" --python "$venv/bin/p
     --criu-hook "$prefix/libexec/cuda-criu-action" --criu-hook-source "$prefix/libexec/cuda-criu-action.py" 2>&1) ||
     die "migrt install runtime --bindir $bindir failed: $out"
 
-# Lazy migration: CRIU's page server asks for pipes of several MB; without CAP_SYS_RESOURCE that
-# needs fs.pipe-max-size >= 4 MiB (else the page server fails and the lazy restore hangs; docs/migration.md).
-if [ "$(cat /proc/sys/fs/pipe-max-size 2>/dev/null || echo 0)" -lt 4194304 ]; then
-    echo 'fs.pipe-max-size = 4194304' > /etc/sysctl.d/90-migrt.conf
-    sysctl -q -w fs.pipe-max-size=4194304 || log "could not raise fs.pipe-max-size (lazy migration needs it)"
-fi
-
 mkdir -p /etc/migrt
 [ -f /etc/migrt/config.yaml ] || install -m 0644 "$here/configs/config.yaml" /etc/migrt/config.yaml
 install -d -m 0700 /var/lib/migrt

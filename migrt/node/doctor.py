@@ -75,8 +75,9 @@ def run_checks() -> list[dict]:
         from migrt.criu.lazy import lazy_problem
 
         problem = lazy_problem("source")
-        out.append(_check("lazy migration page server", "warn" if problem else "ok", problem or "can serve pages",
-                          "see docs/migration.md, 'Lazy pages: what hung, and why'" if problem else ""))
+        out.append(_check("lazy migration page server", "warn" if problem else "ok",
+                          problem or "can serve pages (migrt's page server)",
+                          "see docs/migration.md, 'Lazy migration: how the pages travel'" if problem else ""))
         out.append(_page_filler_check(cfg, uffd))
         sd = _criu_feature(crit, "mem_dirty_track")
         out.append(_check("pre-dump (soft-dirty)", "ok" if sd else "warn",
