@@ -189,16 +189,67 @@ def hash_chunks(top: str, rel_paths: list[str], *, fsync: bool = False, workers:
             if progress:
                 progress(length)
         return {rel: [(off, *parts[rel][off]) for off in sorted(parts[rel])] for rel in rel_paths}
-    from concurrent.futures import ThreadPoolExecutor  # (and logging): not on the restore's path to CRIU
-
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for rel, off, digest, length in pool.map(one, tasks):
-            parts[rel][off] = (length, digest)
-            if progress:
-                progress(length)
-        if fsync:
-            list(pool.map(lambda rel: _fsync_path(os.path.join(top, rel)), rel_paths))
+    for rel, off, digest, length in _in_threads(one, tasks, workers):
+        parts[rel][off] = (length, digest)
+        if progress:
+            progress(length)
+    if fsync:
+        for _ in _in_threads(lambda rel: _fsync_path(os.path.join(top, rel)), rel_paths, workers):
+            pass
     return {rel: [(off, *parts[rel][off]) for off in sorted(parts[rel])] for rel in rel_paths}
+
+
+def _in_threads(fn, items: list, workers: int) -> Iterator:
+    """fn(item) for every item, in up to `workers` threads; yields the results in the calling thread
+    (in completion order) and raises the first error once the threads have stopped.
+
+    Plain threads, not concurrent.futures: a restore hashes in a thread while its main thread forks
+    (pods/forked.py), and the first import of concurrent.futures.thread (or of logging, which it
+    imports) registers at-fork hooks that acquire and release a lock of its own: registered between a
+    fork's before- and after-hooks, the release frees the lock the hashing thread holds in submit(),
+    which then fails with "RuntimeError: release unlocked lock" (the restore failed with it)."""
+    import queue
+    import threading
+
+    todo = iter(items)
+    take = threading.Lock()
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    failed = threading.Event()
+
+    def work() -> None:
+        while not failed.is_set():
+            with take:
+                item = next(todo, _END)
+            if item is _END:
+                return
+            try:
+                results.put((True, fn(item)))
+            except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
+                failed.set()
+                results.put((False, exc))
+                return
+
+    threads = [threading.Thread(target=work, name="migrt-hash", daemon=True)
+               for _ in range(max(1, min(workers, len(items))))]
+    for t in threads:
+        t.start()
+    error = None
+    try:
+        for _ in items:
+            ok, value = results.get()
+            if not ok:
+                error = value
+                break
+            yield value
+    finally:
+        failed.set()  # a consumer that stopped early (or an error): no new work
+        for t in threads:
+            t.join()
+    if error is not None:
+        raise error
+
+
+_END = object()
 
 
 def fold_chunks(chunks: list[bytes]) -> str:

@@ -54,3 +54,33 @@ def test_flipped_byte_in_second_chunk_is_caught(tmp_path):
     with pytest.raises(CheckpointInvalid, match="sha256 mismatch in images/pages-1.img"):
         mf.verify(str(tmp_path), data, "big")
     os.unlink(images / "pages-1.img")
+
+
+def test_parallel_hashing_imports_no_fork_hooks(tmp_path):
+    """A restore hashes large files in a thread while its main thread forks (pods/forked.py): the
+    hashing must not import concurrent.futures or logging there, whose first import registers at-fork
+    hooks that lock and unlock a lock of theirs (a fork in between broke the hashing thread's
+    ThreadPoolExecutor.submit with "release unlocked lock"). Also: an error in one thread is raised."""
+    import json
+    import subprocess
+    import sys
+
+    for name in ("a.img", "b.img"):
+        _write(tmp_path / name, 5 << 20)
+    (tmp_path / "d.img").mkdir()  # has a size; reading it fails (EISDIR) in a hashing thread
+    probe = (
+        "import json, sys\n"
+        "from migrt.store.fsutil import hash_tree\n"
+        f"out = hash_tree({str(tmp_path)!r}, ['a.img', 'b.img'], workers=2)\n"
+        "try:\n"
+        f"    hash_tree({str(tmp_path)!r}, ['a.img', 'd.img', 'b.img'], workers=2)\n"
+        "    err = None\n"
+        "except IsADirectoryError as exc:\n"
+        "    err = exc.filename or str(exc)\n"
+        "print(json.dumps([sorted(m for m in ('concurrent.futures', 'logging') if m in sys.modules), err,"
+        " out['a.img'] == out['b.img']]))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    imported, err, same = json.loads(res.stdout)
+    assert imported == [] and same
+    assert err, res.stdout
