@@ -130,10 +130,13 @@ class MemoryReady:
     their memory in. The filler knows processes by their pid inside the container (CRIU's images);
     a process it does not list is ready once the whole fill is over."""
 
-    def __init__(self, fill) -> None:
+    def __init__(self, fill, early: bool = False) -> None:
         from migrt.pagefill.session import container_vpid
 
         self.fill = fill
+        # Experiment seam (MIGRT_GPU_RESTORE_EARLY=1, benchmarks only): every process counts as ready at
+        # once, so the driver's restore reads memory still arriving, its faults served by the filler.
+        self.early = early
         self.t0 = fill.started
         self._vpid = container_vpid
         self._vpids: dict[int, int | None] = {}
@@ -151,7 +154,7 @@ class MemoryReady:
         for pid in pids:
             if pid not in self._vpids:
                 self._vpids[pid] = self._vpid(pid)
-            if done is None or self._vpids[pid] in done:
+            if done is None or self.early or self._vpids[pid] in done:
                 out.add(pid)
                 self._ready_at.setdefault(pid, now)
         return out

@@ -180,7 +180,8 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                     gpu.backend = checks.value("gpu_driver")
                     # GPU restore (remap) + unlock. The driver reads each process's memory: with the filler,
                     # a process's GPU restore starts once its own memory is in, the others' still arriving
-                    timings.update(gpu.resume(pid, progress, pages.MemoryReady(fill) if fill else None))
+                    early = os.environ.get("MIGRT_GPU_RESTORE_EARLY") == "1"  # experiment seam (pages.py)
+                    timings.update(gpu.resume(pid, progress, pages.MemoryReady(fill, early) if fill else None))
                 if fill and target.wait_pages:
                     pages.wait_all(fill, page_mode, timings)
             except (MigrtError, OSError) as exc:
