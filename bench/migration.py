@@ -196,7 +196,7 @@ def one_run(lab: Lab, hosts: dict, mode: str, mib: int, port: int) -> dict:
             subprocess.run([CLI, "rm", data["committed"]], capture_output=True, env=lab.nodes["b"]["env"], check=True)
         return {"mode": mode, "mib": mib, "downtime_s": data["downtime_s"], "total_s": data["total_s"],
                 "app_gap_s": round(gap, 3), "bytes": data["bytes"], "phases": data["phases"],
-                "lazy_pages_s": data.get("lazy_pages_s"), "pages": data.get("pages"), "hash_ok": True}
+                "lazy_pages_s": data.get("lazy_pages_s"), "pages": data.get("pages"), "lazy_dump": data.get("lazy_dump"), "hash_ok": True}
     finally:
         if recv.poll() is None:
             recv.kill()

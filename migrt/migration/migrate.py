@@ -36,7 +36,8 @@ from migrt.oci.bundle import Bundle
 from migrt.pods import rootfs
 from migrt.ops.checkpoint import default_name
 from migrt.progress import Progress, null_progress
-from migrt.runtime import control, markers
+from migrt.gpu import procs
+from migrt.runtime import control, lazy_memory, markers
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
@@ -212,6 +213,10 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
         bundle = Bundle(bundle_dir, {})
     opts = CriuOptions.from_dict(cfg.criu_options).merged(shell_job=bundle.terminal)
     gpu = GpuSource(cfg, req.container_id, state.get("pid"), bundle.config)
+    # a container still being filled by a lazy restore (or migration) of its own: CRIU would dump only
+    # the pages already in (runtime/lazy_memory.py); wait before the channel's stall timeout runs
+    lazy_memory.wait_filled(lambda: procs.runc_container_pids(root, req.container_id),
+                            f"migration of container {req.container_id}")
     gpu_offer = gpu.probe(paused=state.get("status") == "paused")  # before anything is touched
     store = Store(cfg.store)
     store.ensure()
@@ -425,6 +430,7 @@ class _Run:
             with ch.busy("gpu-checkpoint"):
                 source.gpu.suspend(self.progress)
             source.freeze(self.staging.path)
+            marks = {"pause_s": time.monotonic()}
             crit = ("127.0.0.1", _free_port("127.0.0.1"))  # CRIU's page server: only ended, never used
             source.serving(crit)
             with ch.busy("dump"):
@@ -432,10 +438,17 @@ class _Run:
                                               image_path=self.staging.images, work_path=self.staging.work,
                                               options=self.opts, page_server=crit, env=source.gpu.env())
                 dump.wait_ready(LAZY_READY_TIMEOUT)
+                marks["criu_dump_s"] = time.monotonic()
                 dump.finish(LAZY_READY_TIMEOUT)
+                marks["criu_end_s"] = time.monotonic()
                 source.serving(None)
                 self._serve_pages(server)
+                marks["page_server_s"] = time.monotonic()
                 self._timed("dump", self.t_freeze)
+                prev, detail = self.t_freeze, {}
+                for k, t in marks.items():  # where the dump's downtime goes, step by step
+                    detail[k], prev = round(t - prev, 3), t
+                self.result["lazy_dump"] = detail
                 source.gpu.write(self.staging.images, self.fields, self.phases)
                 self._dump_extras()
             files = self._send_all(release=False)
