@@ -4,15 +4,22 @@ the pages are on the source node instead (remote.py): each thread fetches the ra
 own stream, the event thread the faults' ranges over its own.
 
 Threads: one event thread polls every task's userfaultfd and the guard's socket; N copy threads fill
-the biggest remaining segment first, `CHUNK` bytes at a time. Correctness rests on one lock:
-- A copy holds the lock shared; reading a userfaultfd (and handling what was read) holds it exclusive.
-  While a fork/mremap/madvise(DONTNEED)/munmap event is pending the kernel answers UFFDIO_COPY with
-  EAGAIN (mmap_changing); the copy gives its range back and retries after the event was handled.
-  So no copy runs between reading REMOVE and unregistering its range (a copy there would put stale
-  data where the task now expects zeros), and a fork child inherits exactly the ranges still missing.
-- Ranges are owned: a range is either remaining, in one copy, or done; a fault on a remaining range
-  is copied at once (a `FAULT_WINDOW` around it); a fault outside every remaining range is a page no
-  dump covered (UFFDIO_ZEROPAGE; EEXIST when it was just copied is harmless).
+the biggest remaining segment first, `chunk` bytes at a time. Correctness rests on one lock and on
+owning ranges:
+- A range is either remaining (in its task's list), in flight (a Job: taken out of the list, being
+  fetched, then copied), or done. Fetching takes no lock (local pages: nothing to fetch; remote pages:
+  a network round trip), so a fault never waits behind one.
+- A copy (UFFDIO_COPY) holds the lock shared; reading a userfaultfd (and handling what was read) holds
+  it exclusive. While a fork/mremap/madvise(DONTNEED)/munmap event is pending the kernel answers
+  UFFDIO_COPY with EAGAIN (mmap_changing); a copy thread keeps its bytes and retries once the event was
+  handled. An event that touches a range in flight kills the job and gives what is left of its range
+  back to the list (cut, or moved for mremap): its bytes are dropped, never copied where the task now
+  expects zeros or other data. A fork child inherits exactly the ranges still missing, in flight ones
+  included.
+- A fault on a remaining range is copied at once (a `fault_window` around it, fetched over the event
+  thread's own stream); a fault on a range in flight is decided again once the copy thread landed it;
+  a fault outside every range is a page no dump covered (UFFDIO_ZEROPAGE; EEXIST when it was just
+  copied is harmless).
 - A userfaultfd is closed only when its task has nothing left: the kernel then unregisters its VMAs
   and pages no dump covered fault in as zeros, as without lazy restore. Until then the guard keeps a
   duplicate open, so a dying filler leaves faults blocked, never zero-filled (see guard.py).
@@ -128,6 +135,7 @@ class Task:
     lazy_bytes: int
     copied: int = 0
     inflight: int = 0
+    flight: list = field(default_factory=list)  # of Job: out of segs, being fetched or copied
     done: bool = False
     closed: bool = False
     forked_from: int | None = None
@@ -149,6 +157,17 @@ class Seg:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+
+class Job:
+    """A range taken out of its task's list to be fetched and copied (a background chunk, or the window
+    around a fault). It stays in the task's `flight` until copied; an event that changes its range
+    (remove, unmap, remap) kills it and gives what is left of it back to the list, so the bytes fetched
+    for it are dropped instead of landing where the task no longer expects them."""
+    __slots__ = ("t", "start", "end", "offset", "inherited", "alive")
+
+    def __init__(self, t: Task, start: int, end: int, offset: int, inherited: bool) -> None:
+        self.t, self.start, self.end, self.offset, self.inherited, self.alive = t, start, end, offset, inherited, True
 
 
 def _start(s: Seg) -> int:
@@ -298,53 +317,108 @@ class Filler:
         self.current = cur
         t, s = cur
         n = min(self.chunk, s.length)
-        job = (t, s.start, n, s.offset, s.inherited)
+        job = self._fly(t, s.start, s.start + n, s.offset, s.inherited)
         s.start += n
         s.offset += n
         if s.length <= 0:
             self._remove(t, s)
             self.current = None
+        return job
+
+    def _fly(self, t: Task, start: int, end: int, offset: int, inherited: bool) -> Job:
+        """Under self.state."""
+        job = Job(t, start, end, offset, inherited)
+        t.flight.append(job)
         t.inflight += 1
         return job
 
-    def _copy(self, t: Task, start: int, n: int, offset: int, inherited: bool = True) -> int:
-        """Holding the lock shared: copy, then account for what happened. Returns the errno."""
-        if self.fault_after is not None and self.copied >= self.fault_after:
-            os.kill(os.getpid(), signal.SIGKILL)  # test seam: the filler dies mid-way
-        err, done = 0, n
+    def _finish(self, job: Job) -> None:
+        """Under self.state: the job is over (copied, dropped or given back)."""
+        t = job.t
+        t.flight.remove(job)
+        t.inflight -= 1
+        self._check_done(t)
+
+    def _ground(self, t: Task, a: int, b: int) -> list[Seg]:
+        """Under self.state and the exclusive lock: the live jobs of t that overlap [a, b) die; their
+        ranges come back as segments (to be cut or moved with the task's list, then fetched again)."""
+        back = []
+        for job in t.flight:
+            if job.alive and job.start < b and job.end > a:
+                job.alive = False
+                back.append(Seg(job.start, job.end, job.offset, job.inherited))
+        return back
+
+    def _fetch(self, job: Job) -> int | None:
+        """Without any lock: where the job's bytes are (remote pages: fetched into this thread's
+        buffer). None after a fetch failure (fatal)."""
+        t = job.t
         try:
-            uffd.copy(t.fd, start, t.pages.address(t.vpid, offset, n), n)
-        except uffd.UffdError as exc:
-            err, done = exc.errno, exc.done
+            return t.pages.address(t.vpid, job.offset, job.end - job.start)
         except FetchError as exc:
             with self.state:
-                t.inflight -= 1
                 self._fail(f"pid {t.vpid}: {exc}")
-            return errno.EIO
-        with self.state:
-            t.inflight -= 1
-            t.copied += done
-            self.copied += done
-            if err:
-                self._copy_failed(t, start + done, n - done, offset + done, err, inherited)
-            self._check_done(t)
-        return err
+                self._finish(job)
+            return None
 
-    def _copy_failed(self, t: Task, start: int, n: int, offset: int, err: int, inherited: bool) -> None:
-        if err == errno.EAGAIN:        # the address space is changing: give the range back
-            self.counts["eagain"] += 1
-            self._insert(t, Seg(start, start + n, offset, inherited))
-        elif err == errno.EEXIST:      # a page already there: skip it
-            self.counts["eexist"] += 1
-            if n > PAGE:
-                self._insert(t, Seg(start + PAGE, start + n, offset + PAGE, inherited))
-        elif err == errno.ENOENT and t.forked_from is not None:
-            # a fork child without this mapping (MADV_DONTFORK set after the restore): nothing to fill
-            self.counts["child_unmapped"] = self.counts.get("child_unmapped", 0) + 1
-        elif err in (errno.ESRCH, errno.ENOSPC):  # the task has exited
-            self._set_segs(t, [])
-        else:
-            self._fail(f"pid {t.vpid}: UFFDIO_COPY of {n} bytes at {start:#x}: {os.strerror(err)}")
+    def _land(self, job: Job, src: int, *, patient: bool) -> int:
+        """Copy a fetched job into its task, holding the lock shared for each attempt. EAGAIN (an event
+        pending): a patient caller (a copy thread, whose buffer is its own) retries after the event was
+        handled; the event thread gives the rest back and returns EAGAIN. Returns the last errno."""
+        t = job.t
+        while True:
+            self.rw.acquire_shared()
+            try:
+                with self.state:
+                    if not job.alive:  # an event took the range back: the bytes go nowhere
+                        self._finish(job)
+                        return 0
+                if self.fault_after is not None and self.copied >= self.fault_after:
+                    os.kill(os.getpid(), signal.SIGKILL)  # test seam: the filler dies mid-way
+                n = job.end - job.start
+                err, done = 0, n
+                try:
+                    uffd.copy(t.fd, job.start, src, n)
+                except uffd.UffdError as exc:
+                    err, done = exc.errno, exc.done
+                with self.state:
+                    t.copied += done
+                    self.copied += done
+                    job.start += done
+                    job.offset += done
+                    src += done
+                    if err == errno.EEXIST:  # a page already there (a fault's zero page, or copied): skip it
+                        self.counts["eexist"] += 1
+                        job.start += PAGE
+                        job.offset += PAGE
+                        src += PAGE
+                        err = 0 if job.start >= job.end else errno.EEXIST
+                    if not err:
+                        self._finish(job)
+                        return 0
+                    if err == errno.EEXIST:
+                        continue
+                    if err == errno.EAGAIN:  # the address space is changing
+                        self.counts["eagain"] += 1
+                        if not patient:
+                            job.alive = False
+                            self._insert(t, Seg(job.start, job.end, job.offset, job.inherited))
+                            self._finish(job)
+                            return err
+                    else:
+                        if err == errno.ENOENT and t.forked_from is not None:
+                            # a fork child without this mapping (MADV_DONTFORK set after the restore)
+                            self.counts["child_unmapped"] = self.counts.get("child_unmapped", 0) + 1
+                        elif err in (errno.ESRCH, errno.ENOSPC):  # the task has exited
+                            self._set_segs(t, [])
+                        else:
+                            self._fail(f"pid {t.vpid}: UFFDIO_COPY of {n - done} bytes at {job.start:#x}: "
+                                       f"{os.strerror(err)}")
+                        self._finish(job)
+                        return err
+            finally:
+                self.rw.release_shared()
+            time.sleep(0.0005)  # EAGAIN: let the event thread read what changes the address space
 
     def _fail(self, msg: str) -> None:
         if self.fatal is None:
@@ -366,6 +440,8 @@ class Filler:
             return False
 
     def _worker(self) -> None:
+        """Take the next chunk, fetch it without any lock (remote pages: over this thread's stream),
+        then copy it holding the lock shared: a fault never waits behind a fetch."""
         if not self._connect():
             return
         while True:
@@ -374,23 +450,15 @@ class Filler:
                     self.work.wait()
                 if self.stop:
                     return
-            err = 0
-            self.rw.acquire_shared()
-            try:
-                with self.state:
-                    job = self._take()
-                if job:
-                    err = self._copy(*job)
-            finally:
-                self.rw.release_shared()
-            if job is None:
-                with self.state:
-                    if self.stop:
-                        return
+                job = self._take()
+                if job is None:
                     self.work.wait(0.05)
-            elif err == errno.EAGAIN:
-                time.sleep(0.0005)  # let the event thread read what changes the address space
-            elif self.pace and self.t_finished:  # test seam (see the module doc)
+                    continue
+            src = self._fetch(job)
+            if src is None:
+                return
+            self._land(job, src, patient=True)
+            if self.pace and self.t_finished:  # test seam (see the module doc)
                 ahead = self.copied / self.pace - (time.monotonic() - self.t_finished)
                 if ahead > 0:
                     time.sleep(ahead)
@@ -411,12 +479,14 @@ class Filler:
         for m in uffd.parse(buf):
             with self.state:
                 if m.event == uffd.EVENT_PAGEFAULT:
+                    self.counts["faults"] += 1
                     jobs.append(self._decide(t, m.a & ~(PAGE - 1)))
                 elif m.event in (uffd.EVENT_REMOVE, uffd.EVENT_UNMAP):
                     self._on_remove(t, m)
                 elif m.event == uffd.EVENT_REMAP:
                     self.counts["remaps"] += 1
-                    self._set_segs(t, _remap(t.segs, m.a, m.b, m.c))
+                    back = self._ground(t, m.a, m.a + m.c)
+                    self._set_segs(t, _remap(sorted(t.segs + back, key=_start), m.a, m.b, m.c))
                 elif m.event == uffd.EVENT_FORK:
                     self._on_fork(t, m.a)
                 else:
@@ -424,12 +494,14 @@ class Filler:
         return jobs
 
     def _decide(self, t: Task, addr: int) -> tuple:
-        """Under self.state, holding the lock exclusive (no copy in flight): what a fault at addr needs.
-        ("copy", t, start, n, offset, addr) for a range still missing (taken out of the task's list),
-        ("zero", t, addr) for a page no dump covered (or copied already: EEXIST then)."""
-        self.counts["faults"] += 1
+        """Under self.state, holding the lock exclusive (no copy running; fetches may be): what a fault
+        at addr needs. ("copy", job, addr) for a range still missing (taken out of the task's list),
+        ("wait", t, addr) for one a copy thread is fetching (decided again once it landed), ("zero", t,
+        addr) for a page no dump covered (or copied already: EEXIST then)."""
         seg = self._find(t, addr) if not t.done else None
         if seg is None:
+            if any(j.alive and j.start <= addr < j.end for j in t.flight):
+                return ("wait", t, addr)
             return ("zero", t, addr)
         w = self.fault_window
         a = max(seg.start, addr & ~(w - 1))
@@ -442,8 +514,7 @@ class Filler:
         seg.end = a
         if seg.length <= 0:
             self._remove(t, seg)
-        t.inflight += 1
-        return ("copy", t, a, b - a, off, addr, seg.inherited)
+        return ("copy", self._fly(t, a, b, off, seg.inherited), addr)
 
     def _on_remove(self, t: Task, m: uffd.Msg) -> None:
         """Under self.state and the exclusive lock. REMOVE (madvise DONTNEED/REMOVE) keeps the VMA:
@@ -457,12 +528,14 @@ class Filler:
                     self._fail(f"pid {t.vpid}: unregistering {m.a:#x}-{m.b:#x}: {exc.strerror}")
         else:
             self.counts["unmaps"] += 1
-        self._set_segs(t, _drop(t.segs, m.a, m.b))
+        back = self._ground(t, m.a, m.b)
+        self._set_segs(t, _drop(sorted(t.segs + back, key=_start), m.a, m.b))
         self._check_done(t)
 
     def _on_fork(self, parent: Task, fd: int) -> None:
-        """Under self.state and the exclusive lock (no copy in flight): the child misses exactly what
-        the parent still misses. Its userfaultfd goes to the guard first (see module doc)."""
+        """Under self.state and the exclusive lock (no copy running): the child misses exactly what the
+        parent still misses, its ranges in flight included. Its userfaultfd goes to the guard first
+        (see module doc)."""
         self.counts["forks"] += 1
         tid = self.next_id
         self.next_id += 1
@@ -474,6 +547,8 @@ class Filler:
         # MADV_DONTFORK ranges: the child has no such mapping; MADV_WIPEONFORK ones: the child must
         # read zeros there (its faults get zero pages, as ranges outside every segment do)
         segs = [Seg(s.start, s.end, s.offset, True) for s in parent.segs if s.inherited]
+        segs += [Seg(j.start, j.end, j.offset, True) for j in parent.flight if j.alive and j.inherited]
+        segs.sort(key=_start)
         child = Task(id=tid, vpid=parent.vpid, fd=fd, pages=parent.pages, segs=[],
                      lazy_bytes=sum(s.length for s in segs), forked_from=parent.id)
         self.tasks[tid] = child
@@ -481,17 +556,23 @@ class Filler:
         self._check_done(child)
 
     def _serve(self, jobs: list[tuple]) -> None:
-        """Holding the lock shared: the copies and zero pages that faults need."""
+        """The copies and zero pages that faults need (each takes the lock shared itself)."""
         for job in jobs:
             if job[0] == "copy":
-                _, t, a, n, off, addr, inherited = job
-                if self._copy(t, a, n, off, inherited) == errno.EAGAIN:
+                _, j, addr = job
+                src = self._fetch(j)
+                if src is not None and self._land(j, src, patient=False) == errno.EAGAIN:
                     with self.state:
-                        self.retry.append((t, addr))  # decided again after the pending event
+                        self.retry.append((j.t, addr))  # decided again after the pending event
                 continue
             _, t, addr = job
+            if job[0] == "wait":
+                with self.state:
+                    self.retry.append((t, addr))
+                continue
             with self.state:
                 self.counts["zero_faults"] += 1
+            self.rw.acquire_shared()
             try:
                 uffd.zeropage(t.fd, addr, PAGE)
             except uffd.UffdError as exc:
@@ -501,6 +582,8 @@ class Filler:
                 elif exc.errno not in (errno.EEXIST, errno.ENOENT, errno.ESRCH, errno.ENOSPC):
                     with self.state:
                         self._fail(f"pid {t.vpid}: UFFDIO_ZEROPAGE at {addr:#x}: {exc.strerror}")
+            finally:
+                self.rw.release_shared()
 
     # -- guard messages --------------------------------------------------------------------------
     def _from_guard(self) -> bool:
@@ -602,11 +685,7 @@ class Filler:
                     finally:
                         self.rw.release_exclusive()
             if jobs:
-                self.rw.acquire_shared()
-                try:
-                    self._serve(jobs)
-                finally:
-                    self.rw.release_shared()
+                self._serve(jobs)
                 took = round((time.monotonic() - t_ready) * 1000, 1)  # reading the faults + serving them
                 with self.state:
                     self.counts["fault_max_ms"] = max(self.counts.get("fault_max_ms", 0), took)
