@@ -139,6 +139,18 @@ class Source:
         shutil.rmtree(self.bundle, ignore_errors=True)
 
 
+
+def _target_timings(out: bytes) -> dict | None:
+    """The receiver's own view (its --json line): receive, commit, restore (and its steps), pages."""
+    for line in out.decode(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("timings"):
+            return rec["timings"]
+    return None
+
 def ticks(data: bytes) -> list[tuple[int, float]]:
     out = []
     for line in data.decode(errors="replace").splitlines():
@@ -196,7 +208,8 @@ def one_run(lab: Lab, hosts: dict, mode: str, mib: int, port: int) -> dict:
             subprocess.run([CLI, "rm", data["committed"]], capture_output=True, env=lab.nodes["b"]["env"], check=True)
         return {"mode": mode, "mib": mib, "downtime_s": data["downtime_s"], "total_s": data["total_s"],
                 "app_gap_s": round(gap, 3), "bytes": data["bytes"], "phases": data["phases"],
-                "lazy_pages_s": data.get("lazy_pages_s"), "pages": data.get("pages"), "lazy_dump": data.get("lazy_dump"), "hash_ok": True}
+                "lazy_pages_s": data.get("lazy_pages_s"), "pages": data.get("pages"), "lazy_dump": data.get("lazy_dump"),
+                "target": _target_timings(recv_out), "hash_ok": True}
     finally:
         if recv.poll() is None:
             recv.kill()
