@@ -23,6 +23,9 @@ Keys (all optional):
                                      MIGRT_RESTORE_PAGES in the environment overrides it per call
   fill_threads: 0                    copy threads of the page filler (0: min(8, CPUs))
   fill_min_mib: 256                  'auto' uses the page filler from this much lazy memory on
+  dump_pages: auto                   auto | parallel | criu: who writes a checkpoint's memory (docs/dump-pages.md);
+                                     MIGRT_DUMP_PAGES in the environment overrides it per call
+  dump_threads: 0                    writer threads of the parallel dump (0: min(8, CPUs))
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ GPU_BACKENDS = ("auto", "cuda", "none")
 REGISTRY_KEYS = ("registry_auth_file", "registry_ca_file", "registry_parallel")
 RESTORE_PAGES = ("auto", "lazy", "eager")
 PAGE_KEYS = ("restore_pages", "fill_threads", "fill_min_mib")
+DUMP_PAGES = ("auto", "parallel", "criu")
+DUMP_KEYS = ("dump_pages", "dump_threads")
 
 
 @dataclass
@@ -66,6 +71,8 @@ class Config:
     restore_pages: str = "auto"
     fill_threads: int = 0
     fill_min_mib: int = 256
+    dump_pages: str = "auto"
+    dump_threads: int = 0
     loaded: bool = False  # False when the file did not exist (defaults in use)
 
     def runtime_path(self) -> str:
@@ -165,7 +172,7 @@ def load(path: str | None = None) -> Config:
              "allow_cross_namespace_restore", "migration_key_file", "migration_tls", "store_space_check",
              "migration_stall_timeout"}
     known |= set(REGISTRY_KEYS)
-    known |= set(GPU_KEYS) | set(PAGE_KEYS)
+    known |= set(GPU_KEYS) | set(PAGE_KEYS) | set(DUMP_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"config {path}: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
@@ -194,6 +201,7 @@ def load(path: str | None = None) -> Config:
     cfg.criu_options = opts
     _load_gpu(cfg, data, path)
     _load_pages(cfg, data, path)
+    _load_dump(cfg, data, path)
     cross = data.get("allow_cross_namespace_restore", False)
     if not isinstance(cross, bool):
         raise ConfigError(f"config {path}: 'allow_cross_namespace_restore' must be true or false")
@@ -252,3 +260,14 @@ def _load_pages(cfg: Config, data: dict, path: str) -> None:
         if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val <= top:
             raise ConfigError(f"config {path}: '{key}' must be an integer from 0 to {top}")
         setattr(cfg, key, val)
+
+
+def _load_dump(cfg: Config, data: dict, path: str) -> None:
+    mode = data.get("dump_pages", cfg.dump_pages)
+    if mode not in DUMP_PAGES:
+        raise ConfigError(f"config {path}: 'dump_pages' must be one of {DUMP_PAGES}, got {mode!r}")
+    cfg.dump_pages = mode
+    val = data.get("dump_threads", cfg.dump_threads)
+    if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val <= 256:
+        raise ConfigError(f"config {path}: 'dump_threads' must be an integer from 0 to 256")
+    cfg.dump_threads = val

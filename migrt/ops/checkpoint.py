@@ -1,5 +1,6 @@
-"""Checkpoint a running container into the store: journal, GPU suspend, freeze, runc checkpoint
---leave-running, atomic commit, then stop (docs/store.md "Crash safety")."""
+"""Checkpoint a running container into the store: journal, GPU suspend, freeze, dump (runc checkpoint
+--leave-running, or migrt's parallel dump: ops/dump.py), atomic commit, then stop (docs/store.md
+"Crash safety")."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from migrt.criu.version import versions
 from migrt.errors import Conflict, MigrtError, RuntimeFailed
 from migrt.gpu import procs, records
 from migrt.oci.bundle import Bundle
-from migrt.ops import gpu_steps, recover, space
+from migrt.ops import dump, gpu_steps, recover, space
+from migrt.pagefill.images import record_beside
 from migrt.pods import rootfs
 from migrt.progress import Progress, null_progress
 from migrt.runtime import lazy_memory, markers
@@ -102,6 +104,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
     est = space.estimate(state.get("pid"))
     if cfg.store_space_check:
         space.check(store.root, est, f"checkpoint of container {req.container_id}")
+    dump_mode = dump.decide(cfg, est.memory + est.gpu)
     store.gc()
     created = time.time()
     timings: dict[str, float] = {"memory_wait_s": waited} if waited else {}
@@ -126,13 +129,17 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                     journal.update("freezing")
                     undo.frozen = True
                     runtime.pause(root, req.container_id)
-                journal.update("dumping")
                 progress("phase", name="dump", container=req.container_id)
                 t0 = time.monotonic()
-                runtime.checkpoint(root, req.container_id, image_path=staging.images, work_path=work,
-                                   options=opts, leave_running=True, env=gpu_steps.runtime_env(gpu))
+                dumped = dump.dump(cfg, runtime, root, req.container_id, images=staging.images, work=work,
+                                   options=opts, env=gpu_steps.runtime_env(gpu), journal=journal,
+                                   decision=dump_mode, progress=progress)
                 timings["dump_s"] = round(time.monotonic() - t0, 3)
+                for key in ("lazy_dump_s", "pages_s"):
+                    if key in dumped:
+                        timings[key] = dumped.pop(key)
                 journal.update("dumped")
+                record_beside(staging)  # the images' survey for the restore's choice, taken while the commit hashes
                 progress("done", name="dump", seconds=timings["dump_s"])
                 if req.leave_running:  # back to work at once; the commit does not need the container
                     undo.run()
@@ -148,6 +155,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                 fields = _fields(req, root, state, bundle, bundle_dir, opts, layer, timings, created, runtime, est)
                 fields["op_id"] = journal.id  # recovery's proof that this commit is the interrupted one
                 fields["root_mode"] = root_mode
+                fields["dump_pages"] = dumped
                 if gpu:
                     fields["gpu"] = gpu.section
                     timings.update(gpu.timings)

@@ -6,7 +6,8 @@ journal lock is free). What is done, per operation and the furthest phase record
 
 checkpoint  The rule: until the checkpoint is committed the workload is the truth. Wait for the
             dead migrt's helpers (runc, CRIU: any process still holding files under its staging or
-            work directory) to end, then
+            work directory) to end (a lazy dump's CRIU, which waits on its page server for ever, is
+            told to end: ops/dump.py), then
             - committed (the checkpoint exists and carries this entry's id): finish the operation:
               stop the container (its checkpoint is complete), or with --leave-running resume it;
             - not committed, container still there: thaw it if migrt froze it, resume its GPU
@@ -40,6 +41,7 @@ from migrt.errors import MigrtError
 from migrt.gpu import session
 from migrt.gpu.backend import GpuError
 from migrt.gpu import select as gpu_select
+from migrt.runtime import control
 from migrt.runtime.cleanup import clear_container, unmount_under
 from migrt.runtime.markers import is_restored
 from migrt.runtime.runc import LowerRuntime
@@ -107,14 +109,17 @@ def _comm(pid: int) -> str:
         return "?"
 
 
-def wait_helpers(paths: list[str], wait_s: float) -> None:
+def wait_helpers(paths: list[str], wait_s: float, poke=None) -> None:
     """CRIU outlives a killed runc and finishes its dump (then leaves the tasks as it found them):
-    never thaw or delete under it. Pending if it is still at work after wait_s."""
+    never thaw or delete under it. Pending if it is still at work after wait_s. poke(pids), when
+    given, is called at every look while helpers remain (a lazy dump's CRIU must be told to end)."""
     deadline = time.monotonic() + wait_s
     while True:
         pids = holders(paths)
         if not pids:
             return
+        if poke:
+            poke(pids)
         if time.monotonic() >= deadline:
             who = ", ".join(f"{p} ({_comm(p)})" for p in pids)
             raise Pending(f"process(es) {who} of the interrupted operation are still at work on {', '.join(p for p in paths if p)}; "
@@ -171,9 +176,53 @@ def _rmtree(path: str | None, actions: list[str], what: str) -> None:
         actions.append(f"removed {what}")
 
 
+def _listener_inode(port: int) -> str | None:
+    """The socket inode listening on 127.0.0.1:port (this network namespace), from /proc/net/tcp."""
+    want = f"0100007F:{port:04X}"
+    try:
+        with open("/proc/net/tcp", encoding="ascii") as fh:
+            next(fh, None)
+            for line in fh:
+                f = line.split()
+                if len(f) > 9 and f[1] == want and f[3] == "0A":  # 0A: LISTEN
+                    return f[9]
+    except OSError:
+        return None
+    return None
+
+
+def _owns_socket(pids: list[int], inode: str) -> bool:
+    target = f"socket:[{inode}]"
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                        return True
+    return False
+
+
+def _end_lazy_dump(server: list, actions: list[str]):
+    """A poke for wait_helpers: the dead migrt's lazy dump (ops/dump.py) waits on its page server for
+    ever; end it, but only when the listener is one of the helpers (never someone else's CRIU)."""
+    def poke(pids: list[int]) -> None:
+        host, port = server[0], int(server[1])
+        inode = _listener_inode(port)
+        if inode is None or not _owns_socket(pids, inode):
+            return
+        try:
+            control.end_page_server((host, port), 10)
+        except OSError:
+            return
+        if "ended the interrupted lazy dump" not in actions:
+            actions.append("ended the interrupted lazy dump")
+    return poke
+
+
 def _checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
     d, actions = e.data, []
-    wait_helpers([d.get("staging"), d.get("work")], wait_s)
+    server = d.get("page_server")
+    wait_helpers([d.get("staging"), d.get("work")], wait_s, poke=_end_lazy_dump(server, actions) if server else None)
     runtime = LowerRuntime(cfg.runtime_path())
     cid, root = d.get("container"), d.get("root")
     st = _state(runtime, root, cid)

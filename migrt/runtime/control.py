@@ -53,6 +53,17 @@ def _raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def end_page_server(address: tuple[str, int], timeout: float) -> None:
+    """One PS_IOV_CLOSE to CRIU's lazy page server: the lazy dump ends (CRIU exits) with its images
+    written and the memory left in the tasks. OSError when nothing listens there."""
+    with socket.create_connection(address, timeout=timeout) as sk:
+        sk.sendall(struct.pack("<I4xQQQ", PS_IOV_CLOSE, 0, 0, 0))
+        # half-close at once: CRIU corks its socket, so its status would wait out the cork
+        # (200 ms); our end-of-stream makes it end the session and flush
+        sk.shutdown(socket.SHUT_WR)
+        sk.recv(4)
+
+
 class LazyCheckpoint:
     """`runc checkpoint --lazy-pages --page-server ADDR:PORT --status-fd FD --leave-running`.
 
@@ -117,12 +128,7 @@ class LazyCheckpoint:
         if not self._ready:
             raise RuntimeFailed(f"lazy checkpoint of {self.cid}: CRIU is not serving pages")
         try:
-            with socket.create_connection(self.page_server, timeout=timeout) as sk:
-                sk.sendall(struct.pack("<I4xQQQ", PS_IOV_CLOSE, 0, 0, 0))
-                # half-close at once: CRIU corks its socket, so its status would wait out the cork
-                # (200 ms); our end-of-stream makes it end the session and flush
-                sk.shutdown(socket.SHUT_WR)
-                sk.recv(4)
+            end_page_server(self.page_server, timeout)
         except OSError as exc:
             self.abort()
             raise RuntimeFailed(f"lazy checkpoint of {self.cid}: cannot end CRIU's page server: {exc}") from exc

@@ -73,6 +73,12 @@ criu_options: {tcp_established: true, file_locks: false}
     assert cfg.criu_options == {"tcp_established": True, "file_locks": False}
 
 
+def test_dump_pages_keys(tmp_path):
+    assert (config.Config(path="x").dump_pages, config.Config(path="x").dump_threads) == ("auto", 0)
+    cfg = config.load(write(tmp_path, "dump_pages: parallel\ndump_threads: 6\n"))
+    assert (cfg.dump_pages, cfg.dump_threads) == ("parallel", 6)
+
+
 def test_shipped_config_loads_and_both_readers_agree():
     cfg = config.load(str(SHIPPED))
     assert cfg.loaded is True
@@ -92,6 +98,9 @@ def test_shipped_config_loads_and_both_readers_agree():
     ("runtime_roots: [rel]\n", "'runtime_roots' must be a list of absolute paths"),
     ("criu_options: {tcp: true}\n", "'criu_options' keys must be among"),
     ("criu_options: {tcp_established: 'yes'}\n", "'criu_options' keys must be among"),
+    ("dump_pages: fast\n", "'dump_pages' must be one of"),
+    ("dump_threads: -1\n", "'dump_threads' must be an integer from 0 to 256"),
+    ("dump_threads: true\n", "'dump_threads' must be an integer from 0 to 256"),
     ("- a\n- b\n", "expected a mapping of keys, got list"),
     ("runtime: [unclosed\n", "invalid YAML"),
     ("a: b: c\n", "invalid YAML"),

@@ -14,7 +14,7 @@ import migrt
 
 PKG = pathlib.Path(migrt.__file__).parent
 FOUNDATION = {"errors", "faults", "log", "names", "progress", "__init__"}
-MECHANISMS = {"runtime", "criu", "gpu", "store", "oci", "pagefill"}
+MECHANISMS = {"runtime", "criu", "gpu", "store", "oci", "pagefill", "pagedump"}
 ALLOWED = {
     # entry points
     "cli": {"migration", "node", "ops", "pods", "registry", "config"} | MECHANISMS | FOUNDATION,
@@ -29,6 +29,7 @@ ALLOWED = {
     "config": {"runtime"} | FOUNDATION,
     "runtime": {"criu"} | FOUNDATION,
     "pagefill": {"runtime", "criu"} | FOUNDATION,  # the page filler beside CRIU's lazy pages (runc log lines)
+    "pagedump": {"pagefill"} | FOUNDATION,  # the parallel memory dump (reads images with pagefill's reader)
     "criu": FOUNDATION,
     "gpu": FOUNDATION,
     "store": FOUNDATION,

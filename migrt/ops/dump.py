@@ -1,0 +1,191 @@
+"""How `migrt checkpoint` dumps the frozen container, decided per checkpoint and recorded in the
+manifest (`dump_pages`) and the journal:
+
+  criu      `runc checkpoint --leave-running`: CRIU writes every page (one thread per process).
+  parallel  migrt's parallel dump (migrt/pagedump): CRIU's lazy dump writes every image but the
+            private anonymous memory, migrt then writes that memory into CRIU's own format with
+            `dump_threads` threads, reading it from the frozen tasks. Fails with the reason when the
+            node or the images do not allow it.
+  auto      parallel when the container holds at least AUTO_MIN_BYTES of memory (the estimate taken
+            before the freeze, GPU memory included) and userfaultfd is usable here (runc asks CRIU
+            whether it can do lazy pages); criu otherwise. A parallel dump that cannot be completed
+            (a lazy dump CRIU refused, images with pre-dump parents or anything unexpected, a task
+            whose memory cannot be read) falls back to CRIU's own dump of the still frozen container,
+            the reason recorded.
+
+The mode comes from MIGRT_DUMP_PAGES when set, else from the config's `dump_pages`; the threads from
+MIGRT_DUMP_THREADS, else `dump_threads`.
+
+Crash safety (docs/store.md): the journal records the lazy dump's page-server address before runc
+starts. CRIU waits on that page server until someone ends it, so a migrt killed during the lazy dump
+would leave CRIU holding the frozen container for ever; recovery ends it (PS_IOV_CLOSE, only when
+the listener belongs to a process still at work on this checkpoint's directories), then thaws as
+for any interrupted dump. The page writing is its own phase (`writing-pages`): killed there, nothing
+is holding the container, and the uncommitted images are removed as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+from migrt import log as log_mod
+from migrt.config import DUMP_PAGES, Config
+from migrt.criu.options import CriuOptions
+from migrt.errors import PreconditionFailed, RuntimeFailed, UsageError
+from migrt.gpu import procs
+from migrt.progress import Progress, null_progress
+from migrt.runtime import control
+from migrt.runtime.runc import LowerRuntime
+
+ENV = "MIGRT_DUMP_PAGES"
+THREADS_ENV = "MIGRT_DUMP_THREADS"
+AUTO_MIN_BYTES = 256 << 20
+MAX_AUTO_THREADS = 8
+READY_TIMEOUT_S = 3600.0  # CRIU writes every image but the memory before it is ready: no size bound here
+END_TIMEOUT_S = 120.0
+
+
+def threads(cfg: Config) -> int:
+    """dump_threads, or MIGRT_DUMP_THREADS when set (benchmarks); 0: min(8, CPUs)."""
+    raw = os.environ.get(THREADS_ENV)
+    if raw:
+        if not raw.isdigit() or not 0 <= int(raw) <= 256:
+            raise UsageError(f"{THREADS_ENV} must be an integer from 0 to 256, got {raw!r}")
+        n = int(raw)
+    else:
+        n = cfg.dump_threads
+    return n or max(1, min(MAX_AUTO_THREADS, os.cpu_count() or 1))
+
+
+def decide(cfg: Config, estimate_bytes: int) -> dict:
+    """{"mode": "parallel"|"criu", "requested", "reason"?, "threads"?}; PreconditionFailed when
+    'parallel' was asked for and this node cannot do it."""
+    requested = os.environ.get(ENV) or cfg.dump_pages
+    if requested not in DUMP_PAGES:
+        raise UsageError(f"{ENV} must be one of {DUMP_PAGES}, got {requested!r}")
+    out = {"mode": "criu", "requested": requested}
+    if requested == "criu":
+        return {**out, "reason": "dump_pages is criu"}
+    if requested == "auto" and estimate_bytes < AUTO_MIN_BYTES:
+        return {**out, "reason": f"about {estimate_bytes >> 20} MiB of memory is below {AUTO_MIN_BYTES >> 20} MiB"}
+    from migrt.pagefill.uffd import usable
+
+    why = usable()
+    if why:
+        if requested == "parallel":
+            raise PreconditionFailed(f"dump_pages is parallel, but runc's lazy checkpoint needs userfaultfd here: "
+                                     f"{why}; set dump_pages to auto or criu")
+        return {**out, "reason": why}
+    return {"mode": "parallel", "requested": requested, "threads": threads(cfg)}
+
+
+class _Fallback(Exception):
+    """The parallel dump could not be completed; auto dumps with CRIU instead."""
+
+
+def dump(cfg: Config, runtime: LowerRuntime, root: str, cid: str, *, images: str, work: str, options: CriuOptions,
+         env: dict | None, journal, decision: dict, progress: Progress = null_progress) -> dict:
+    """Dump the frozen container into `images` (--leave-running: it stays frozen); returns the
+    decision with what happened (`bytes`, `lazy_bytes`, `seconds`, `fallback`...) and timings."""
+    record = dict(decision)
+    if decision["mode"] == "parallel":
+        before = set(os.listdir(images))
+        try:
+            record.update(_parallel(runtime, root, cid, images=images, work=work, options=options, env=env,
+                                    journal=journal, threads=decision["threads"], progress=progress,
+                                    fallback=decision["requested"] == "auto"))
+            return record
+        except _Fallback as exc:
+            if decision["requested"] != "auto":
+                raise RuntimeFailed(f"parallel dump of container {cid} failed: {exc}; the container was left as it "
+                                    "was; set dump_pages to auto or criu") from exc
+            _clean(images, before, work)
+            log_mod.get().warning("dump_pages_fallback", container=cid, reason=str(exc))
+            record.update(mode="criu", fallback=str(exc))
+    journal.update("dumping", dump_pages="criu", page_server=None)
+    runtime.checkpoint(root, cid, image_path=images, work_path=work, options=options, leave_running=True, env=env)
+    return record
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _parallel(runtime: LowerRuntime, root: str, cid: str, *, images: str, work: str, options: CriuOptions,
+              env: dict | None, journal, threads: int, progress: Progress, fallback: bool) -> dict:
+    from migrt import pagedump
+
+    server = ("127.0.0.1", _free_port("127.0.0.1"))  # CRIU's page server: only ended, never asked for a page
+    journal.update("dumping", dump_pages="parallel", page_server=list(server))
+    t0 = time.monotonic()
+    lazy = control.LazyCheckpoint(runtime.path, root, cid, image_path=images, work_path=work, options=options,
+                                  page_server=server, env=env)
+    try:
+        lazy.wait_ready(READY_TIMEOUT_S)
+        lazy.finish(END_TIMEOUT_S)
+    except RuntimeFailed as exc:
+        if not fallback:
+            raise  # CRIU's own error, with its log lines
+        raise _Fallback(f"CRIU's lazy dump: {exc}") from exc
+    except BaseException:
+        lazy.abort()
+        raise
+    lazy_s = time.monotonic() - t0
+    journal.update("writing-pages", page_server=None)
+    try:
+        dump_plan = pagedump.plan(images)
+        pids = container_pids(root, cid)
+        progress("phase", name="pages", total_bytes=dump_plan.total_bytes)
+        t1 = time.monotonic()
+        stats = pagedump.write(dump_plan, pids, threads,
+                               progress=lambda n: progress("bytes", name="pages", bytes=n))
+        pagedump.install(dump_plan)
+    except (pagedump.PlanError, pagedump.ReadError) as exc:
+        raise _Fallback(str(exc)) from exc
+    pages_s = time.monotonic() - t1
+    progress("done", name="pages", seconds=round(pages_s, 3))
+    return {"lazy_dump_s": round(lazy_s, 3), "pages_s": round(pages_s, 3), "bytes": stats["bytes"],
+            "lazy_bytes": dump_plan.lazy_bytes, "criu_bytes": dump_plan.criu_bytes, "threads": stats["threads"],
+            "processes": len(dump_plan.files), "via_proc_mem_bytes": stats["via_proc_mem_bytes"],
+            "gbps": round(dump_plan.lazy_bytes / pages_s / 1e9, 2) if pages_s > 0 else None}
+
+
+def container_pids(root: str, cid: str) -> dict[int, int]:
+    """pid inside the container's pid namespace (CRIU's key) -> host pid, for every process of it."""
+    host = procs.runc_container_pids(root, cid)
+    state = procs.runc_state(root, cid) or {}
+    init = state.get("init_process_pid")
+    level = len(_nspid(init)) - 1 if isinstance(init, int) else -1
+    out = {}
+    for pid in host:
+        ns = _nspid(pid)
+        if ns and 0 <= level < len(ns):
+            out[ns[level]] = pid
+    return out
+
+
+def _nspid(pid: int) -> list[int]:
+    """NSpid of /proc/PID/status: the pid at each pid-namespace level, the host's first."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("NSpid:"):
+                    return [int(x) for x in line.split()[1:]]
+    except (OSError, ValueError):
+        return []
+    return []
+
+
+def _clean(images: str, keep: set[str], work: str) -> None:
+    """Remove what the lazy dump (and the page writing) left, before CRIU dumps again; its log is kept."""
+    for name in os.listdir(images):
+        if name not in keep:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(images, name))
+    with contextlib.suppress(OSError):
+        os.replace(os.path.join(work, "dump.log"), os.path.join(work, "lazy-dump.log"))

@@ -1,0 +1,275 @@
+"""Writing the planned pages files with several threads.
+
+Every new pages file is created beside CRIU's (suffix NEW_SUFFIX) and preallocated at its final size
+(a full store says so before any copy). The copies are cut into pieces of at most PIECE bytes; each
+thread takes the next piece of any file and writes it at its planned offset: a task's memory is read
+with process_vm_readv into the thread's own buffer and pwrite()n, CRIU's own pages are moved with
+copy_file_range. The GIL is released in every one of those calls, so the threads copy in parallel.
+
+process_vm_readv cannot read a VMA without PROT_READ (EFAULT) where CRIU's parasite, running inside
+the task, made it readable for the dump: such pages are read through /proc/PID/mem instead, whose
+reads pass the VMA's protection for a tracer-capable reader (root here), one page at a time before
+process_vm_readv is tried again (such memory is rare; the bulk stays on the fast path).
+
+Nothing is renamed over CRIU's files until every piece is written (install()); a failure removes the
+new files and leaves CRIU's as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import threading
+import time
+
+from migrt.pagedump.images import NEW_SUFFIX, PAGE, DumpPlan, PagesFile
+
+PIECE = 64 << 20   # the unit of work a thread takes
+BUF = 4 << 20      # a thread's buffer (stays in the caches between the read and the write)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
+                                   ctypes.c_ulong, ctypes.c_ulong]
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_libc.fallocate.restype = ctypes.c_int
+
+
+class ReadError(Exception):
+    """A task's memory could not be read (gone, or the images and the task disagree)."""
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks (ENOSPC now, not half-way); file systems without fallocate get the size."""
+    if size and _libc.fallocate(fd, 0, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err))
+    os.ftruncate(fd, size)
+
+
+class _Reader:
+    """One thread's way into the tasks: its buffer, and /proc/PID/mem descriptors opened on demand."""
+
+    def __init__(self, pids: dict[int, int]) -> None:
+        self.pids = pids
+        self.buf = (ctypes.c_char * BUF)()
+        self.view = memoryview(self.buf).cast("B")
+        self.base = ctypes.addressof(self.buf)
+        self.mem: dict[int, int] = {}
+        self.via_mem = 0  # bytes read through /proc/PID/mem
+
+    def close(self) -> None:
+        for fd in self.mem.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def read(self, vpid: int, address: int, n: int) -> None:
+        """Fill buf[:n] with n bytes of task vpid at address."""
+        pid = self.pids[vpid]
+        got = 0
+        local, remote = _Iovec(), _Iovec()
+        while got < n:
+            local.base, local.len = self.base + got, n - got
+            remote.base, remote.len = address + got, n - got
+            k = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            if k > 0:
+                got += k
+                continue
+            err = ctypes.get_errno()
+            if err != errno.EFAULT:
+                raise ReadError(f"cannot read the memory of process {vpid} (pid {pid} here) at {address + got:#x}: "
+                                   f"{os.strerror(err)}")
+            got += self._read_mem(vpid, pid, address + got, got, min(PAGE, n - got))  # then try again
+
+    def _read_mem(self, vpid: int, pid: int, address: int, at: int, n: int) -> int:
+        fd = self.mem.get(pid)
+        try:
+            if fd is None:
+                fd = self.mem[pid] = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+            k = os.preadv(fd, [self.view[at:at + n]], address)
+        except OSError as exc:
+            raise ReadError(f"cannot read the memory of process {vpid} (pid {pid} here) at {address:#x}: "
+                               f"{exc.strerror}") from exc
+        if k <= 0:
+            raise ReadError(f"cannot read the memory of process {vpid} (pid {pid} here) at {address:#x}: "
+                               "end of its memory")
+        self.via_mem += k
+        return k
+
+
+def _pwrite_all(fd: int, view, off: int) -> None:
+    while len(view):
+        k = os.pwrite(fd, view, off)
+        view, off = view[k:], off + k
+
+
+def _copy_file(reader: _Reader, src: int, dst: int, length: int, src_off: int, dst_off: int) -> None:
+    done = 0
+    while done < length:
+        try:
+            k = os.copy_file_range(src, dst, length - done, src_off + done, dst_off + done)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            k = 0
+        if k <= 0:  # no copy_file_range here (or EOF, which the plan's size check rules out): plain copy
+            n = min(BUF, length - done)
+            chunk = os.preadv(src, [reader.view[:n]], src_off + done)
+            if chunk <= 0:
+                raise OSError(errno.EIO, "CRIU's pages file is shorter than its pagemap says")
+            _pwrite_all(dst, reader.view[:chunk], dst_off + done)
+            k = chunk
+        done += k
+
+
+def _pieces(files: list[PagesFile]) -> list[tuple[int, int, int, int, int | None]]:
+    """(file index, dst, length, src, vpid) pieces of at most PIECE bytes, biggest copies first."""
+    out = []
+    for i, f in enumerate(files):
+        for c in f.copies:
+            for off in range(0, c.length, PIECE):
+                out.append((i, c.dst + off, min(PIECE, c.length - off), c.src + off, c.vpid))
+    out.sort(key=lambda p: -p[2])
+    return out
+
+
+def new_path(f: PagesFile) -> str:
+    return f.path + NEW_SUFFIX
+
+
+def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None) -> dict:
+    """Write every new pages file (not yet installed). pids: pid inside the container -> host pid, for
+    every process whose memory is read. progress(bytes) is called from this thread. Raises
+    ReadError (a task's memory) or OSError (the files); the new files are removed then."""
+    missing = [v for v in plan.vpids if v not in pids]
+    if missing:
+        raise ReadError(f"the dumped processes {missing} are not in the container any more")
+    files = plan.files
+    t0 = time.monotonic()
+    dst_fds: list[int] = []
+    src_fds: list[int | None] = []
+    try:
+        for f in files:
+            mode = 0o600
+            try:
+                st = os.stat(f.path)
+                mode = st.st_mode & 0o777
+                src_fds.append(os.open(f.path, os.O_RDONLY | os.O_CLOEXEC))
+            except FileNotFoundError:
+                src_fds.append(None)
+            path = new_path(f)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            dst_fds.append(fd)
+            preallocate(fd, f.size)
+        stats = _run(files, _pieces(files), dst_fds, src_fds, pids, max(1, threads), progress)
+    except BaseException:
+        _close(dst_fds + src_fds)
+        discard(plan)
+        raise
+    _close(dst_fds + src_fds)
+    stats["seconds"] = round(time.monotonic() - t0, 3)
+    return stats
+
+
+def _close(fds: list) -> None:
+    for fd in fds:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _run(files, pieces, dst_fds, src_fds, pids, threads, progress) -> dict:
+    lock = threading.Lock()
+    todo = iter(pieces)
+    failed = threading.Event()
+    errors: list[BaseException] = []
+    done = [0]
+    via_mem = [0]
+
+    def work() -> None:
+        reader = _Reader(pids)
+        try:
+            while not failed.is_set():
+                with lock:
+                    piece = next(todo, None)
+                if piece is None:
+                    return
+                i, dst, length, src, vpid = piece
+                if vpid is None:
+                    _copy_file(reader, src_fds[i], dst_fds[i], length, src, dst)
+                else:
+                    off = 0
+                    while off < length:
+                        n = min(BUF, length - off)
+                        reader.read(vpid, src + off, n)
+                        _pwrite_all(dst_fds[i], reader.view[:n], dst + off)
+                        off += n
+                with lock:
+                    done[0] += length
+        except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
+            with lock:
+                errors.append(exc)
+            failed.set()
+        finally:
+            with lock:
+                via_mem[0] += reader.via_mem
+            reader.close()
+
+    n = max(1, min(threads, len(pieces)))
+    workers = [threading.Thread(target=work, name="migrt-pagedump", daemon=True) for _ in range(n)]
+    for t in workers:
+        t.start()
+    reported = 0
+    try:
+        while True:
+            alive = [t for t in workers if t.is_alive()]
+            if not alive:
+                break
+            alive[0].join(0.2)
+            with lock:
+                now = done[0]
+            if progress and now > reported:
+                progress(now - reported)
+                reported = now
+    finally:
+        failed.set()  # done, or this thread was interrupted: no new pieces
+        for t in workers:
+            t.join()
+    if errors:
+        raise errors[0]
+    if progress and done[0] > reported:
+        progress(done[0] - reported)
+    return {"bytes": done[0], "threads": n, "via_proc_mem_bytes": via_mem[0]}
+
+
+def discard(plan: DumpPlan) -> None:
+    for f in plan.files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(new_path(f))
+
+
+def install(plan: DumpPlan) -> None:
+    """Put the new pages files and pagemaps in place of CRIU's (a rename each; the commit fsyncs)."""
+    for f in plan.files:
+        os.replace(new_path(f), f.path)
+        st_mode = 0o600
+        with contextlib.suppress(OSError):
+            st_mode = os.stat(f.pagemap_path).st_mode & 0o777
+        tmp = f.pagemap_path + NEW_SUFFIX
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, st_mode)
+        try:
+            _pwrite_all(fd, memoryview(f.pagemap), 0)
+        finally:
+            os.close(fd)
+        os.replace(tmp, f.pagemap_path)
