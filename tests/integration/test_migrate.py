@@ -100,6 +100,9 @@ def test_lazy_migration_continues_on_target(nodes, hosts, lazy_capable):
     assert data["mode"] == "lazy" and data["restored"] is True
     assert 0 < data["downtime_s"] < data["total_s"]
     assert data["phases"]["pages_s"] >= 0 and data["lazy_pages_s"] is not None
+    # the pages came from migrt's page server over several streams, into the target's page filler
+    assert data["pages"]["streams"] >= 2 and data["pages"]["bytes"] > 0
+    assert data["pages"]["fill"]["copied_bytes"] > 0
     # a checkpoint without its pages is not left behind on the target
     assert data["name"] not in visible(nodes)
     assert staging_entries(nodes) == []
@@ -216,6 +219,23 @@ def test_tls_migration(nodes, hosts, tmp_path):
         recv.stop()
     src.close()
     assert f"{cid}-ck" in visible(nodes)
+    # lazy: the page streams run inside mutual TLS too (the receiver restores; pages come from the source)
+    src, cid = start_source(nodes, "tlslazy")
+    out = nodes["base"] / f"{cid}.out"
+    recv = Receiver(tls, hosts, 7910, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
+                    "--container-id", f"{cid}-b", "--output", str(out))
+    try:
+        res = migrate(tls, hosts, 7910, cid, "--lazy")
+        assert res.returncode == 0, res.stderr
+        assert recv.wait() == 0
+    finally:
+        recv.stop()
+    data = json.loads(res.stdout)
+    before = src.read_for(0.5)
+    src.close()
+    assert_continues(before, wait_ticks(out))
+    assert data["pages"]["streams"] >= 2 and data["pages"]["bytes"] > 0
+    subprocess.run(["runc", "--root", nodes["b"]["root"], "delete", "--force", f"{cid}-b"], capture_output=True)
     # a node without TLS cannot talk to it
     recv = Receiver(tls, hosts, 7909)
     try:
