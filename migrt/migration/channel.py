@@ -108,7 +108,8 @@ class Channel:
         self.peer = "%s:%s" % sock.getpeername()[:2]
         self.peer_host = sock.getpeername()[0]
         self.local_host = sock.getsockname()[0]
-        self.pages_key = page_key(session)  # the page streams' key (pagefill/remote.py): never on the wire
+        self.pages_key = page_key(session)
+        self.on_alive: Callable[[dict], None] | None = None  # sees the peer's heartbeats (progress)  # the page streams' key (pagefill/remote.py): never on the wire
         mine, theirs = (b"S", b"C") if is_server else (b"C", b"S")
         self._out = p.Sealer(session, mine)
         self._in = p.Sealer(session, theirs)
@@ -135,6 +136,8 @@ class Channel:
             msg = p.decode(self._in.open(payload))
             if msg["type"] != "alive":
                 break
+            if self.on_alive is not None:
+                self.on_alive(msg)
         if msg["type"] == "error":
             raise RemoteError(f"{self.peer}: {msg.get('error', 'unknown error')}", msg.get("exit_code"))
         if expected and msg["type"] not in expected:
@@ -142,14 +145,15 @@ class Channel:
         return msg
 
     @contextlib.contextmanager
-    def busy(self, what: str) -> Iterator[None]:
-        """Tell the peer every stall/4 seconds that we are working on `what` (and not gone)."""
+    def busy(self, what: str, info: Callable[[], dict] | None = None, every: float | None = None) -> Iterator[None]:
+        """Tell the peer every stall/4 seconds (or `every`) that we are working on `what` (and not
+        gone), with what `info()` says of the progress."""
         stop = threading.Event()
 
         def beat() -> None:
-            while not stop.wait(self.stall / 4):
+            while not stop.wait(min(every or self.stall / 4, self.stall / 4)):
                 try:
-                    self.send({"type": "alive", "doing": what})
+                    self.send({"type": "alive", "doing": what, **(info() if info else {})})
                 except TransferError:
                     return
 

@@ -476,7 +476,9 @@ class _Run:
             # The target runs; its memory still arrives from here. Wait until every page is across.
             self.progress("phase", name="pages")
             t0 = time.monotonic()
+            ch.on_alive = self._pages_progress()
             done = ch.recv("done")
+            ch.on_alive = None
         except RemoteError as exc:  # the target failed, and removed its copy before saying so
             _stop(None, server)
             lost = (" (it had run there since the restore: what it did there is lost; it continues from the freeze)"
@@ -493,6 +495,22 @@ class _Run:
         source.serving_pages(None)
         source.destroy()
         ch.send({"type": "bye"})
+
+    def _pages_progress(self):
+        """The target's heartbeats while the pages flow say how far its filler is: progress events."""
+        seen = {"done": 0, "total": 0}
+
+        def on_alive(msg: dict) -> None:
+            total, done = msg.get("total_bytes"), msg.get("done_bytes")
+            if not isinstance(total, int) or not isinstance(done, int):
+                return
+            if total and not seen["total"]:
+                seen["total"] = total
+                self.progress("phase", name="pages", total_bytes=total)
+            if done > seen["done"]:
+                self.progress("bytes", name="pages", bytes=done - seen["done"])
+                seen["done"] = done
+        return on_alive
 
     def _start_page_server(self) -> pageserve.Handle:
         try:

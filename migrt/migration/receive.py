@@ -412,7 +412,11 @@ class Receiver:
                 connected = False  # the pages do not travel on this connection: carry on without it
             t0 = time.monotonic()
             try:
-                with ch.busy("pages") if connected else contextlib.nullcontext():
+                def progress() -> dict:
+                    st = fill.status()
+                    return {"done_bytes": st.get("copied_bytes") or 0, "total_bytes": st.get("lazy_bytes") or 0}
+
+                with ch.busy("pages", info=progress, every=1.0) if connected else contextlib.nullcontext():
                     st = _wait_fill(fill, self.stall)
             except MigrtError as exc:
                 _stop_fill(fill)

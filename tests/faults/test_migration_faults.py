@@ -479,6 +479,8 @@ def test_page_server_killed_while_lazy_pages_flow(case, lazy_capable):
         with throttled(c.hosts):
             mig = c.migrate("--lazy")
             mig.wait_event(phase("pages"))
+            # the target's heartbeats carry its filler's progress: the source shows it
+            mig.wait_event(lambda ev: ev["progress"] == "bytes" and ev.get("name") == "pages" and ev.get("bytes"))
             servers = in_netns(pids_matching("migrt.migration.pageserve"), c.hosts["a"])
             assert servers, "no page server seen"
             for pid in servers:
