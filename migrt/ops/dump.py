@@ -31,6 +31,7 @@ import os
 import socket
 import time
 
+from migrt import faults
 from migrt import log as log_mod
 from migrt.config import DUMP_PAGES, Config
 from migrt.criu.options import CriuOptions
@@ -127,6 +128,7 @@ def _parallel(runtime: LowerRuntime, root: str, cid: str, *, images: str, work: 
                                   page_server=server, env=env)
     try:
         lazy.wait_ready(READY_TIMEOUT_S)
+        faults.point("checkpoint:lazy-ready")  # test seam: CRIU serves, nobody will end it
         lazy.finish(END_TIMEOUT_S)
     except RuntimeFailed as exc:
         if not fallback:

@@ -177,14 +177,15 @@ def _rmtree(path: str | None, actions: list[str], what: str) -> None:
 
 
 def _listener_inode(port: int) -> str | None:
-    """The socket inode listening on 127.0.0.1:port (this network namespace), from /proc/net/tcp."""
-    want = f"0100007F:{port:04X}"
+    """The socket inode listening on port `port` of 127.0.0.1 or of every address (CRIU 4.2's lazy page
+    server binds 0.0.0.0 whatever address runc passes), this network namespace, from /proc/net/tcp."""
+    want = {f"0100007F:{port:04X}", f"00000000:{port:04X}"}
     try:
         with open("/proc/net/tcp", encoding="ascii") as fh:
             next(fh, None)
             for line in fh:
                 f = line.split()
-                if len(f) > 9 and f[1] == want and f[3] == "0A":  # 0A: LISTEN
+                if len(f) > 9 and f[1] in want and f[3] == "0A":  # 0A: LISTEN
                     return f[9]
     except OSError:
         return None

@@ -10,6 +10,7 @@ listed, and the next operation succeeds.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -41,6 +42,58 @@ def test_checkpoint_killed_at_phase(node, phase):
         assert [c["name"] for c in json.loads(ls.stdout)] == ["ck"]
         assert node.state(cid) is None  # committed: the stop was finished by recovery
     node.migrt("inspect", "--verify", "ck")
+    node.restore("ck", node.id("back"), bundle_of=cid)
+    node.assert_running(node.id("back"))
+
+
+# migrt's parallel dump (dump_pages: parallel, ops/dump.py): CRIU's lazy dump, then migrt writes the memory
+PARALLEL_PHASES = ["dumping", "lazy-ready", "writing-pages", "dumped"]
+
+
+@pytest.mark.parametrize("phase", PARALLEL_PHASES)
+def test_parallel_dump_killed_at_phase(node, phase):
+    """lazy-ready (a fault point, not a journal phase): CRIU's lazy dump serves pages and waits for an
+    end that the killed migrt will never send; recovery must end it before it can thaw."""
+    node.write_config(dump_pages="parallel")
+    cid = node.run(mb=20)
+    res = node.migrt("checkpoint", cid, "--root", node.root, "--name", "ck", fault=f"checkpoint:{phase}:kill",
+                     check=False)
+    assert res.returncode == -9, (res.returncode, res.stderr)
+    assert [e["phase"] for e in node.journal()] == ["dumping" if phase == "lazy-ready" else phase]
+    # held: frozen by migrt, or (lazy-ready) stopped by the CRIU that waits (it thaws the cgroup while
+    # it holds the tasks, and freezes it again when it ends)
+    before = node.ticks(cid)
+    time.sleep(0.5)
+    assert node.ticks(cid) == before and node.state(cid) in ("paused", "running")
+    rec = node.migrt("recover", "--wait", "30")
+    assert "thawed container" in rec.stdout, rec.stdout
+    if phase == "lazy-ready":
+        assert "ended the interrupted lazy dump" in rec.stdout, rec.stdout
+    node.assert_clean_store()
+    assert node.listed() == []
+    node.assert_running(cid)
+    node.migrt("checkpoint", cid, "--root", node.root, "--name", "ck")
+    data = json.loads(node.migrt("inspect", "ck", "--json").stdout)
+    assert data["manifest"]["dump_pages"]["mode"] == "parallel", data["manifest"].get("dump_pages")
+    node.restore("ck", node.id("back"), bundle_of=cid)
+    node.assert_running(node.id("back"))
+
+
+def test_parallel_dump_killed_from_outside_during_the_lazy_dump(node):
+    """A real SIGKILL while CRIU's lazy dump runs: CRIU either dies with its status pipe or waits on
+    its page server; recovery ends it if needed, then thaws the container."""
+    node.write_config(dump_pages="parallel")
+    cid = node.run(mb=150)
+    proc = node.spawn("checkpoint", cid, "--root", node.root, "--name", "ck")
+    node.wait_phase("checkpoint", "dumping", pid=proc.pid)
+    time.sleep(0.2)
+    kill9(proc)
+    rec = node.migrt("recover", "--wait", "30")
+    assert "thawed container" in rec.stdout or node.state(cid) == "running", rec.stdout
+    node.assert_clean_store()
+    assert node.listed() == []
+    node.assert_running(cid)
+    node.migrt("checkpoint", cid, "--root", node.root, "--name", "ck")
     node.restore("ck", node.id("back"), bundle_of=cid)
     node.assert_running(node.id("back"))
 
