@@ -15,7 +15,10 @@ import time
 import pytest
 
 from tests.integration.conftest import run_cli
+from tests.integration.test_gpu_pause import driver, fake_gpu  # noqa: F401 - fixtures
+from tests.integration.test_gpu_restore_start import checkpoint_marked, create, gpu_calls
 from tests.integration.test_pagefill import _bundle, _readies, _start, _sums, _uid, binaries, runc_root  # noqa: F401
+from tests.integration.workloads import parse_ticks
 
 pytestmark = pytest.mark.integration
 PE_LAZY, PE_PRESENT = 2, 4
@@ -186,3 +189,24 @@ def test_auto_keeps_criu_below_the_threshold(runc_root, migrt_config, binaries, 
     rec = _manifest(migrt_config, "pd-auto")["dump_pages"]
     assert rec["mode"] == "criu" and rec["requested"] == "auto" and "below" in rec["reason"], rec
     run_cli("rm", "pd-auto")
+
+
+def test_parallel_dump_of_a_gpu_container(runc_root, fake_gpu, migrt_config, tmp_path, monkeypatch):  # noqa: F811
+    """On the simulated GPU node: the driver's lock and checkpoint once each (MIGRT_GPU_HANDLED keeps the
+    CRIU hook out of the lazy dump as out of CRIU's), the memory written by migrt, and the restore by
+    migrt-runc create gives the GPU restore and the counter back."""
+    monkeypatch.setenv("MIGRT_DUMP_PAGES", "parallel")
+    tick, digest = checkpoint_marked(runc_root, tmp_path, fake_gpu, "pd-gpu")
+    assert gpu_calls(fake_gpu) == ["lock", "checkpoint"]
+    data = _manifest(migrt_config, "pd-gpu")
+    assert data["dump_pages"]["mode"] == "parallel" and data["dump_pages"]["lazy_bytes"] > 0, data["dump_pages"]
+    assert data["gpu"]
+    dst, did, log = create(runc_root, tmp_path, "pd-gpu")
+    try:
+        assert dst.rc == 0, open(log).read() if os.path.exists(log) else ""
+        assert gpu_calls(fake_gpu) == ["lock", "checkpoint", "restore", "unlock"]
+        after = parse_ticks(dst.read_for(1.0))
+        assert after and after[0][0] == tick + 1 and all(t[2] == digest for t in after)
+    finally:
+        dst.close()
+    run_cli("rm", "pd-gpu")

@@ -214,3 +214,107 @@ def test_parallel_without_userfaultfd_is_refused_and_auto_uses_criu(monkeypatch)
     cfg.dump_pages = "auto"
     d = dump_ops.decide(cfg, 1 << 30)
     assert d["mode"] == "criu" and "userfaultfd" in d["reason"]
+
+
+# -- the dump (ops/dump.py) with a fake lower runtime and a fake lazy dump --------------------------------
+class FakeJournal:
+    def __init__(self) -> None:
+        self.updates: list[tuple[str, dict]] = []
+
+    def update(self, phase=None, **fields) -> None:
+        self.updates.append((phase, fields))
+
+
+class FakeRuntime:
+    path = "/usr/bin/runc"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def checkpoint(self, root, cid, *, image_path, work_path, options, leave_running, env=None):
+        self.calls.append(image_path)
+        (open(os.path.join(image_path, "pages-1.img"), "wb")).close()
+
+
+def _fake_lazy(monkeypatch, write_images=None, fail: str | None = None):
+    from migrt.errors import RuntimeFailed
+
+    class FakeLazy:
+        def __init__(self, runtime, root, cid, *, image_path, work_path, options, page_server, env=None):
+            self.images = image_path
+
+        def wait_ready(self, timeout):
+            if fail:
+                raise RuntimeFailed(fail)
+            write_images(self.images)
+
+        def finish(self, timeout):
+            pass
+
+        def abort(self):
+            pass
+
+    monkeypatch.setattr(dump_ops.control, "LazyCheckpoint", FakeLazy)
+    monkeypatch.setattr(dump_ops, "container_pids", lambda root, cid: {1: os.getpid()})
+
+
+def _run_dump(tmp_path, requested: str):
+    images, work = tmp_path / "images", tmp_path / "work"
+    images.mkdir(exist_ok=True)
+    work.mkdir(exist_ok=True)
+    (images / "gpu-state.json").write_text("{}")  # written before the dump: must survive a fallback
+    rt, journal = FakeRuntime(), FakeJournal()
+    decision = {"mode": "parallel", "requested": requested, "threads": 2}
+    from migrt.criu.options import CriuOptions
+
+    rec = dump_ops.dump(Config(path="x"), rt, "/run/runc", "c", images=str(images), work=str(work),
+                        options=CriuOptions(), env=None, journal=journal, decision=decision)
+    return rec, rt, journal, images
+
+
+def test_dump_writes_the_memory_and_records_the_phases(tmp_path, monkeypatch):
+    mem = Memory(16)
+
+    def lazy_images(d):
+        _images(tmp_path, {1: (1, [_entry(0x400000, 1, PRESENT), _entry(mem.addr, 16, LAZY)], b"p" * PAGE)})
+
+    _fake_lazy(monkeypatch, lazy_images)
+    rec, rt, journal, images = _run_dump(tmp_path, "parallel")
+    assert rec["mode"] == "parallel" and rec["lazy_bytes"] == 16 * PAGE and rec["criu_bytes"] == PAGE
+    assert rec["lazy_dump_s"] >= 0 and rec["pages_s"] >= 0 and rt.calls == []
+    assert (images / "pages-1.img").read_bytes() == b"p" * PAGE + mem.at(0, 16)
+    assert [p for p, _ in journal.updates] == ["dumping", "writing-pages"]
+    assert journal.updates[0][1]["page_server"][0] == "127.0.0.1" and journal.updates[1][1]["page_server"] is None
+
+
+def test_auto_falls_back_to_criu_when_the_lazy_dump_fails(tmp_path, monkeypatch):
+    _fake_lazy(monkeypatch, fail="lazy checkpoint of c failed: criu failed: type DUMP")
+    rec, rt, journal, images = _run_dump(tmp_path, "auto")
+    assert rec["mode"] == "criu" and "CRIU's lazy dump" in rec["fallback"] and rt.calls == [str(images)]
+    assert [(p, f.get("dump_pages")) for p, f in journal.updates] == [("dumping", "parallel"), ("dumping", "criu")]
+    assert (images / "gpu-state.json").exists()
+
+
+def test_auto_falls_back_on_images_it_does_not_handle_and_cleans_them(tmp_path, monkeypatch):
+    def parent_images(d):
+        _images(tmp_path, {1: (1, [_entry(0x1000, 1, PARENT)], b"")})
+
+    _fake_lazy(monkeypatch, parent_images)
+    images = tmp_path / "images"
+    rec, rt, journal, images = _run_dump(tmp_path, "auto")
+    assert rec["mode"] == "criu" and "parent image" in rec["fallback"] and len(rt.calls) == 1
+    assert sorted(os.listdir(images)) == ["gpu-state.json", "pages-1.img"]  # the lazy dump's files went first
+
+
+def test_parallel_fails_clearly_instead_of_falling_back(tmp_path, monkeypatch):
+    from migrt.errors import RuntimeFailed
+
+    def parent_images(d):
+        _images(tmp_path, {1: (1, [_entry(0x1000, 1, PARENT)], b"")})
+
+    _fake_lazy(monkeypatch, parent_images)
+    with pytest.raises(RuntimeFailed, match="parallel dump of container c failed: .*parent image.*set dump_pages"):
+        _run_dump(tmp_path, "parallel")
+    _fake_lazy(monkeypatch, fail="lazy checkpoint of c failed: criu failed")
+    with pytest.raises(RuntimeFailed, match="^lazy checkpoint of c failed: criu failed$"):
+        _run_dump(tmp_path, "parallel")
