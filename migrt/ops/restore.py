@@ -114,6 +114,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
             page_mode = pages.migration_mode(target.fill)
         else:
             page_mode = pages.decide(cfg, ckpt.images, name=name, manifest_files=ckpt.manifest.get("files"),
+                                     recorded=ckpt.manifest.get("pagefill"),
                                      other_lazy="--lazy-pages" in target.extra or target.before_restore is not None)
         entry.update("preparing", work=work)
         os.makedirs(work, mode=0o700, exist_ok=True)
@@ -124,12 +125,19 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
             global_tokens = ["--root", target.root, "--log", log_path, "--log-format", "json"]
         if background:
             checks.add("verify_background", lambda: ckpt.verify_hashes(background))
+        # a lazy restore's tree waits at the gate for the guard's own plan of the images (the choice
+        # may rest on the manifest's record alone)
+        plan_check = pages.PlanCheck(page_mode, name) if target.fill is None and page_mode["mode"] == "lazy" else None
+        if plan_check is not None:
+            checks.add("pages_plan", plan_check, deferred=True)
         checks.start()
         # the page filler (lazy restore) must listen before CRIU starts
         fill = target.fill if target.fill is not None else pages.start(
             page_mode, ckpt.images, container_id=target.container_id, root=target.root,
             runc_log=target.log_path if target.global_tokens is not None else None,
             log_format=target.log_format, log_file=cfg.log_file, post_restore=checks.ran_path)
+        if plan_check is not None:
+            plan_check.fill = fill
         if (ckpt.manifest.get("rootfs") or {}).get("captured"):
             t0 = time.monotonic()
             rootfs.apply(ckpt.path, target.bundle.rootfs)
@@ -190,9 +198,9 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
 
                     unmount_under(state_dir)  # a killed runc's criu-root bind mount: delete would walk into it
                     runtime.delete_force(target.root, target.container_id)
+                cause = checks.failure()  # first: a check may still read the filler's status (PlanCheck)
                 if fill:
                     pages.failed(fill, exc)
-                cause = checks.failure()
                 if cause is not None and cause is not exc:
                     raise cause from exc  # a failed check is the reason, whatever CRIU said
                 raise

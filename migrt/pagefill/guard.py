@@ -67,7 +67,10 @@ class Guard:
         self.buf = b""
 
     # -- start -----------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Plan the images and fork the filler; False when the images cannot be filled (the status
+        says why, as plan_error). The restore holds the restored tree until the status says either
+        (ops/pages.py PlanCheck): a manifest's record chose the filler, this plan is what counts."""
         with contextlib.suppress(OSError):
             with open("/proc/self/oom_score_adj", "w") as fh:  # best effort: needs CAP_SYS_RESOURCE
                 fh.write("-999")
@@ -77,7 +80,16 @@ class Guard:
             with open(self.args["remote"], encoding="utf-8") as fh:
                 remote = json.load(fh)
             os.unlink(self.args["remote"])  # it holds the stream key: read once
-        plan = images_mod.plan(images, remote=remote is not None)
+        _late_plan_seam()
+        try:
+            plan = images_mod.plan(images, remote=remote is not None)
+        except images_mod.ImageError as exc:
+            write_json(self.status_path, {"state": "failed", "error": f"the images cannot be filled: {exc}",
+                                          "plan_error": str(exc)})
+            return False
+        # before the fork: the filler's own status ("filling") comes after this one
+        write_json(self.status_path, {"state": "planned", "lazy_bytes": plan.lazy_bytes,
+                                      "processes": len(plan.processes)})
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:  # the filler
@@ -101,6 +113,7 @@ class Guard:
         self.filler_pid = pid
         self.filler_pidfd = os.pidfd_open(pid)
         self.filler_sock = ours
+        return True
 
     # -- CRIU --------------------------------------------------------------------------------------
     def _criu_readable(self) -> None:
@@ -198,7 +211,12 @@ class Guard:
 
     # -- main loop ---------------------------------------------------------------------------------
     def run(self) -> int:
-        self.start()
+        if not self.start():
+            # Nothing to guard: CRIU's tasks (should it have connected) are held at post-restore by the
+            # restore's gate, which fails on our status; closing the socket makes CRIU fail sooner.
+            self.listen.close()
+            self._remove_run_dir()  # once the caller has read why
+            return 1
         filler_status = None
         while True:
             sel = select.poll()
@@ -358,6 +376,15 @@ class Guard:
             data["error"] = error
         data["guard_s"] = round(time.monotonic() - self.t0, 3)
         write_json(self.status_path, data)
+
+
+def _late_plan_seam() -> None:
+    """Test seam (MIGRT_FILL_FAULT=plan_after_s:N): the guard plans N seconds late, as the guard of a
+    huge checkpoint on a loaded node might, so that CRIU reaches post-restore before the plan."""
+    spec = os.environ.get("MIGRT_FILL_FAULT", "")
+    if spec.startswith("plan_after_s:"):
+        with contextlib.suppress(ValueError):
+            time.sleep(float(spec.split(":", 1)[1]))
 
 
 def _describe(status: int) -> str:

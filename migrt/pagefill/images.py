@@ -10,6 +10,11 @@ stack page of each thread. Pages of an entry live in pages-<id>.img in pagemap o
 entry, for every entry with PE_PRESENT; entries in a parent image (PE_PARENT, pre-dump chains) are
 not supported here: the plan refuses them and the restore copies eagerly.
 
+A checkpoint's manifest records the outcome of plan() (`survey()`, field `pagefill`, taken while the
+store commits the checkpoint: `record_beside()`): a restore decides eager or lazy from it without
+reading the images. The plan the filler works from is always made again from the images themselves
+(by the guard), and the restore's tree waits for it (ops/pages.py PlanCheck).
+
 A small protobuf reader of our own (stdlib only) instead of pycriu: it reads the three message types
 needed in milliseconds, while importing pycriu costs ~0.25 s on the restore path; the unit tests
 check it against pycriu on images CRIU made.
@@ -22,6 +27,9 @@ import struct
 from dataclasses import dataclass, field
 
 PAGE = 4096
+# The version of plan()'s rules (what it refuses, what it counts as lazy). A recorded survey counts
+# only under the same rules: raise it whenever plan() would judge some images differently.
+RULES = 1
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
 VMA_AREA_VSYSCALL, VMA_AREA_VDSO = 1 << 2, 1 << 3
@@ -49,6 +57,11 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
             raise ImageError("overlong varint")
 
 
+def _need(buf: bytes, i: int, n: int) -> None:
+    if i + n > len(buf):
+        raise ImageError("truncated protobuf field")
+
+
 def _fields(buf: bytes) -> list[tuple[int, int | bytes]]:
     """(field number, value) for every field; repeated fields appear several times."""
     out = []
@@ -59,11 +72,14 @@ def _fields(buf: bytes) -> list[tuple[int, int | bytes]]:
         if wt == 0:
             val, i = _varint(buf, i)
         elif wt == 1:
+            _need(buf, i, 8)
             val, i = struct.unpack_from("<Q", buf, i)[0], i + 8
         elif wt == 2:
             n, i = _varint(buf, i)
+            _need(buf, i, n)
             val, i = buf[i:i + n], i + n
         elif wt == 5:
+            _need(buf, i, 4)
             val, i = struct.unpack_from("<I", buf, i)[0], i + 4
         else:
             raise ImageError(f"unsupported protobuf wire type {wt}")
@@ -258,3 +274,25 @@ def plan(images: str, remote: bool = False) -> Plan:
     if not pids:
         raise ImageError("pstree.img lists no process")
     return Plan(images=images, processes={pid: process_plan(images, pid, remote) for pid in pids})
+
+
+FIELD = "pagefill"  # the manifest field that holds survey()
+
+
+def record_beside(writer) -> None:
+    """Have a checkpoint being written (the store's Staging or Import, its images complete) record
+    survey() in its manifest, taken in a thread while the commit hashes or syncs the files."""
+    path = writer.images
+    writer.beside(FIELD, lambda: survey(path))
+
+
+def survey(images: str) -> dict:
+    """What a checkpoint's manifest records about its images (field `pagefill`, written when the store
+    commits it), so that a restore can choose eager or lazy without planning them:
+    {"rules", "fillable": True, "lazy_bytes"} or {"rules", "fillable": False, "reason"}. Only a
+    choice: the restore's guard plans the images again and refuses what it cannot fill."""
+    try:
+        lazy = plan(images).lazy_bytes
+    except ImageError as exc:
+        return {"rules": RULES, "fillable": False, "reason": str(exc)}
+    return {"rules": RULES, "fillable": True, "lazy_bytes": lazy}

@@ -53,6 +53,7 @@ from migrt.config import Config
 from migrt.errors import CheckpointInvalid, NotFound, PreconditionFailed
 from migrt.gpu import records
 from migrt.oci.bundle import Bundle
+from migrt.pagefill.images import record_beside
 from migrt.pods import engines, rootfs
 from migrt.progress import Progress, null_progress
 from migrt.store import Store
@@ -599,6 +600,7 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
     root_mode = recorded_root_mode(staging.images)
     if root_mode is not None:
         fields["root_mode"] = root_mode
+    record_beside(staging)  # the images' survey for the restore's eager/lazy choice, beside the hashing
     total = staging.payload_bytes()
     progress("phase", name="commit", total_bytes=total)
     t0 = time.monotonic()

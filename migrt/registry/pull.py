@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from migrt import names
 from migrt.config import Config
 from migrt.errors import CheckpointInvalid, Conflict, MigrtError, PreconditionFailed
+from migrt.pagefill.images import record_beside
 from migrt.progress import Progress, null_progress
 from migrt.registry import image
 from migrt.registry.client import Client
@@ -237,6 +238,7 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
                 imp.record(rel, sum(c[1] for c in chunks), digest)
             fields = {k: v for k, v in config.items() if k not in importer.OWN_FIELDS}
             fields["pulled"] = pulled
+            record_beside(imp)  # our own survey of the images for the restore's choice (not the pusher's)
             progress("phase", name="commit")
             t0 = time.monotonic()
             data = imp.commit(fields, files)

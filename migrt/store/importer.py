@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from migrt.errors import CheckpointInvalid, Conflict, PreconditionFailed
 from migrt.store import manifest as mf
 from migrt.store import journal
+from migrt.store.beside import Beside
 from migrt.store.fsutil import digest_of, fsync_dir, make_entry
 from migrt.store.store import Store, fsync_tree_dirs, publish, secure_tree
 
@@ -56,6 +57,7 @@ class Import:
         self.received: dict[str, dict] = {}
         self.committed = False
         self.adopted = adopt  # a directory the caller keeps between attempts (a resumable pull)
+        self._beside = Beside()
         os.makedirs(os.path.join(store.root, ".staging"), mode=0o700, exist_ok=True)
         if not adopt:
             os.mkdir(path, 0o700)
@@ -109,6 +111,11 @@ class Import:
             if digest_of(want) != digest_of(got):
                 raise CheckpointInvalid(f"checkpoint {self.name}: sha256 mismatch in {rel} (corrupted in transit)")
 
+    def beside(self, field: str, fn) -> None:
+        """Manifest field `field` computed by fn in a thread from now until commit() (store/beside.py):
+        call it once every file is in (and verified, if fn reads them)."""
+        self._beside.start(field, fn)
+
     def commit(self, fields: dict, files: dict, *, durable: bool = True) -> dict:
         """Verify against the sender's manifest, then publish atomically. Returns the manifest.
         durable=False skips the fsyncs (a lazy migration's pageless checkpoint lives for seconds)."""
@@ -120,6 +127,7 @@ class Import:
         data = {k: v for k, v in fields.items() if k not in OWN_FIELDS}
         data.update(schema=mf.SCHEMA, name=self.name, files=dict(sorted(self.received.items())),
                     size_bytes=sum(f["size"] for f in self.received.values()))
+        self._beside.record(data)
         mf.write(self.path, data)
         if durable:
             fsync_tree_dirs(self.path)

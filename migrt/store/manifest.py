@@ -7,8 +7,13 @@ Schema 1:
   size_bytes, files {relpath: {size, sha256 (files up to 64 MiB) or sha256_tree (sha256 over the
   sha256 of each 64 MiB chunk)}}, timings {phase: seconds}, gpu (GPU issue; optional),
   root_mode (st_mode of the container's root directory at checkpoint; optional: a restore whose new
-  root has the same mode leaves CRIU's files.img as it is).
-A manifest from a newer schema is refused rather than misread.
+  root has the same mode leaves CRIU's files.img as it is),
+  pagefill (optional: the page filler's survey of the images, {rules, fillable, lazy_bytes | reason},
+  taken beside the commit's hashing; a restore under restore_pages auto chooses eager or lazy from it
+  without reading the images, and plans them when it is absent, malformed or of other rules:
+  migrt/pagefill/images.py survey, migrt/ops/pages.py decide).
+Optional fields are added within a schema: readers ignore fields they do not know, so an older migrt
+reads a newer manifest of the same schema. A manifest from a newer schema is refused rather than misread.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from migrt import names
 from migrt.errors import CheckpointInvalid, Conflict, MigrtError, NotFound
 from migrt.store import journal
 from migrt.store import manifest as mf
+from migrt.store.beside import Beside
 from migrt.store.fsutil import fsync_dir, hash_tree, lock_is_free, write_json_atomic
 
 HIDDEN = (".staging", ".locks", ".tmp", journal.DIR, ".incomplete")
@@ -116,6 +117,7 @@ class Staging:
         self.work = os.path.join(path, "work")
         self.committed = False
         self.journal: journal.Entry | None = None
+        self._beside = Beside()
         _mkdir(path)  # makedirs would give the intermediate directory the umask's mode, not 0700
         _mkdir(self.images)
         _mkdir(self.work)
@@ -124,6 +126,10 @@ class Staging:
         """What commit() will hash (every file but work/), e.g. the total of its progress."""
         return sum(os.path.getsize(os.path.join(dirpath, f)) for dirpath, dirs, fs in os.walk(self.path)
                    if not (dirpath == self.work or dirpath.startswith(self.work + os.sep)) for f in fs)
+
+    def beside(self, field: str, fn: Callable[[], object]) -> None:
+        """Manifest field `field` computed by fn in a thread from now until commit() (store/beside.py)."""
+        self._beside.start(field, fn)
 
     def commit(self, fields: dict, *, progress: Callable[[int], None] | None = None,
                fault: Callable[[str], None] | None = None) -> dict:
@@ -139,6 +145,7 @@ class Staging:
         data.update(schema=mf.SCHEMA, name=self.name, files=files,
                     size_bytes=sum(f["size"] for f in files.values()))
         data.setdefault("timings", {})["checksum_s"] = round(time.monotonic() - t0, 3)
+        self._beside.record(data)
         mf.write(self.path, data)
         step("manifest-written")
         fsync_tree_dirs(self.path)

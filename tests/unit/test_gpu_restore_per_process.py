@@ -137,6 +137,9 @@ class ScriptedFill:
     def check(self):
         return {"state": "filling"}
 
+    def planned(self):
+        return {"state": "filling"}
+
     def restored(self, pid):
         self.events.append(f"restored {pid}")
 
