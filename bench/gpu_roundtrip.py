@@ -3,6 +3,7 @@
 
     python bench/gpu_roundtrip.py [--sizes 8,16,32] [--thp madvise,always] [--runs 3]
                                   [--rows gpu,cpu] [--budget-s 520] [--json-out PATH]
+                                  [--restore-pages lazy] [--dump criu,parallel]
     python bench/gpu_roundtrip.py --report RESULT.json...    (one table from several runs)
 
 On the GPU machine, as root (bench/run_gpu_roundtrip_on_device.sh sets it up). For each THP
@@ -18,7 +19,10 @@ on cuda:0, a counter advanced on the GPU every step, an exact checksum on reques
 - migrt: a runc container (tests/gpu/rig.py: the host's Python and torch bind-mounted, the GPU's
   device nodes). Checkpoint = `migrt checkpoint` (GPU suspend, runc checkpoint, hash + commit into
   a store on /dev/shm). Restore = `migrt-runc create` of a new bundle with MIGRT_RESTORE (what
-  containerd does for a restoring pod: verify, runc restore, GPU restore), then `start`.
+  containerd does for a restoring pod: verify, runc restore, GPU restore), then `start`. The
+  dump is the config's default (`dump_pages: auto`: migrt's parallel dump from 256 MiB on);
+  --dump MODE[,MODE] adds paths migrt/dump=MODE whose checkpoints run with MIGRT_DUMP_PAGES=MODE
+  (criu: CRIU writes the memory, one thread; parallel: docs/dump-pages.md), on the same container.
 CPU rows: the same two paths for bench/cpuhog.py (N GiB of private anonymous memory, no GPU), so
 that CRIU's part is visible alone.
 
@@ -210,18 +214,23 @@ class MigrtBox:
         return rig.make_bundle(str(self.node.base / "bundles" / cid), args=self.argv, data_dir=str(self.data),
                                needed=self.node.needed, gpu_minors=None, env=envs)
 
-    def round_trip(self, k: int, pages: str | None = None) -> dict:
-        """One checkpoint + restore; `pages` sets MIGRT_RESTORE_PAGES for the restore (the page filler)."""
+    def round_trip(self, k: int, pages: str | None = None, dump: str | None = None) -> dict:
+        """One checkpoint + restore; `pages` sets MIGRT_RESTORE_PAGES for the restore (the page filler),
+        `dump` MIGRT_DUMP_PAGES for the checkpoint."""
         from tests.gpu.harness import Container
 
-        node, name = self.node, f"{self.tag}-ck{k}{pages or ''}"
+        node, name = self.node, f"{self.tag}-ck{k}{pages or ''}{dump or ''}"
         t0 = time.monotonic()
-        r = node.cli("checkpoint", self.box.cid, "--root", str(node.runc_root), "--name", name, "--json")
+        argv = [node.migrt, "checkpoint", self.box.cid, "--root", str(node.runc_root), "--name", name, "--json"]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                           env={**node.env, "MIGRT_DUMP_PAGES": dump} if dump else node.env)
+        if r.returncode != 0:
+            raise RuntimeError(f"migrt checkpoint {name} -> {r.returncode}\n{r.stderr[-3000:]}\n{node.tail_logs()}")
         ck_wall = time.monotonic() - t0
         assert json.loads(r.stdout)["name"] == name
         manifest = json.loads(node.cli("inspect", name, "--json").stdout)["manifest"]
         self.box.remove()
-        cid = f"{self.tag}-{k + 1}{pages or ''}"
+        cid = f"{self.tag}-{k + 1}{pages or ''}{dump or ''}"
         bundle = self.bundle(cid, [f"MIGRT_RESTORE={name}"])
         logf = os.path.join(bundle, "log.json")
         t0 = time.monotonic()
@@ -239,7 +248,8 @@ class MigrtBox:
         node.cli("rm", name, check=False)
         ct, rt = manifest.get("timings", {}), restored.get("timings", {})
         out = {"gpu_checkpoint_s": ct.get("gpu_checkpoint_s"), "dump_s": ct.get("dump_s"),
-               "commit_s": ct.get("commit_s"), "checkpoint_s": ck_wall, "image_bytes": manifest.get("size_bytes"),
+               "lazy_dump_s": ct.get("lazy_dump_s"), "pages_s": ct.get("pages_s"),
+               "dump_pages": manifest.get("dump_pages"), "commit_s": ct.get("commit_s"), "checkpoint_s": ck_wall, "image_bytes": manifest.get("size_bytes"),
                "verify_s": rt.get("verify_s"), "criu_restore_s": rt.get("restore_s"),
                "gpu_restore_s": rt.get("gpu_restore_s"), "create_s": create_wall, "restore_s": rs_wall,
                "round_trip_s": ck_wall + rs_wall}
@@ -276,7 +286,9 @@ def one_size(node, args, gb: float, thp: str, kind: str, budget: Budget) -> dict
     base = node.base / tag
     images = Path(args.raw_images) / f"migrt-rt-{os.getpid()}-{tag}"
     modes = [m for m in (args.restore_pages or "").split(",") if m]
-    paths = ["raw", *(["raw@hugetmpfs"] if args.raw_huge_images else []), "migrt", *(f"migrt+{m}" for m in modes)]
+    dumps = [m for m in (args.dump or "").split(",") if m]
+    paths = ["raw", *(["raw@hugetmpfs"] if args.raw_huge_images else []), "migrt", *(f"migrt+{m}" for m in modes),
+             *(f"migrt/dump={m}" for m in dumps)]
     res = {"gb": gb, "thp": thp, "kind": kind, "paths": paths, "errors": [], **{p: [] for p in paths}}
     boxes = []
     t_start = time.monotonic()
@@ -323,6 +335,8 @@ def one_size(node, args, gb: float, thp: str, kind: str, budget: Budget) -> dict
                     figs = raw.round_trip(k)
                 elif path == "raw@hugetmpfs":
                     figs = raw.round_trip(k, Path(args.raw_huge_images))
+                elif path.startswith("migrt/dump="):
+                    figs = box.round_trip(k, dump=path.partition("=")[2])
                 else:
                     figs = box.round_trip(k, path.partition("+")[2] or None)
                 after = ws[wl].counting_past(count, timeout=120)
@@ -354,7 +368,8 @@ def harness_workload(node) -> Path:
 
 
 # -- table ------------------------------------------------------------------------------------------
-COLS = [("gpu_checkpoint_s", "GPU ckpt"), ("dump_s", "dump"), ("commit_s", "commit"), ("checkpoint_s", "ckpt wall"),
+COLS = [("gpu_checkpoint_s", "GPU ckpt"), ("dump_s", "dump"), ("lazy_dump_s", "lazy dump"), ("pages_s", "pages write"),
+        ("commit_s", "commit"), ("checkpoint_s", "ckpt wall"),
         ("verify_s", "verify"), ("m_criu_call_after_start_s", "start to CRIU"),
         ("m_verify_background_s", "bg verify"), ("criu_restore_s", "CRIU/runc restore"), ("gpu_restore_s", "GPU restore"),
         ("restore_s", "restore wall"), ("round_trip_s", "round trip")]
@@ -457,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=520, help="stop starting runs after this (default 520)")
     ap.add_argument("--restore-pages", help="also restore with MIGRT_RESTORE_PAGES=MODE[,MODE] (the page filler), "
                     "as paths migrt+MODE on the same container")
+    ap.add_argument("--dump", help="also checkpoint with MIGRT_DUMP_PAGES=MODE[,MODE] (criu, parallel), as paths "
+                    "migrt/dump=MODE on the same container")
     ap.add_argument("--raw-huge-images", help="also run the raw steps with the image in DIR (a huge=always tmpfs "
                     "the runner mounts privately), as path raw@hugetmpfs")
     ap.add_argument("--raw-images", default="/dev/shm", help="where the raw path's images go (default /dev/shm)")
@@ -485,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             with Thp(thp):
                 for kind in args.rows.split(","):
                     for gb in sizes_for(args, kind):
-                        npaths = 2 + bool(args.raw_huge_images) + len([m for m in (args.restore_pages or "").split(",") if m])
+                        npaths = 2 + bool(args.raw_huge_images) + len([m for m in (args.restore_pages or "").split(",") if m]) \
+                            + len([m for m in (args.dump or "").split(",") if m])
                         # start + one run of each path, roughly (H100: ~3 s/GiB per GPU path, ~2 per CPU path)
                         need = gb * (3 if kind == "gpu" else 2) * npaths + 20
                         if budget.left() < need:

@@ -7,8 +7,10 @@ manifest (`dump_pages`) and the journal:
             `dump_threads` threads, reading it from the frozen tasks. Fails with the reason when the
             node or the images do not allow it.
   auto      parallel when the container holds at least AUTO_MIN_BYTES of memory (the estimate taken
-            before the freeze, GPU memory included) and userfaultfd is usable here (runc asks CRIU
-            whether it can do lazy pages); criu otherwise. A parallel dump that cannot be completed
+            before the freeze, GPU memory included), the node has at least AUTO_MIN_CPUS CPUs (one
+            writer thread copies about as fast as CRIU's one thread: the gain is in the other cores;
+            on the 2-core test VM the parallel dump was no faster, docs/benchmarks.md) and
+            userfaultfd is usable here (runc asks CRIU whether it can do lazy pages); criu otherwise. A parallel dump that cannot be completed
             (a lazy dump CRIU refused, images with pre-dump parents or anything unexpected, a task
             whose memory cannot be read) falls back to CRIU's own dump of the still frozen container,
             the reason recorded.
@@ -44,6 +46,7 @@ from migrt.runtime.runc import LowerRuntime
 ENV = "MIGRT_DUMP_PAGES"
 THREADS_ENV = "MIGRT_DUMP_THREADS"
 AUTO_MIN_BYTES = 256 << 20
+AUTO_MIN_CPUS = 4
 MAX_AUTO_THREADS = 8
 READY_TIMEOUT_S = 3600.0  # CRIU writes every image but the memory before it is ready: no size bound here
 END_TIMEOUT_S = 120.0
@@ -72,6 +75,9 @@ def decide(cfg: Config, estimate_bytes: int) -> dict:
         return {**out, "reason": "dump_pages is criu"}
     if requested == "auto" and estimate_bytes < AUTO_MIN_BYTES:
         return {**out, "reason": f"about {estimate_bytes >> 20} MiB of memory is below {AUTO_MIN_BYTES >> 20} MiB"}
+    cpus = os.cpu_count() or 1
+    if requested == "auto" and cpus < AUTO_MIN_CPUS:
+        return {**out, "reason": f"{cpus} CPUs: below {AUTO_MIN_CPUS} the parallel dump is no faster than CRIU's"}
     from migrt.pagefill.uffd import usable
 
     why = usable()

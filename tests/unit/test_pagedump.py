@@ -188,11 +188,15 @@ def test_a_process_without_pagemap_is_skipped(tmp_path):
 def test_decision_follows_config_and_env(monkeypatch):
     monkeypatch.delenv(dump_ops.ENV, raising=False)
     monkeypatch.setattr("migrt.pagefill.uffd.usable", lambda: None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
     cfg = Config(path="x")
     big = dump_ops.AUTO_MIN_BYTES
     assert dump_ops.decide(cfg, big)["mode"] == "parallel"
     small = dump_ops.decide(cfg, big - 1)
     assert small["mode"] == "criu" and "below" in small["reason"]
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    few = dump_ops.decide(cfg, big)
+    assert few["mode"] == "criu" and "2 CPUs" in few["reason"]
     cfg.dump_pages = "criu"
     assert dump_ops.decide(cfg, big)["mode"] == "criu"
     monkeypatch.setenv(dump_ops.ENV, "parallel")  # the environment wins, whatever the size
@@ -212,6 +216,7 @@ def test_parallel_without_userfaultfd_is_refused_and_auto_uses_criu(monkeypatch)
     with pytest.raises(PreconditionFailed, match="set dump_pages to auto or criu"):
         dump_ops.decide(cfg, 1 << 30)
     cfg.dump_pages = "auto"
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
     d = dump_ops.decide(cfg, 1 << 30)
     assert d["mode"] == "criu" and "userfaultfd" in d["reason"]
 
