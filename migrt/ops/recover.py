@@ -41,7 +41,6 @@ from migrt.errors import MigrtError
 from migrt.gpu import session
 from migrt.gpu.backend import GpuError
 from migrt.gpu import select as gpu_select
-from migrt.runtime import control
 from migrt.runtime.cleanup import clear_container, unmount_under
 from migrt.runtime.markers import is_restored
 from migrt.runtime.runc import LowerRuntime
@@ -211,6 +210,8 @@ def _end_lazy_dump(server: list, actions: list[str]):
         inode = _listener_inode(port)
         if inode is None or not _owns_socket(pids, inode):
             return
+        from migrt.runtime import control  # here: recover is imported on the restore path, which needs no sockets
+
         try:
             control.end_page_server((host, port), 10)
         except OSError:

@@ -1,10 +1,13 @@
 """Writing the planned pages files with several threads.
 
-Every new pages file is created beside CRIU's (suffix NEW_SUFFIX) and preallocated at its final size
-(a full store says so before any copy). The copies are cut into pieces of at most PIECE bytes; each
-thread takes the next piece of any file and writes it at its planned offset: a task's memory is read
-with process_vm_readv into the thread's own buffer and pwrite()n, CRIU's own pages are moved with
-copy_file_range. The GIL is released in every one of those calls, so the threads copy in parallel.
+Every new pages file is created beside CRIU's (suffix NEW_SUFFIX) at its final size, once the file
+system's free space was found to hold them all (a full store says so before any copy). The copies are
+cut into pieces of at most PIECE bytes; each thread takes the next piece of any file, preallocates its
+blocks (fallocate: contiguous on disk file systems) and writes it at its planned offset: a task's
+memory is read with process_vm_readv into the thread's own buffer and pwrite()n, CRIU's own pages are
+moved with copy_file_range. The GIL is released in every one of those calls, so the threads copy in
+parallel. The preallocation is per piece, in the writer threads: one fallocate of a whole 32 GiB file
+would allocate its pages in one thread before any copy (0.4-0.7 s per 4 GiB of tmpfs measured here).
 
 process_vm_readv cannot read a VMA without PROT_READ (EFAULT) where CRIU's parasite, running inside
 the task, made it readable for the dump: such pages are read through /proc/PID/mem instead, whose
@@ -47,13 +50,21 @@ class ReadError(Exception):
     """A task's memory could not be read (gone, or the images and the task disagree)."""
 
 
-def preallocate(fd: int, size: int) -> None:
-    """Reserve the file's blocks (ENOSPC now, not half-way); file systems without fallocate get the size."""
-    if size and _libc.fallocate(fd, 0, 0, size) != 0:
+def reserve(fd: int, offset: int, length: int) -> None:
+    """Allocate the blocks of [offset, offset + length) (ENOSPC before the copy); nothing where the file
+    system has no fallocate."""
+    if length and _libc.fallocate(fd, 0, offset, length) != 0:
         err = ctypes.get_errno()
         if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise OSError(err, os.strerror(err))
-    os.ftruncate(fd, size)
+
+
+def check_space(directory: str, needed: int) -> None:
+    """The new files must fit beside CRIU's (which go only once the new ones are renamed over them)."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"{directory} has {free >> 20} MiB free, the memory needs {needed >> 20} MiB")
 
 
 class _Reader:
@@ -155,6 +166,7 @@ def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None) -> 
         raise ReadError(f"the dumped processes {missing} are not in the container any more")
     files = plan.files
     t0 = time.monotonic()
+    check_space(plan.images, plan.total_bytes)
     dst_fds: list[int] = []
     src_fds: list[int | None] = []
     try:
@@ -171,7 +183,7 @@ def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None) -> 
                 os.unlink(path)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
             dst_fds.append(fd)
-            preallocate(fd, f.size)
+            os.ftruncate(fd, f.size)
         stats = _run(files, _pieces(files), dst_fds, src_fds, pids, max(1, threads), progress)
     except BaseException:
         _close(dst_fds + src_fds)
@@ -206,6 +218,7 @@ def _run(files, pieces, dst_fds, src_fds, pids, threads, progress) -> dict:
                 if piece is None:
                     return
                 i, dst, length, src, vpid = piece
+                reserve(dst_fds[i], dst, length)
                 if vpid is None:
                     _copy_file(reader, src_fds[i], dst_fds[i], length, src, dst)
                 else:

@@ -323,3 +323,18 @@ def test_parallel_fails_clearly_instead_of_falling_back(tmp_path, monkeypatch):
     _fake_lazy(monkeypatch, fail="lazy checkpoint of c failed: criu failed")
     with pytest.raises(RuntimeFailed, match="^lazy checkpoint of c failed: criu failed$"):
         _run_dump(tmp_path, "parallel")
+
+
+def test_a_store_without_room_for_the_memory_fails_before_any_copy(tmp_path, monkeypatch):
+    mem = Memory(4)
+    images = _images(tmp_path, {1: (1, [_entry(mem.addr, 4, LAZY)], b"")})
+    real = os.statvfs
+
+    class Small:
+        f_bavail, f_frsize = 3, PAGE  # three pages free, four needed
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Small() if p == images else real(p))
+    with pytest.raises(OSError, match="has 0 MiB free, the memory needs 0 MiB") as exc:
+        pagedump.complete(images, {1: os.getpid()}, 2)
+    assert exc.value.errno == 28
+    assert sorted(os.listdir(images)) == ["pagemap-1.img", "pages-1.img", "pstree.img"]
