@@ -210,3 +210,34 @@ def test_parallel_dump_of_a_gpu_container(runc_root, fake_gpu, migrt_config, tmp
     finally:
         dst.close()
     run_cli("rm", "pd-gpu")
+
+
+def test_export_of_a_parallel_checkpoint_is_read_by_checkpointctl(runc_root, migrt_config, binaries, tmp_path):
+    """The exported archive of a parallel checkpoint: checkpointctl reads it, and `migrt import` gives back
+    the same image files, which restore with the same memory."""
+    import shutil
+
+    if not shutil.which("checkpointctl"):
+        if os.environ.get("CI") == "true":
+            pytest.fail("checkpointctl missing (run packaging/setup-host.sh)")
+        pytest.skip("checkpointctl missing")
+    sid = _uid("ex")
+    src = _start(runc_root, sid, _bundle(str(tmp_path / "s"), ["/bin/memhog", "64"], binaries))
+    want = next(ln.split()[1] for ln in src.wait_for(lambda ls: any(ln.startswith("ready") for ln in ls))
+                if ln.startswith("ready"))
+    run_cli("checkpoint", sid, "--root", runc_root, "--name", "pd-export", env=_parallel_env())
+    src_manifest = _manifest(migrt_config, "pd-export")
+    assert src_manifest["dump_pages"]["mode"] == "parallel"
+    tar = tmp_path / "pd.tar"
+    run_cli("export", "pd-export", "-o", str(tar))
+    for argv in (["show", str(tar)], ["inspect", "--ps-tree", "--format", "json", str(tar)]):
+        res = subprocess.run(["checkpointctl", *argv], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+    assert "memhog" in res.stdout
+    assert run_cli("import", str(tar), "--name", "pd-back").stdout.strip() == "pd-back"
+    back = _manifest(migrt_config, "pd-back")["files"]
+    imgs = {k: v for k, v in src_manifest["files"].items() if k.startswith("images/pag")}
+    assert imgs and all(back.get(k) == v for k, v in imgs.items())
+    assert _restore_and_sum(runc_root, "pd-back", _uid("exd"), binaries, tmp_path, "eager") == {"0": (want, "bad=0")}
+    run_cli("rm", "pd-export")
+    run_cli("rm", "pd-back")
