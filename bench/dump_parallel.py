@@ -51,9 +51,11 @@ GIB = 1 << 30
 DEFAULT_JSON = os.path.join(REPO, "bench", "results", "dump_parallel.json")
 
 
-def start(lab: Lab, gib: float) -> tuple[str, str, str]:
-    """(container id, memhog's checksum, its output file); stdout is a pipe drained into the file."""
+def start(lab: Lab, gib: float, cids: list[str]) -> tuple[str, str, str]:
+    """(container id, memhog's checksum, its output file); stdout is a pipe drained into the file. The id
+    goes into `cids` before runc starts it (the caller deletes what is there, whatever happens)."""
     cid = f"dp-{uuid.uuid4().hex[:6]}"
+    cids.append(cid)
     bundle = lab.bundle(f"b-{cid}", ["/bin/memhog", str(int(gib * 1024))])
     out = os.path.join(lab.base, f"{cid}.out")
     open(out, "wb").close()
@@ -144,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             need = int(gib * GIB) * 3 + GIB
             if meminfo("MemAvailable") < need:
                 raise RuntimeError(f"{gib} GiB: {meminfo('MemAvailable') >> 30} GiB available, {need >> 30} GiB needed")
-            cid, want, _out = start(lab, gib)
-            cids.append(cid)
+            cid, want, _out = start(lab, gib, cids)
             rows: dict[str, list[dict]] = {f"{m}/{t}" if t else m: [] for m, t in modes}
             verified = args.no_verify
             # a first dump of fresh memory is slower and erratic in this guest whatever the mode: not counted
