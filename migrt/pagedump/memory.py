@@ -14,6 +14,14 @@ the task, made it readable for the dump: such pages are read through /proc/PID/m
 reads pass the VMA's protection for a tracer-capable reader (root here), one page at a time before
 process_vm_readv is tried again (such memory is rare; the bulk stays on the fast path).
 
+Where the new file can be mapped (every Linux file system here), a task's memory is instead read with
+process_vm_readv straight into a shared mapping of the new file (`MIGRT_DUMP_WRITE=pwrite` keeps the
+buffer + pwrite way): one copy instead of two, and no write(2) on the file, whose inode lock (tmpfs:
+pwrite and fallocate alike) lets only one thread allocate the file's pages at a time. The pages are
+then allocated by page faults, in every thread at once; the free space was checked before, and a
+store that fills up meanwhile makes process_vm_readv fail (EFAULT in the kernel's copy, never a
+signal to us), which is reported as ENOSPC when the store has no room left.
+
 Nothing is renamed over CRIU's files until every piece is written (install()); a failure removes the
 new files and leaves CRIU's as they were.
 """
@@ -44,6 +52,10 @@ _libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.
 _libc.process_vm_readv.restype = ctypes.c_ssize_t
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _libc.fallocate.restype = ctypes.c_int
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+WRITE = os.environ.get("MIGRT_DUMP_WRITE", "mmap")  # "pwrite": the buffer + pwrite way (benchmarks)
 
 
 class ReadError(Exception):
@@ -78,18 +90,21 @@ class _Reader:
         self.mem: dict[int, int] = {}
         self.via_mem = 0  # bytes read through /proc/PID/mem
 
+    dest_failed = staticmethod(lambda _addr: None)  # set by the writer (mapped files)
+
     def close(self) -> None:
         for fd in self.mem.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def read(self, vpid: int, address: int, n: int) -> None:
-        """Fill buf[:n] with n bytes of task vpid at address."""
+    def read(self, vpid: int, address: int, n: int, dest: int | None = None) -> None:
+        """Fill buf[:n] (or n bytes at address `dest` of ours) with n bytes of task vpid at address."""
         pid = self.pids[vpid]
         got = 0
+        base = self.base if dest is None else dest
         local, remote = _Iovec(), _Iovec()
         while got < n:
-            local.base, local.len = self.base + got, n - got
+            local.base, local.len = base + got, n - got
             remote.base, remote.len = address + got, n - got
             k = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
             if k > 0:
@@ -99,6 +114,12 @@ class _Reader:
             if err != errno.EFAULT:
                 raise ReadError(f"cannot read the memory of process {vpid} (pid {pid} here) at {address + got:#x}: "
                                    f"{os.strerror(err)}")
+            if dest is not None:
+                self.dest_failed(dest + got)  # ENOSPC, when our side of the copy could not be written
+                k = self._read_mem(vpid, pid, address + got, 0, min(PAGE, n - got))
+                ctypes.memmove(dest + got, self.base, k)
+                got += k
+                continue
             got += self._read_mem(vpid, pid, address + got, got, min(PAGE, n - got))  # then try again
 
     def _read_mem(self, vpid: int, pid: int, address: int, at: int, n: int) -> int:
@@ -181,10 +202,17 @@ def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None) -> 
             path = new_path(f)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
             dst_fds.append(fd)
             os.ftruncate(fd, f.size)
-        stats = _run(files, _pieces(files), dst_fds, src_fds, pids, max(1, threads), progress)
+        maps = _map(files, dst_fds) if WRITE == "mmap" else None
+        try:
+            stats = _run(files, _pieces(files), dst_fds, src_fds, pids, max(1, threads), progress, maps,
+                         plan.images)
+        finally:
+            for (addr, size) in maps or []:
+                if addr:
+                    _libc.munmap(addr, size)
     except BaseException:
         _close(dst_fds + src_fds)
         discard(plan)
@@ -194,6 +222,23 @@ def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None) -> 
     return stats
 
 
+def _map(files, dst_fds) -> list[tuple[int, int]]:
+    """A shared writable mapping of each new file (0 where the file is empty)."""
+    out = []
+    for f, fd in zip(files, dst_fds):
+        addr = 0
+        if f.size:
+            addr = _libc.mmap(None, f.size, 3, 0x01, fd, 0)  # PROT_READ|PROT_WRITE, MAP_SHARED
+            if addr in (None, ctypes.c_void_p(-1).value):
+                err = ctypes.get_errno()
+                for a, size in out:
+                    if a:
+                        _libc.munmap(a, size)
+                raise OSError(err, f"cannot map {new_path(f)}: {os.strerror(err)}")
+        out.append((addr, f.size))
+    return out
+
+
 def _close(fds: list) -> None:
     for fd in fds:
         if fd is not None:
@@ -201,7 +246,7 @@ def _close(fds: list) -> None:
                 os.close(fd)
 
 
-def _run(files, pieces, dst_fds, src_fds, pids, threads, progress) -> dict:
+def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, directory=".") -> dict:
     lock = threading.Lock()
     todo = iter(pieces)
     failed = threading.Event()
@@ -209,8 +254,14 @@ def _run(files, pieces, dst_fds, src_fds, pids, threads, progress) -> dict:
     done = [0]
     via_mem = [0]
 
+    def no_room(_addr: int) -> None:
+        st = os.statvfs(directory)
+        if st.f_bavail * st.f_frsize < PIECE:
+            raise OSError(errno.ENOSPC, f"{directory}: no space left while writing the memory")
+
     def work() -> None:
         reader = _Reader(pids)
+        reader.dest_failed = no_room
         try:
             while not failed.is_set():
                 with lock:
@@ -218,6 +269,11 @@ def _run(files, pieces, dst_fds, src_fds, pids, threads, progress) -> dict:
                 if piece is None:
                     return
                 i, dst, length, src, vpid = piece
+                if vpid is not None and maps:
+                    reader.read(vpid, src, length, dest=maps[i][0] + dst)  # straight into the file
+                    with lock:
+                        done[0] += length
+                    continue
                 reserve(dst_fds[i], dst, length)
                 if vpid is None:
                     _copy_file(reader, src_fds[i], dst_fds[i], length, src, dst)
