@@ -50,7 +50,7 @@ sys.path.insert(0, REPO)
 from migrt.criu.lazy import lazy_problem, soft_dirty  # noqa: E402
 from bench.common import log, machine, meminfo  # noqa: E402
 from tests.helpers.bundles import make_bundle  # noqa: E402
-from tests.helpers.twohosts import ADDR_B, in_ns, lazy_pipe_limit, two_hosts  # noqa: E402
+from tests.helpers.twohosts import ADDR_B, in_ns, two_hosts  # noqa: E402
 
 CLI = shutil.which("migrt") or "/usr/local/bin/migrt"
 DEFAULT_JSON = os.path.join(REPO, "bench", "results", "migration.json")
@@ -278,7 +278,7 @@ def main() -> int:
     port = 7950
     try:
         lab = Lab(base, shm)
-        with two_hosts("mbench") as hosts, lazy_pipe_limit():
+        with two_hosts("mbench") as hosts:
             if "lazy" in modes and lazy_problem("source"):
                 notes["lazy"] = f"unavailable: {lazy_problem('source')}"
                 modes.remove("lazy")

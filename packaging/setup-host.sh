@@ -172,6 +172,15 @@ out=$("$venv/bin/migrt" install runtime --bindir "$bindir" --python "$venv/bin/p
     --criu-hook "$prefix/libexec/cuda-criu-action" --criu-hook-source "$prefix/libexec/cuda-criu-action.py" 2>&1) ||
     die "migrt install runtime --bindir $bindir failed: $out"
 
+# Lazy dumps (lazy migration, the parallel memory dump) keep the memory they leave in the tasks
+# referenced from CRIU's page pipes, two descriptors per pipe of at most fs.pipe-max-size (CRIU stops at
+# 3.2 MiB): at the 1 MiB default a 32 GiB container needs 65k descriptors, at 4 MiB 20k
+# (docs/migration.md; migrt checks the limit before freezing anything).
+if [ "$(cat /proc/sys/fs/pipe-max-size 2>/dev/null || echo 0)" -lt 4194304 ]; then
+    echo 'fs.pipe-max-size = 4194304' > /etc/sysctl.d/90-migrt.conf
+    sysctl -q -w fs.pipe-max-size=4194304 || log "could not raise fs.pipe-max-size (big lazy dumps need more descriptors then)"
+fi
+
 mkdir -p /etc/migrt
 [ -f /etc/migrt/config.yaml ] || install -m 0644 "$here/configs/config.yaml" /etc/migrt/config.yaml
 install -d -m 0700 /var/lib/migrt

@@ -10,12 +10,18 @@ Why CRIU's own lazy migration hung on these machines (CRIU 4.2.1, runc 1.3.6, ke
 docs/migration.md: CRIU's page server asks for a 3.2 MiB pipe (F_SETPIPE_SZ); above
 /proc/sys/fs/pipe-max-size (1 MiB by default) that needs CAP_SYS_RESOURCE, which root lacks in some
 sandboxes; CRIU ignores the EPERM and splices into fd -1 at the first page request. migrt never
-asks CRIU's page server for a page, so the source needs no sysctl (the tests run at the 1 MiB
-default to keep it so).
+asks CRIU's page server for a page, so that limit no longer matters for the transfer (the tests run
+at the 1 MiB default to keep it so). But a lazy dump keeps every page of the memory it leaves in the
+tasks referenced from CRIU's page pipes, each pipe holding at most min(fs.pipe-max-size, 3.2 MiB)
+and costing two descriptors: 2 x memory / pipe size descriptors, under RLIMIT_NOFILE's hard limit
+(CRIU cannot raise it without CAP_SYS_RESOURCE). Measured: 8 GiB at 1 MiB pipes = 16k descriptors;
+32 GiB on the GPU machine (hard limit 20000, 1 MiB pipes) failed with "Can't make pipe for
+page-pipe: Too many open files". `lazy_dump_problem()` says so before anything is frozen.
 """
 
 from __future__ import annotations
 
+import resource
 import subprocess
 
 from migrt.criu.version import criu_binary
@@ -50,3 +56,53 @@ def lazy_preflight(role: str) -> None:
     problem = lazy_problem(role)
     if problem:
         raise PreconditionFailed(f"lazy migration is not possible on this {role} node: {problem}")
+
+
+# CRIU's PIPE_MAX_SIZE (page-pipe.h) in bytes: its page pipes never grow beyond this
+CRIU_PIPE_MAX = 3354624
+FD_MARGIN = 512  # CRIU's own descriptors besides the page pipes
+CAP_SYS_RESOURCE = 24
+
+
+def pipe_max_size() -> int:
+    try:
+        with open("/proc/sys/fs/pipe-max-size") as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return 1 << 20
+
+
+def _has_cap(bit: int) -> bool:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def lazy_dump_fds(memory_bytes: int) -> int:
+    """Descriptors a lazy dump of this much memory holds open (its page pipes, two fds each)."""
+    pipe = max(4096, min(pipe_max_size(), CRIU_PIPE_MAX))
+    return 2 * (-(-memory_bytes // pipe)) + FD_MARGIN
+
+
+def lazy_dump_problem(memory_bytes: int) -> str | None:
+    """Why a lazy dump of this much memory would run out of descriptors here, or None."""
+    need = lazy_dump_fds(memory_bytes)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or need <= hard or _has_cap(CAP_SYS_RESOURCE):
+        return None
+    pipe = min(pipe_max_size(), CRIU_PIPE_MAX)
+    fix = ("raise the hard limit of open files for migrt (e.g. LimitNOFILE in its unit, or ulimit -Hn as a "
+           "privileged parent)")
+    if pipe < CRIU_PIPE_MAX:
+        fix += f", or 'sysctl -w fs.pipe-max-size={4 << 20}' (3.2 MiB pipes: {lazy_dump_fds_at(memory_bytes)} descriptors)"
+    return (f"a lazy dump of {memory_bytes >> 20} MiB needs about {need} open files for CRIU's page pipes "
+            f"({pipe >> 10} KiB each), over this node's hard limit of {hard}; {fix}")
+
+
+def lazy_dump_fds_at(memory_bytes: int, pipe: int = CRIU_PIPE_MAX) -> int:
+    return 2 * (-(-memory_bytes // pipe)) + FD_MARGIN

@@ -31,7 +31,7 @@ from migrt.config import Config
 from migrt.criu import lazy as lazy_mod
 from migrt.criu.options import CriuOptions
 from migrt.criu.version import versions
-from migrt.errors import Conflict, MigrtError, RuntimeFailed, UsageError
+from migrt.errors import Conflict, MigrtError, PreconditionFailed, RuntimeFailed, UsageError
 from migrt.oci.bundle import Bundle
 from migrt.pods import rootfs
 from migrt.ops.checkpoint import default_name
@@ -206,6 +206,12 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
     plan = pre_dump_plan(req.pre_dump)
     if req.lazy:
         lazy_mod.lazy_preflight("source")
+        from migrt.ops import space
+
+        est = space.estimate(state.get("pid"))
+        problem = lazy_mod.lazy_dump_problem(est.memory + est.gpu)  # GPU memory ends in the tasks' memory
+        if problem:  # before anything is frozen (CRIU would fail half-way through the dump)
+            raise PreconditionFailed(f"lazy migration of {req.container_id} is not possible on this node: {problem}")
     bundle_dir = state.get("bundle") or ""
     try:
         bundle = Bundle.load(bundle_dir)

@@ -78,6 +78,7 @@ def decide(cfg: Config, estimate_bytes: int) -> dict:
     cpus = os.cpu_count() or 1
     if requested == "auto" and cpus < AUTO_MIN_CPUS:
         return {**out, "reason": f"{cpus} CPUs: below {AUTO_MIN_CPUS} the parallel dump is no faster than CRIU's"}
+    from migrt.criu.lazy import lazy_dump_problem
     from migrt.pagefill.uffd import usable
 
     why = usable()
@@ -85,6 +86,11 @@ def decide(cfg: Config, estimate_bytes: int) -> dict:
         if requested == "parallel":
             raise PreconditionFailed(f"dump_pages is parallel, but runc's lazy checkpoint needs userfaultfd here: "
                                      f"{why}; set dump_pages to auto or criu")
+        return {**out, "reason": why}
+    why = lazy_dump_problem(estimate_bytes)
+    if why:
+        if requested == "parallel":
+            raise PreconditionFailed(f"dump_pages is parallel, but {why}; or set dump_pages to auto or criu")
         return {**out, "reason": why}
     return {"mode": "parallel", "requested": requested, "threads": threads(cfg)}
 

@@ -241,3 +241,23 @@ def test_receive_json_is_one_line_per_migration(receiver_env):
     result = _finish(box)
     line = json.dumps(result, sort_keys=True, default=str)
     assert "\n" not in line and json.loads(line)["error"]
+
+
+def test_lazy_dump_descriptors_are_checked_before_anything_is_frozen(monkeypatch):
+    """A lazy dump holds two descriptors per page pipe (at most 3.2 MiB each): 32 GiB at 1 MiB pipes
+    under a 20000 hard limit failed half-way on the GPU machine; the check says so first."""
+    import resource
+
+    monkeypatch.setattr(lazy_mod, "pipe_max_size", lambda: 1 << 20)
+    monkeypatch.setattr(lazy_mod, "_has_cap", lambda bit: False)
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (20000, 20000))
+    assert lazy_mod.lazy_dump_fds(8 << 30) == 2 * 8192 + lazy_mod.FD_MARGIN
+    assert lazy_mod.lazy_dump_problem(8 << 30) is None
+    why = lazy_mod.lazy_dump_problem(32 << 30)
+    assert "65536" in why.replace(" ", "") or "open files" in why
+    assert "fs.pipe-max-size=4194304" in why and "20000" in why
+    monkeypatch.setattr(lazy_mod, "pipe_max_size", lambda: 4 << 20)  # CRIU's pipes stop at 3.2 MiB
+    assert lazy_mod.lazy_dump_problem(16 << 30) is None
+    assert "fs.pipe-max-size" not in (lazy_mod.lazy_dump_problem(64 << 30) or "x")
+    monkeypatch.setattr(lazy_mod, "_has_cap", lambda bit: True)
+    assert lazy_mod.lazy_dump_problem(64 << 30) is None
