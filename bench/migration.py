@@ -187,6 +187,8 @@ def one_run(lab: Lab, hosts: dict, mode: str, mib: int, port: int) -> dict:
         data = json.loads(res.stdout)
         before = ticks(src.drain())
         # the restored process: ticks go on, and its memory hashes as before
+        # memhog stops ticking while it hashes its memory (8 GiB: ~3 s): the app gap counts ticks up to here
+        t_sum = time.time()
         subprocess.run(["runc", "--root", lab.nodes["b"]["root"], "kill", f"{cid}-b", "USR1"], check=True)
         deadline = time.monotonic() + 600
         summed = None
@@ -202,14 +204,22 @@ def one_run(lab: Lab, hosts: dict, mode: str, mib: int, port: int) -> dict:
             raise RuntimeError(f"memory hash after migration {summed} != {src.ready} before")
         if not before or not after or after[0][0] != before[-1][0] + 1:
             raise RuntimeError(f"tick sequence broken: {before[-1:]} then {after[:1]}")
-        seq = before + after
-        gap = max(b[1] - a[1] for a, b in zip(seq, seq[1:])) - TICK
+        seq = before + [t for t in after if t[1] < t_sum]
+        gaps = [(b[1] - a[1], i) for i, (a, b) in enumerate(zip(seq, seq[1:]))]
+        gap, at = max(gaps)
+        gap -= TICK
+        # where the longest pause was: across the hand-over, or in ticks before/after it (and how far)
+        cut = len(before) - 1
+        second = sorted(gaps)[-2][0] - TICK if len(gaps) > 1 else 0.0
+        gap_where = {"at": "hand-over" if at == cut else ("source" if at < cut else "target"),
+                     "ticks_from_handover": at - cut, "handover_gap_s": round(gaps[cut][0] - TICK, 3),
+                     "second_longest_s": round(second, 3)}
         if data.get("committed"):  # the target's copy: remove it, or tmpfs fills up run after run
             subprocess.run([CLI, "rm", data["committed"]], capture_output=True, env=lab.nodes["b"]["env"], check=True)
         return {"mode": mode, "mib": mib, "downtime_s": data["downtime_s"], "total_s": data["total_s"],
                 "app_gap_s": round(gap, 3), "bytes": data["bytes"], "phases": data["phases"],
                 "lazy_pages_s": data.get("lazy_pages_s"), "pages": data.get("pages"), "lazy_dump": data.get("lazy_dump"),
-                "target": _target_timings(recv_out), "hash_ok": True}
+                "target": _target_timings(recv_out), "gap_where": gap_where, "hash_ok": True}
     finally:
         if recv.poll() is None:
             recv.kill()

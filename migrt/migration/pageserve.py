@@ -48,6 +48,7 @@ _libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.
 _libc.process_vm_readv.restype = ctypes.c_ssize_t
 
 EXIT_DONE, EXIT_STOPPED, EXIT_IDLE = 0, 3, 4
+BACKGROUND_NICE = 10
 
 
 def read_memory(pid: int, address: int, buf, n: int) -> int:
@@ -97,6 +98,9 @@ class PageServer:
             sock.close()
             return None
         sock.sendall(b"\0")
+        if recv_exact(sock, 1) == b"B":  # background copies: faults (b"F") go first on a busy node
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         sock.settimeout(None)
         return sock
 

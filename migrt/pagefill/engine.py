@@ -35,6 +35,7 @@ forks, remaps and madvises while its memory is still arriving.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 import ctypes
 import errno
@@ -56,6 +57,7 @@ CHUNK = 4 << 20
 FAULT_WINDOW = 64 << 10
 REMOTE_CHUNK = 2 << 20          # a fetch from the source: big enough to stream, small enough for faults
 REMOTE_FAULT_WINDOW = 256 << 10
+BACKGROUND_NICE = 10            # copy threads; the event thread (faults) keeps the process's priority
 STATUS_EVERY_S = 0.5
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -427,12 +429,12 @@ class Filler:
         self.work.notify_all()
         self._wake()
 
-    def _connect(self) -> bool:
+    def _connect(self, background: bool = False) -> bool:
         """Remote pages: this thread's stream to the source, opened before anything waits on it."""
         if self.remote is None:
             return True
         try:
-            self.remote.connect()
+            self.remote.connect(background)
             return True
         except FetchError as exc:
             with self.state:
@@ -442,7 +444,9 @@ class Filler:
     def _worker(self) -> None:
         """Take the next chunk, fetch it without any lock (remote pages: over this thread's stream),
         then copy it holding the lock shared: a fault never waits behind a fetch."""
-        if not self._connect():
+        with contextlib.suppress(OSError):  # background copies yield the CPU to the tasks and to faults
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        if not self._connect(background=True):
             return
         while True:
             with self.state:

@@ -8,6 +8,8 @@ One stream (after TLS, when the nodes have `migration_tls`):
     S -> C   b"MGPG1" + nonce (16 bytes)
     C -> S   HMAC-SHA256(key, b"migrt-pages" | nonce)           (32 bytes)
     S -> C   b"\\x00"                                            (welcome; a wrong answer: closed)
+    C -> S   b"F" (this stream serves page faults) or b"B" (background copies: the server runs
+             their thread at a lower CPU priority, so that faults go first on a busy node)
     C -> S   REQUEST (vpid, address, length)                     any number of times
     S -> C   status (i64: 0, or -errno) + `length` bytes when 0
     C -> S   REQUEST (0, 0, 0): every page is in (the server may end)
@@ -90,7 +92,7 @@ def _anon_buffer(size: int) -> tuple[int, memoryview]:
 
 
 class _Stream:
-    def __init__(self, spec: dict, chunk: int) -> None:
+    def __init__(self, spec: dict, chunk: int, background: bool = False) -> None:
         self.addr, self.view = _anon_buffer(chunk)
         try:
             sock = socket.create_connection((spec["address"], spec["port"]), timeout=CONNECT_TIMEOUT)
@@ -114,6 +116,7 @@ class _Stream:
             if welcome != b"\0":
                 raise FetchError(f"the source's page server {spec['address']}:{spec['port']} refused this node "
                                  "(not this migration's key)")
+            sock.sendall(b"B" if background else b"F")
         except (OSError, ssl.SSLError, FetchError) as exc:
             sock.close()
             if isinstance(exc, FetchError):
@@ -156,16 +159,16 @@ class RemotePages:
         self._lock = threading.Lock()
         self.fetched = 0
 
-    def _stream(self) -> _Stream:
+    def _stream(self, background: bool = False) -> _Stream:
         s = getattr(self._local, "stream", None)
         if s is None:
-            s = self._local.stream = _Stream(self.spec, self.chunk)
+            s = self._local.stream = _Stream(self.spec, self.chunk, background)
             with self._lock:
                 self._streams.append(s)
         return s
 
-    def connect(self) -> None:
-        self._stream()
+    def connect(self, background: bool = False) -> None:
+        self._stream(background)
 
     def address(self, vpid: int, offset: int, n: int) -> int:
         """Where the `n` bytes of process `vpid` at source address `offset` are now (n <= chunk)."""
