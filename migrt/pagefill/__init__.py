@@ -1,4 +1,5 @@
-"""migrt's page filler: a lazy restore from LOCAL images whose memory is copied by several threads.
+"""migrt's page filler: a lazy restore whose memory is copied by several threads, from local images
+or (lazy migration, remote.py) from the source node's page server over several streams.
 
 `runc restore --lazy-pages` restores the process tree without its private anonymous memory; each
 restored task hands its userfaultfd to us over CRIU's lazy-pages socket, and the tree resumes at once.
