@@ -21,6 +21,7 @@ import struct
 from dataclasses import dataclass, field
 
 from migrt.pagefill.images import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, ImageError, read_pids
+from migrt.pagefill.images import _varint as _read_varint
 
 _MAGIC_COMMON, _MAGIC_SERVICE = 0x54564319, 0x55105940
 _FLAGS = 4  # PagemapEntry.flags (criu/images/pagemap.proto: vaddr 1, compat_nr_pages 2, in_parent 3, flags 4, nr_pages 5)
@@ -34,18 +35,11 @@ class PlanError(Exception):
 
 # -- protobuf, as protobuf-c writes it ----------------------------------------------------------------
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        if i >= len(buf):
-            raise PlanError("truncated varint in a pagemap entry")
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
-        if shift > 63:
-            raise PlanError("overlong varint in a pagemap entry")
+    """pagefill's reader, its errors as this module's."""
+    try:
+        return _read_varint(buf, i)
+    except ImageError as exc:
+        raise PlanError(f"{exc} in a pagemap entry") from exc
 
 
 def encode_varint(value: int) -> bytes:

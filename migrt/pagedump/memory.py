@@ -79,7 +79,7 @@ def check_space(directory: str, needed: int) -> None:
         raise OSError(errno.ENOSPC, f"{directory} has {free >> 20} MiB free, the memory needs {needed >> 20} MiB")
 
 
-class _Reader:
+class Reader:
     """One thread's way into the tasks: its buffer, and /proc/PID/mem descriptors opened on demand."""
 
     def __init__(self, pids: dict[int, int]) -> None:
@@ -144,7 +144,7 @@ def _pwrite_all(fd: int, view, off: int) -> None:
         view, off = view[k:], off + k
 
 
-def _copy_file(reader: _Reader, src: int, dst: int, length: int, src_off: int, dst_off: int) -> None:
+def _copy_file(reader: Reader, src: int, dst: int, length: int, src_off: int, dst_off: int) -> None:
     done = 0
     while done < length:
         try:
@@ -260,7 +260,7 @@ def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, di
             raise OSError(errno.ENOSPC, f"{directory}: no space left while writing the memory")
 
     def work() -> None:
-        reader = _Reader(pids)
+        reader = Reader(pids)
         reader.dest_failed = no_room
         try:
             while not failed.is_set():
