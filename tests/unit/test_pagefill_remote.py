@@ -17,7 +17,8 @@ import pytest
 
 from migrt.migration import pageserve
 from migrt.pagefill import engine, images, remote, uffd
-from tests.unit.test_pagefill import MREMAP_FIXED, MREMAP_MAYMOVE, _libc, _pm, _vma, make_images, rigs, uffd_ok  # noqa: F401
+from tests.unit.test_pagefill import (MREMAP_FIXED, MREMAP_MAYMOVE, Rig, _libc, _pm, _vma, make_images, rigs,  # noqa: F401
+                                     uffd_ok)
 from tests.unit.test_transfer_tls import pki  # noqa: F401
 
 MiB = 1 << 20
@@ -47,11 +48,10 @@ def _spec(h, key=KEY, tls=None) -> dict:
     return {"address": "127.0.0.1", "port": h.port, "key": key.hex(), "tls": tls, "timeout": 10}
 
 
-class RemoteRig:
-    """`size` bytes of our anonymous memory registered with a userfaultfd, filled by a Filler whose
-    pages come from the page server (the guard's part played by the test)."""
+class RemoteRig(Rig):
+    """Rig's registered memory, filled by a Filler whose pages come from the page server (vpid 7)."""
 
-    def __init__(self, tmp_path, served, spec, threads=3) -> None:
+    def __init__(self, tmp_path, served, spec, threads=3) -> None:  # noqa: D107 - Rig's methods, another source
         self.size = served["size"]
         self.addr = _libc.mmap(None, self.size, 3, 0x22, -1, 0)
         self.fd, _ = uffd.open_uffd(uffd.NONCOOP_FEATURES)
@@ -71,32 +71,6 @@ class RemoteRig:
         finally:
             os.close(dup)
 
-    def _run(self):
-        self.rc = self.filler.run()
-
-    def close(self):
-        if self.thread.is_alive():
-            self.guard.send(b"A")
-            self.thread.join(30)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def finish(self, timeout=60.0):
-        self.guard.send(b"F")
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the filler did not finish"
-        return self.rc
-
-    def read_faulting(self, off, n):
-        r, w = os.pipe()
-        try:
-            os.write(w, (ctypes.c_char * n).from_address(self.addr + off))
-            return os.read(r, n)
-        finally:
-            os.close(r)
-            os.close(w)
-
 
 def test_filler_fetches_from_the_page_server_faults_first_then_everything(tmp_path, uffd_ok, rigs, served):
     h = served["start"]()
@@ -115,8 +89,6 @@ def test_filler_fetches_from_the_page_server_faults_first_then_everything(tmp_pa
     assert ctypes.string_at(dst, 2 * MiB) == served["data"][16 * MiB:18 * MiB]
     assert ctypes.string_at(rig.addr + 18 * MiB, 6 * MiB) == served["data"][18 * MiB:]
     assert rig.filler.counts["faults"] >= 1 and rig.filler.counts["remaps"] == 1
-    os.close(rig.fd)
-    rig.fd = -1
     # the filler told the server every page is in: it ends by itself, having served it all
     st = h.wait(10)
     assert st["exit"] == "done" and st["bytes"] >= 22 * MiB and st["streams"] >= 3
