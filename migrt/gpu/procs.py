@@ -48,13 +48,21 @@ def ppid(pid: int) -> int | None:
         return None
 
 
-def ns_pid(pid: int) -> int | None:
-    """The pid as the process's own (innermost) pid namespace sees it."""
+def nspids(pid: int) -> list[int]:
+    """NSpid of /proc/PID/status: the pid at each pid-namespace level, the host's first."""
     for line in (_read(f"/proc/{pid}/status") or "").splitlines():
         if line.startswith("NSpid:"):
-            parts = line.split()[1:]
-            return int(parts[-1]) if parts else None
-    return None
+            try:
+                return [int(x) for x in line.split()[1:]]
+            except ValueError:
+                return []
+    return []
+
+
+def ns_pid(pid: int) -> int | None:
+    """The pid as the process's own (innermost) pid namespace sees it."""
+    levels = nspids(pid)
+    return levels[-1] if levels else None
 
 
 def comm(pid: int) -> str:
@@ -218,3 +226,16 @@ def runc_container_pids(root: str, container_id: str) -> list[int]:
 def container_cuda_pids(root: str, container_id: str) -> list[int]:
     """The live CUDA processes of a runc container (empty when it has none or is not running)."""
     return cuda_pids(runc_container_pids(root, container_id))
+
+
+def runc_vpid_map(root: str, container_id: str) -> dict[int, int]:
+    """pid inside the container's pid namespace (the key of CRIU's images) -> host pid, for every
+    process of a runc container (the level of the container's init, so nested namespaces map right)."""
+    init = (runc_state(root, container_id) or {}).get("init_process_pid")
+    level = len(nspids(init)) - 1 if isinstance(init, int) else -1
+    out = {}
+    for pid in runc_container_pids(root, container_id):
+        ns = nspids(pid)
+        if ns and 0 <= level < len(ns):
+            out[ns[level]] = pid
+    return out

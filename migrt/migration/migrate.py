@@ -20,7 +20,6 @@ ranges are released at once, so a tmpfs store does not double the memory footpri
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
@@ -104,13 +103,6 @@ def pre_dump_plan(value: str | None) -> dict:
 
 def _utc(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _payload(path: str) -> list[tuple[str, str]]:
@@ -437,7 +429,7 @@ class _Run:
                 source.gpu.suspend(self.progress)
             source.freeze(self.staging.path)
             marks = {"pause_s": time.monotonic()}
-            crit = ("127.0.0.1", _free_port("127.0.0.1"))  # CRIU's page server: only ended, never used
+            crit = control.loopback_page_server()  # CRIU's page server: only ended, never used
             source.serving(crit)
             with ch.busy("dump"):
                 dump = control.LazyCheckpoint(source.runtime, source.root, req.container_id,
@@ -529,10 +521,9 @@ class _Run:
     def _serve_pages(self, server: pageserve.Handle) -> None:
         """The dump is done: the page server may read the dumped processes (frozen, left in place)."""
         try:
-            init = int(LowerRuntime(self.source.runtime).state(self.source.root, self.req.container_id)["pid"])
-            pids = pageserve.container_pids(init)
+            pids = procs.runc_vpid_map(self.source.root, self.req.container_id)
             wanted = set(pagefill_images.read_pids(self.staging.images))
-        except (pageserve.FetchError, pagefill_images.ImageError, MigrtError, OSError, KeyError, ValueError) as exc:
+        except (pagefill_images.ImageError, OSError) as exc:
             raise RuntimeFailed(f"cannot map the dumped processes to this node's pids: {exc}") from exc
         missing = sorted(wanted - set(pids))
         if missing:

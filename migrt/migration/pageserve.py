@@ -164,29 +164,6 @@ class PageServer:
                     "refused": self.refused, "errors": self.errors[-3:]}
 
 
-def container_pids(init_pid: int) -> dict[int, int]:
-    """pid inside the container -> host pid, for every process in the pid namespace of init_pid."""
-    try:
-        ns = os.readlink(f"/proc/{init_pid}/ns/pid")
-    except OSError as exc:
-        raise FetchError(f"the source's init (pid {init_pid}) is gone: {exc.strerror}") from exc
-    out = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            if os.readlink(f"/proc/{name}/ns/pid") != ns:
-                continue
-            with open(f"/proc/{name}/status") as fh:
-                for line in fh:
-                    if line.startswith("NSpid:"):
-                        out[int(line.split()[-1])] = int(name)
-                        break
-        except (OSError, ValueError):
-            continue
-    return out
-
-
 class Handle:
     """The page server process as `migrt migrate` sees it."""
 

@@ -25,10 +25,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable

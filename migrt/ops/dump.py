@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 
 from migrt import faults
@@ -123,17 +122,11 @@ def dump(cfg: Config, runtime: LowerRuntime, root: str, cid: str, *, images: str
     return record
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _parallel(runtime: LowerRuntime, root: str, cid: str, *, images: str, work: str, options: CriuOptions,
               env: dict | None, journal, threads: int, progress: Progress, fallback: bool) -> dict:
     from migrt import pagedump
 
-    server = ("127.0.0.1", _free_port("127.0.0.1"))  # CRIU's page server: only ended, never asked for a page
+    server = control.loopback_page_server()  # CRIU's page server: only ended, never asked for a page
     journal.update("dumping", dump_pages="parallel", page_server=list(server))
     t0 = time.monotonic()
     lazy = control.LazyCheckpoint(runtime.path, root, cid, image_path=images, work_path=work, options=options,
@@ -171,28 +164,7 @@ def _parallel(runtime: LowerRuntime, root: str, cid: str, *, images: str, work: 
 
 def container_pids(root: str, cid: str) -> dict[int, int]:
     """pid inside the container's pid namespace (CRIU's key) -> host pid, for every process of it."""
-    host = procs.runc_container_pids(root, cid)
-    state = procs.runc_state(root, cid) or {}
-    init = state.get("init_process_pid")
-    level = len(_nspid(init)) - 1 if isinstance(init, int) else -1
-    out = {}
-    for pid in host:
-        ns = _nspid(pid)
-        if ns and 0 <= level < len(ns):
-            out[ns[level]] = pid
-    return out
-
-
-def _nspid(pid: int) -> list[int]:
-    """NSpid of /proc/PID/status: the pid at each pid-namespace level, the host's first."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("NSpid:"):
-                    return [int(x) for x in line.split()[1:]]
-    except (OSError, ValueError):
-        return []
-    return []
+    return procs.runc_vpid_map(root, cid)
 
 
 def _clean(images: str, keep: set[str], work: str) -> None:

@@ -53,6 +53,14 @@ def _raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def loopback_page_server() -> tuple[str, int]:
+    """An address for CRIU's lazy page server that migrt only ends, never asks for a page: loopback, a
+    port free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return "127.0.0.1", s.getsockname()[1]
+
+
 def end_page_server(address: tuple[str, int], timeout: float) -> None:
     """One PS_IOV_CLOSE to CRIU's lazy page server: the lazy dump ends (CRIU exits) with its images
     written and the memory left in the tasks. OSError when nothing listens there."""
