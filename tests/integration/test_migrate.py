@@ -81,22 +81,28 @@ def test_received_checkpoint_restores_later(nodes, hosts):
     assert_continues(before, wait_ticks(out))
 
 
-def test_lazy_migration_continues_on_target(nodes, hosts, lazy_capable):
-    src, cid = start_source(nodes, "lazy")
+def lazy_migration(cfg_nodes, nodes, hosts, port: int, tag: str) -> dict:
+    """A counter migrated lazily with cfg_nodes' configs: it must continue on the target, the source
+    gone. Returns migrate's JSON."""
+    src, cid = start_source(nodes, tag)
     out = nodes["base"] / f"{cid}.out"
-    recv = Receiver(nodes, hosts, 7903, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
+    recv = Receiver(cfg_nodes, hosts, port, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
                     "--container-id", f"{cid}-b", "--output", str(out))
     try:
-        res = migrate(nodes, hosts, 7903, cid, "--lazy")
+        res = migrate(cfg_nodes, hosts, port, cid, "--lazy")
         assert res.returncode == 0, res.stderr
         assert recv.wait() == 0
     finally:
         recv.stop()
-    data = json.loads(res.stdout)
     before = src.read_for(0.5)
     src.close()
     assert src.status() is None
     assert_continues(before, wait_ticks(out))
+    return json.loads(res.stdout)
+
+
+def test_lazy_migration_continues_on_target(nodes, hosts, lazy_capable):
+    data = lazy_migration(nodes, nodes, hosts, 7903, "lazy")
     assert data["mode"] == "lazy" and data["restored"] is True
     assert 0 < data["downtime_s"] < data["total_s"]
     assert data["phases"]["pages_s"] >= 0 and data["lazy_pages_s"] is not None
@@ -220,22 +226,10 @@ def test_tls_migration(nodes, hosts, tmp_path):
     src.close()
     assert f"{cid}-ck" in visible(nodes)
     # lazy: the page streams run inside mutual TLS too (the receiver restores; pages come from the source)
-    src, cid = start_source(nodes, "tlslazy")
-    out = nodes["base"] / f"{cid}.out"
-    recv = Receiver(tls, hosts, 7910, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
-                    "--container-id", f"{cid}-b", "--output", str(out))
-    try:
-        res = migrate(tls, hosts, 7910, cid, "--lazy")
-        assert res.returncode == 0, res.stderr
-        assert recv.wait() == 0
-    finally:
-        recv.stop()
-    data = json.loads(res.stdout)
-    before = src.read_for(0.5)
-    src.close()
-    assert_continues(before, wait_ticks(out))
+    data = lazy_migration(tls, nodes, hosts, 7910, "tlslazy")
     assert data["pages"]["streams"] >= 2 and data["pages"]["bytes"] > 0
-    subprocess.run(["runc", "--root", nodes["b"]["root"], "delete", "--force", f"{cid}-b"], capture_output=True)
+    subprocess.run(["runc", "--root", nodes["b"]["root"], "delete", "--force", f"{data['container_id']}-b"],
+                   capture_output=True)
     # a node without TLS cannot talk to it
     recv = Receiver(tls, hosts, 7909)
     try:
