@@ -7,6 +7,8 @@ fails (like the other integration tests).
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 import os
 import shutil
@@ -62,9 +64,18 @@ def cri_containerd(request, cri_stack, migrt_config, cri_stubs, tmp_path_factory
             pytest.fail(why)
         pytest.skip(why)
     base = tmp_path_factory.mktemp(f"cri-{request.param}")
+    with running_containerd(lambda root, net: CriContainerd(root, net, version=request.param), base,
+                            cri_stubs) as ctd:
+        yield ctd
+
+
+@contextlib.contextmanager
+def running_containerd(make, base, cri_stubs):
+    """A CRI containerd made by make(root, network) in its own pod network namespace and cgroup root,
+    with its images; every pod, the network and the cgroups removed afterwards."""
     token = uuid.uuid4().hex[:8]
     net = PodNetwork(str(base), token)
-    ctd = CriContainerd(str(base / "containerd"), net, version=request.param)
+    ctd = make(str(base / "containerd"), net)
     ctd.cgroup_root = f"/migrt-cri-{token}"
     try:
         net.create()

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.helpers.cri import CriContainerd, PodNetwork, read_cri_log, remove_cgroups
+from tests.helpers.cri import CriContainerd, read_cri_log
 from tests.integration.conftest import run_cli
-from tests.integration.conftest_cri import _remove_all_pods, new_client
+from tests.integration.conftest_cri import new_client, running_containerd
 from tests.integration.workloads import parse_ticks
 
 pytestmark = pytest.mark.integration
@@ -352,21 +352,9 @@ class _PacedContainerd(CriContainerd):
 def paced_containerd(cri_containerd, cri_stubs, tmp_path_factory):
     """Beside cri_containerd (same version, its own network namespace, root and pods)."""
     base = tmp_path_factory.mktemp(f"cri-paced-{cri_containerd.version}")
-    token = uuid.uuid4().hex[:8]
-    net = PodNetwork(str(base), token)
-    ctd = _PacedContainerd(str(base / "containerd"), net, version=cri_containerd.version)
-    ctd.cgroup_root = f"/migrt-cri-{token}"
-    try:
-        net.create()
-        ctd.start()
-        ctd.image, _pause = ctd.import_images()
+    with running_containerd(lambda root, net: _PacedContainerd(root, net, version=cri_containerd.version), base,
+                            cri_stubs) as ctd:
         yield ctd
-    finally:
-        if ctd.proc and ctd.proc.poll() is None:
-            _remove_all_pods(ctd, cri_stubs, str(base))
-        ctd.stop()
-        net.cleanup()
-        remove_cgroups(ctd.cgroup_root)
 
 
 @pytest.fixture
