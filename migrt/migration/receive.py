@@ -415,7 +415,7 @@ class Receiver:
                     return {"done_bytes": st.get("copied_bytes") or 0, "total_bytes": st.get("lazy_bytes") or 0}
 
                 with ch.busy("pages", info=progress, every=1.0) if connected else contextlib.nullcontext():
-                    st = _wait_fill(fill, self.stall)
+                    st = fill.wait(interval=0.02, stall=self.stall)
             except MigrtError as exc:
                 _stop_fill(fill)
                 watchdog.clear_container(self.runtime, self.root, restore_id)
@@ -440,24 +440,6 @@ class Receiver:
             with contextlib.suppress(MigrtError, OSError):
                 self.store.remove(name)
             out["committed"] = False  # a checkpoint without its pages is not kept
-
-
-def _wait_fill(fill: PageFill, stall: float) -> dict:
-    """Until every page is in; RuntimeFailed when the filler failed or copied nothing for `stall` s."""
-    last, t_last = -1, time.monotonic()
-    while True:
-        try:
-            return fill.wait(timeout=min(stall, 1.0), interval=0.02)
-        except RuntimeFailed as exc:
-            st = fill.status()
-            if st.get("state") in ("failed", "aborted") or "has not finished" not in exc.message:
-                raise
-            copied = st.get("copied_bytes") or 0
-            if copied != last:
-                last, t_last = copied, time.monotonic()
-            elif time.monotonic() - t_last > stall:
-                raise RuntimeFailed(f"no memory page arrived from the source for {stall:.0f} s "
-                                    f"({copied >> 20} of {(st.get('lazy_bytes') or 0) >> 20} MiB in)") from exc
 
 
 def _stop_fill(fill: PageFill) -> None:

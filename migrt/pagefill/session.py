@@ -178,11 +178,14 @@ class PageFill:
                 raise RuntimeFailed(f"the page filler has not planned the images after {timeout:.0f} s")
             time.sleep(interval)
 
-    def wait(self, vpids: list[int] | None = None, timeout: float | None = None, interval: float = 0.01) -> dict:
+    def wait(self, vpids: list[int] | None = None, timeout: float | None = None, interval: float = 0.01,
+             stall: float | None = None) -> dict:
         """Until the given processes (pids inside the container; None: all) have all their memory.
-        Raises RuntimeFailed when the filler failed or the time ran out."""
+        Raises RuntimeFailed when the filler failed, the time ran out, or (stall) no byte was copied
+        for that many seconds (a lazy migration's source gone quiet)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         want = None if vpids is None else {str(p) for p in vpids}
+        last, t_last = -1, time.monotonic()
         while True:
             st = self.check()
             if st.get("state") == "done":
@@ -193,9 +196,16 @@ class PageFill:
             if want is not None and st.get("restore_finished") and want <= set(pids) \
                     and all(pids[p].get("done") for p in want):
                 return st
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 raise RuntimeFailed(f"the page filler has not finished after {timeout:.0f} s "
                                     f"({st.get('copied_bytes', 0) >> 20} of {st.get('lazy_bytes', 0) >> 20} MiB)")
+            copied = st.get("copied_bytes") or 0
+            if copied != last:
+                last, t_last = copied, now
+            elif stall is not None and now - t_last > stall:
+                raise RuntimeFailed(f"no memory page arrived for {stall:.0f} s "
+                                    f"({copied >> 20} of {(st.get('lazy_bytes') or 0) >> 20} MiB in)")
             time.sleep(interval)
 
     def stop(self, timeout: float = 30.0) -> None:

@@ -378,3 +378,26 @@ def test_doctor_check_of_the_filler(monkeypatch):
     assert "will fail" in doctor._page_filler_check(cfg, True)["fix"]
     cfg.restore_pages = "eager"
     assert doctor._page_filler_check(cfg, True)["status"] == "ok"
+
+
+def test_wait_gives_up_when_no_page_arrives_for_the_stall_time(tmp_path):
+    """A lazy migration's filler whose source went quiet: wait(stall=) ends it with the figures."""
+    import json
+    import subprocess
+
+    from migrt.errors import RuntimeFailed
+    from migrt.pagefill.session import PageFill
+
+    (tmp_path / "status.json").write_text(json.dumps({"state": "filling", "copied_bytes": 3 * MiB,
+                                                      "lazy_bytes": 8 * MiB, "pids": {}}))
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        fill = PageFill(str(tmp_path), proc, -1, 2)
+        fill.control_w = None
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeFailed, match=r"no memory page arrived for 0 s \(3 of 8 MiB in\)"):
+            fill.wait(stall=0.3, interval=0.02)
+        assert 0.3 <= time.monotonic() - t0 < 5
+    finally:
+        proc.kill()
+        proc.wait()
