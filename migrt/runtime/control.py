@@ -1,5 +1,6 @@
 """Lifecycle calls on the lower runtime that a migration needs besides LowerRuntime's: pause, resume,
-destroy, and a lazy-pages checkpoint that keeps running in the background as CRIU's page server.
+destroy, and CRIU's lazy dump (the images without the private anonymous memory, which stays in the
+frozen tasks for migrt to read: lazy migration, the parallel dump).
 Failures become RuntimeFailed here, quoting runc's last error and CRIU's error lines."""
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ def end_page_server(address: tuple[str, int], timeout: float) -> None:
 class LazyCheckpoint:
     """`runc checkpoint --lazy-pages --page-server ADDR:PORT --status-fd FD --leave-running`.
 
-    CRIU dumps everything but the memory pages, says "ready" on the status fd, then serves the pages
-    to the target's `criu lazy-pages` daemon and exits once the last page has gone. With a paused
-    container and --leave-running the container stays frozen afterwards (never two running copies),
-    so the caller decides: destroy it on success, resume it on failure."""
+    CRIU dumps everything but the lazy memory pages, says "ready" on the status fd, then waits on its
+    page server; migrt asks it for nothing (finish()), so it exits with the memory left in the tasks.
+    With a paused container and --leave-running the container stays frozen afterwards (never two
+    running copies), so the caller decides: destroy it on success, resume it on failure."""
 
     def __init__(self, runtime: str, root: str, cid: str, *, image_path: str, work_path: str,
                  options: CriuOptions, page_server: tuple[str, int], env: dict | None = None) -> None:
@@ -144,7 +145,7 @@ class LazyCheckpoint:
         self.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Until every page has been served (CRIU exits)."""
+        """Until CRIU exits (after finish(): at once)."""
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired as exc:
