@@ -5,7 +5,8 @@
     pause                             the freeze starts here (downtime_s counts from this instant)
     dump --leave-running              the container stays frozen, resumable
       stop-and-copy: every image -> target (sha256 on the fly), target verifies and commits
-      lazy:          memory stays here; CRIU serves it from a page server, the rest -> target
+      lazy:          memory stays in the frozen tasks; migrt's page server (pageserve.py) serves it to
+                     the target's page filler over several streams, the rest -> target
     target restores                   (if the receiver was started with --restore)
     destroy the frozen source         only once the target holds the state
 
