@@ -31,6 +31,12 @@ class GpuError(RuntimeFailed):
         self.code = code
 
 
+class GpuCannotRestore(GpuError):
+    """The driver checkpointed the process but refuses to restore it (CUDA_ERROR_NOT_SUPPORTED at
+    restore: state such as peer or IPC mappings that this driver cannot bring back). A retry with the
+    same driver fails the same way; the process keeps its GPU state in its host memory."""
+
+
 class GpuUnavailable(GpuError, PreconditionFailed):
     """No usable GPU checkpoint API on this node (no driver, too old, or the no-GPU backend)."""
 

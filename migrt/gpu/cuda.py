@@ -12,7 +12,9 @@ Argument structures, as the CUDA 12.8+/13.0 `cuda.h` and the driver API referenc
     CUcheckpointUnlockArgs     { cuuint64_t reserved[8]; }
 
 Reserved fields must be zero; ctypes zero-fills. CUresult codes become migrt errors in one place,
-`_check`, with the driver's own name and text (cuGetErrorName / cuGetErrorString).
+`_check`, with the driver's own name and text (cuGetErrorName / cuGetErrorString), a hint chosen by
+the code AND the operation that returned it (`_HINTS`), and, after a failed transition, the state the
+driver now reports for the process.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from migrt.gpu.backend import CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuBackend, GpuError, GpuUnavailable, Remap
+from migrt.gpu.backend import (CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuBackend, GpuCannotRestore, GpuError,
+                                GpuUnavailable, Remap)
 
 LIBCUDA = "libcuda.so.1"
 
@@ -38,14 +41,48 @@ CUDA_ERROR_TIMEOUT = 909
 # CUprocessState
 _STATES = {0: RUNNING, 1: LOCKED, 2: CHECKPOINTED, 3: FAILED}
 
+LOCK, CHECKPOINT, RESTORE, UNLOCK = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
+                                     "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock")
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_OPERATING_SYSTEM = 304
+
+# What a CUresult means for the process, by the operation that returned it: (code, call) first, then
+# (code, None). The same code says different things in different places: NOT_SUPPORTED from the
+# restore of a process the driver has just checkpointed is no "driver too old".
 _HINTS = {
-    CUDA_ERROR_INVALID_VALUE: "for restore: the GPU pairs must cover every GPU the process can see, each once",
-    CUDA_ERROR_ILLEGAL_STATE: "the process is not in the state this call needs",
-    CUDA_ERROR_NOT_FOUND: "no CUDA process with this pid (or it never initialised CUDA)",
-    CUDA_ERROR_NOT_PERMITTED: "run as root",
-    CUDA_ERROR_NOT_SUPPORTED: "the driver or GPU does not support process checkpoints (driver r570+ needed)",
-    CUDA_ERROR_TIMEOUT: "the process did not reach a lockable point in time; raise the lock timeout",
+    (CUDA_ERROR_INVALID_VALUE, RESTORE): "the GPU pairs must cover every GPU the process can see, each once",
+    (CUDA_ERROR_OUT_OF_MEMORY, RESTORE): ("the target GPU lacks the free memory this process's state needs; it "
+                                          "stays checkpointed (free memory there, then retry)"),
+    (CUDA_ERROR_OPERATING_SYSTEM, RESTORE): ("an earlier restore of this process failed half-way and the driver "
+                                             "cannot retry it (NVIDIA/cuda-checkpoint#44); restore a checkpoint "
+                                             "of it into a new process instead"),
+    (CUDA_ERROR_NOT_SUPPORTED, RESTORE): (
+        "the driver checkpointed this process but cannot restore it: it held state the driver cannot bring "
+        "back, most likely peer-to-peer or CUDA IPC mappings into another process's GPU memory (NCCL's P2P "
+        "or SHM transports between processes, CUDA IPC, NVLS multicast); NVIDIA documents CUDA IPC restore "
+        "from driver 610. Retrying will not help with this driver. Run such jobs with "
+        "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, or with the application hook (docs/gpu.md, Multi-GPU jobs)"),
+    (CUDA_ERROR_NOT_SUPPORTED, LOCK): ("the driver cannot checkpoint this process: it uses something process "
+                                       "checkpoints do not support (UVM/managed memory, CUDA IPC, multicast "
+                                       "objects), or its GPU does not support them"),
+    (CUDA_ERROR_NOT_SUPPORTED, CHECKPOINT): ("the driver cannot checkpoint this process: it uses something "
+                                             "process checkpoints do not support (UVM/managed memory, CUDA IPC, "
+                                             "multicast objects), or its GPU does not support them"),
+    (CUDA_ERROR_NOT_SUPPORTED, None): "the driver or GPU does not support process checkpoints (driver r570+ needed)",
+    (CUDA_ERROR_ILLEGAL_STATE, LOCK): "the process is not running on the GPU (already locked or checkpointed)",
+    (CUDA_ERROR_ILLEGAL_STATE, CHECKPOINT): "the process is not locked",
+    (CUDA_ERROR_ILLEGAL_STATE, RESTORE): "the process is not checkpointed",
+    (CUDA_ERROR_ILLEGAL_STATE, UNLOCK): "the process is not locked (it may still be checkpointed)",
+    (CUDA_ERROR_ILLEGAL_STATE, None): "the process is not in the state this call needs",
+    (CUDA_ERROR_NOT_FOUND, None): "no CUDA process with this pid (or it never initialised CUDA)",
+    (CUDA_ERROR_NOT_PERMITTED, None): "run as root",
+    (CUDA_ERROR_TIMEOUT, None): "the process did not reach a lockable point in time; raise the lock timeout",
 }
+
+
+def hint(code: int, call: str) -> str | None:
+    return _HINTS.get((code, call)) or _HINTS.get((code, None))
+
 
 REQUIRED = ("cuInit", "cuGetErrorName", "cuGetErrorString", "cuCheckpointProcessLock",
             "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
@@ -169,10 +206,30 @@ class CudaDriverBackend(GpuBackend):
             return
         name, text = self._describe(rc)
         where = f" (pid {pid})" if pid is not None else ""
-        hint = _HINTS.get(rc)
-        msg = f"{call}{where} failed: {name}: {text}" + (f"; {hint}" if hint else "")
-        cls = GpuUnavailable if rc == CUDA_ERROR_NOT_SUPPORTED else GpuError
+        tip = hint(rc, call)
+        msg = f"{call}{where} failed: {name}: {text}" + (f"; {tip}" if tip else "")
+        if pid is not None and call in (CHECKPOINT, RESTORE, UNLOCK):
+            now = self._state_after(pid)
+            if now:
+                msg += f" (the driver now reports the process {now})"
+        if rc == CUDA_ERROR_NOT_SUPPORTED and call == RESTORE:
+            cls = GpuCannotRestore  # checkpointed, and this driver will not bring it back
+        elif rc == CUDA_ERROR_NOT_SUPPORTED:
+            cls = GpuUnavailable  # nothing changed: a precondition of the node or of this process
+        else:
+            cls = GpuError
         raise cls(msg, call=call, pid=pid, code=rc)
+
+    def _state_after(self, pid: int) -> str | None:
+        """The process's state after a failed transition, for the message (None if the driver won't say)."""
+        lib = self._lib
+        out = ctypes.c_int(-1)
+        try:
+            if lib is None or lib.cuCheckpointProcessGetState(pid, ctypes.byref(out)) != CUDA_SUCCESS:
+                return None
+        except OSError:
+            return None
+        return _STATES.get(out.value)
 
     # -- the calls -----------------------------------------------------------------------------------
     def state(self, pid: int) -> str:

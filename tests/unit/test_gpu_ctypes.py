@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from migrt.gpu import cuda, session
-from migrt.gpu.backend import CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuError, GpuUnavailable, uuid_bytes
+from migrt.gpu.backend import (CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuCannotRestore, GpuError, GpuUnavailable,
+                                uuid_bytes)
 from migrt.gpu.cuda import CudaDriverBackend
 
 SOURCE = Path(__file__).with_name("fakecuda.c")
@@ -166,6 +167,38 @@ def test_not_supported_is_a_precondition(backend, fake):
     with pytest.raises(GpuUnavailable, match="CUDA_ERROR_NOT_SUPPORTED") as info:
         backend.checkpoint(5)
     assert info.value.exit_code == 8
+
+
+def test_not_supported_at_restore_is_no_old_driver(backend, fake):
+    """Measured on driver 580 with a NCCL job: the checkpoint worked, the restore said NOT_SUPPORTED.
+    That is a process the driver cannot bring back, not a driver without checkpoints."""
+    fake.result("restore", 801)
+    fake.lib.fakecuda_set_state(2)  # the driver leaves it checkpointed
+    with pytest.raises(GpuCannotRestore) as info:
+        backend.restore(5)
+    msg = str(info.value)
+    assert "r570" not in msg and "does not support process checkpoints" not in msg
+    assert "checkpointed this process but cannot restore it" in msg and "peer-to-peer or CUDA IPC" in msg
+    assert "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1" in msg and "610" in msg
+    assert msg.endswith("(the driver now reports the process checkpointed)")
+    assert (info.value.exit_code, info.value.code) == (5, 801)
+
+
+@pytest.mark.parametrize("call, method, words", [
+    ("lock", lambda b: b.lock(5), "not running on the GPU"),
+    ("restore", lambda b: b.restore(5), "not checkpointed"),
+    ("unlock", lambda b: b.unlock(5), "not locked"),
+])
+def test_illegal_state_is_explained_by_the_operation(backend, fake, call, method, words):
+    fake.result(call, 401)
+    with pytest.raises(GpuError, match=words):
+        method(backend)
+
+
+def test_not_supported_elsewhere_still_names_the_driver(backend, fake):
+    fake.result("state", 801)
+    with pytest.raises(GpuUnavailable, match="driver r570\\+ needed"):
+        backend.state(5)
 
 
 def test_a_code_the_driver_cannot_name(backend, fake):
