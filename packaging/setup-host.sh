@@ -1,92 +1,66 @@
 #!/bin/sh
-# Idempotent host set-up for migrt (Debian 12/13 or sid; run as root).
-#  - system packages: CRIU 4.2, runc, containerd and python3-pycriu from Debian sid (pinned low,
-#    trixie pinned a bit higher for the libraries they need), iptables, busybox-static;
-#  - podman (sid) for the neighbour tests, its libraries pinned one by one so that nothing else
-#    (python3 above all: the venvs are built on it) moves to sid;
-#  - containerd 1.7 (trixie's) unpacked beside the system's containerd 2.x, in $MIGRT_DEPS/containerd-1.7
-#    (the tests run it with MIGRT_TEST_CONTAINERD=1.7); the system containerd is left alone;
+# Idempotent set-up of a node for migrt (Debian 12/13, Ubuntu 24.04; run as root). It leaves the node's
+# system alone: no other suite's package, no upgrade of a package the node already has.
+#  - packages from the node's OWN release, only those missing: python3-venv, iptables (CRIU's network
+#    lock), the build dependencies of CRIU (packaging/build-criu.sh lists them), and runc and containerd
+#    only when the node has none (a node keeps its own: migrt needs runc >= 1.1 and containerd >= 1.6);
+#  - migrt's own CRIU 4.2 in $MIGRT_PREFIX/criu (built from CRIU's release source by
+#    packaging/build-criu.sh, its libraries beside it; migrt hands it to runc, the node's PATH and
+#    /usr/sbin/criu are not touched);
 #  - a virtual environment with the project under $MIGRT_PREFIX (default /opt/migrt), made with a
-#    pinned interpreter (recorded in $MIGRT_PREFIX/interpreter) that survives python3 upgrades;
-#  - /usr/local/bin/migrt and /usr/local/bin/migrt-runc.
+#    pinned interpreter (recorded in $MIGRT_PREFIX/interpreter) that survives python3 upgrades, pycriu
+#    from the same CRIU build;
+#  - /usr/local/bin/migrt and /usr/local/bin/migrt-runc, $MIGRT_PREFIX/libexec/cuda-criu-action,
+#    /etc/migrt/config.yaml (if absent), /var/lib/migrt, and fs.pipe-max-size 4 MiB (sysctl.d file).
+# Test-only components (newer runc/containerd, podman, a registry) are packaging/setup-test.sh's.
 # Options (environment): MIGRT_PREFIX, MIGRT_SKIP_APT=1 (packages already there), MIGRT_DEV=1
-# (install the test extras too, editable install of this checkout).
+# (editable install of this checkout with the test extras).
 set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
 prefix=${MIGRT_PREFIX:-/opt/migrt}
-deps=${MIGRT_DEPS:-/opt/migrt-deps}
 bindir=${MIGRT_BINDIR:-/usr/local/bin}
 
 log() { printf 'setup-host: %s\n' "$*" >&2; }
 
 [ "$(id -u)" = 0 ] || { log "must run as root"; exit 1; }
 
-need_apt() {
-    command -v criu >/dev/null 2>&1 || return 0
-    criu --version 2>/dev/null | grep -q 'Version: 4\.[2-9]' || return 0
-    for b in runc containerd ctr iptables busybox podman; do command -v $b >/dev/null 2>&1 || return 0; done
-    [ -f /usr/lib/python3/dist-packages/pycriu/__init__.py ] || return 0
-    for p in $MIGRT_EXTRA_DEBS; do dpkg -s "$p" >/dev/null 2>&1 || return 0; done
-    return 1
-}
-
-# Packages the CRI tests (and Kubernetes-like set-ups) use; cheap, so always installed.
-# Registry tests: docker-registry (CNCF distribution), htpasswd (apache2-utils), openssl; checkpointctl.
-MIGRT_EXTRA_DEBS=${MIGRT_EXTRA_DEBS:-"containernetworking-plugins golang-github-kubernetes-cri-api-dev golang-github-gogo-protobuf-dev iproute2 python3-venv docker-registry apache2-utils openssl checkpointctl"}
-
-if [ "${MIGRT_SKIP_APT:-0}" != 1 ] && need_apt; then
-    export DEBIAN_FRONTEND=noninteractive
-    for s in trixie sid; do
-        f=/etc/apt/sources.list.d/migrt-$s.sources
-        [ -f "$f" ] || cat > "$f" <<SRC
-Types: deb
-URIs: http://deb.debian.org/debian
-Suites: $s
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-SRC
-    done
-    printf 'Package: *\nPin: release n=trixie\nPin-Priority: 100\n\nPackage: *\nPin: release n=sid\nPin-Priority: 50\n' \
-        > /etc/apt/preferences.d/migrt
-    log "apt-get update"
-    apt-get update -qq
-    log "installing CRIU 4.2, runc, containerd, pycriu (sid) and helpers"
-    apt-get install -y -qq -o Dpkg::Options::=--force-confold -t sid criu python3-pycriu runc containerd >/dev/null
-    apt-get install -y -qq -o Dpkg::Options::=--force-confold iptables busybox-static $MIGRT_EXTRA_DEBS >/dev/null
-    # podman 5 from sid: only it and the libraries it needs newer than the base has (`-t sid podman`
-    # would also move python3 and every python3-* module to sid's).
-    printf '%s\n' \
-        'Package: podman libgpgme45 libseccomp2 libseccomp-dev libsubid6 golang-github-containers-common golang-github-containers-image netavark' \
-        'Pin: release n=sid' 'Pin-Priority: 600' '' \
-        'Package: libgpg-error0 libgpg-error-dev libgpg-error-l10n libassuan9' \
-        'Pin: release n=trixie' 'Pin-Priority: 600' > /etc/apt/preferences.d/migrt-podman
-    log "installing podman (sid, pinned)"
-    apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confold podman >/dev/null
+if [ "${MIGRT_SKIP_APT:-0}" != 1 ]; then
+    want="python3-venv iptables"
+    command -v runc >/dev/null 2>&1 || want="$want runc"
+    command -v containerd >/dev/null 2>&1 || want="$want containerd"
+    missing=
+    for p in $want; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+    if [ -n "$missing" ]; then
+        export DEBIAN_FRONTEND=noninteractive
+        log "installing from the node's release:$missing"
+        apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confold $missing >/dev/null ||
+            { apt-get update -qq && apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confold $missing >/dev/null; } ||
+            { log "apt-get install$missing failed"; exit 1; }
+    fi
 fi
 
-# containerd 1.7 beside 2.x: the .deb unpacked, not installed (the tests start it with a private config).
-ctd17=$deps/containerd-1.7
-if [ "${MIGRT_SKIP_APT:-0}" != 1 ] && [ ! -x "$ctd17/usr/bin/containerd" ]; then
-    log "unpacking containerd 1.7 (trixie) into $ctd17"
-    tmp=$(mktemp -d)
-    (cd "$tmp" && apt-get download -qq -o APT::Sandbox::User=root containerd/trixie >/dev/null)
-    mkdir -p "$ctd17.new"
-    dpkg -x "$tmp"/containerd_*.deb "$ctd17.new"
-    rm -rf "$tmp" "$ctd17"
-    mv "$ctd17.new" "$ctd17"
+# migrt's CRIU (>= 4.2: Debian 12's 3.17 fails on 6.x kernels' vDSO, 4.1 cannot dump inet sockets on
+# kernels >= 6.16). MIGRT_CRIU_PREBUILT=DIR installs a build made elsewhere (the DaemonSet's payload).
+criu_dir=$prefix/criu
+if [ -n "${MIGRT_CRIU_PREBUILT:-}" ]; then
+    "$MIGRT_CRIU_PREBUILT/sbin/criu" --version | grep -q 'Version: 4\.[2-9]' ||
+        { log "MIGRT_CRIU_PREBUILT=$MIGRT_CRIU_PREBUILT holds no CRIU >= 4.2"; exit 1; }
+    rm -rf "$criu_dir.new" && cp -a "$MIGRT_CRIU_PREBUILT" "$criu_dir.new" && rm -rf "$criu_dir" && mv "$criu_dir.new" "$criu_dir"
+else
+    PREFIX=$criu_dir sh "$here/packaging/build-criu.sh"
 fi
-
-criu --version | grep -q 'Version: 4\.[2-9]' || { log "CRIU 4.2 or newer is required; found: $(criu --version | head -1)"; exit 1; }
+"$criu_dir/sbin/criu" --version | grep -q 'Version: 4\.[2-9]' ||
+    { log "CRIU 4.2 or newer is required; $criu_dir/sbin/criu says: $("$criu_dir/sbin/criu" --version 2>&1 | head -1)"; exit 1; }
 
 # The venv: made with a versioned interpreter resolved once (/usr/bin/python3 -> /usr/bin/python3.11),
 # recorded in $prefix/interpreter, and self-contained (no system site-packages): an apt upgrade that
 # moves /usr/bin/python3 to a newer Python, or rebuilds Debian's python3-* modules for it, leaves the
-# venv alone. pycriu is not on PyPI: Debian's python3-pycriu is copied in, and protobuf (its runtime)
+# venv alone. pycriu is not on PyPI: the CRIU build's pycriu is copied in, and protobuf (its runtime)
 # comes from PyPI (pyproject.toml). A venv whose interpreter vanished or changed, or that cannot import
 # pycriu, is made again: re-running this script repairs an installation broken by an upgrade.
 # MIGRT_PYTHON=/usr/bin/python3.X picks the interpreter; MIGRT_PYCRIU_DIR where pycriu is copied from.
 venv=$prefix/venv
-pycriu_src=${MIGRT_PYCRIU_DIR:-/usr/lib/python3/dist-packages/pycriu}
+pycriu_src=${MIGRT_PYCRIU_DIR:-$criu_dir/python/pycriu}
 die() { log "error: $*"; exit 1; }
 # The versioned path of a usable interpreter (>= 3.11, venv and ensurepip there), else nothing.
 usable_python() {
@@ -109,7 +83,7 @@ venv_problem() {  # why the venv cannot stay (empty: it can)
     "$venv/bin/python" -c 'import pycriu' 2>/dev/null || echo "pycriu does not import in it"
 }
 [ -f "$pycriu_src/__init__.py" ] ||
-    die "pycriu not found in $pycriu_src: install Debian's python3-pycriu (run without MIGRT_SKIP_APT=1) or set MIGRT_PYCRIU_DIR"
+    die "pycriu not found in $pycriu_src: rebuild migrt's CRIU (rm -rf $criu_dir, run this again) or set MIGRT_PYCRIU_DIR"
 recorded=$(cat "$prefix/interpreter" 2>/dev/null || true)
 want=
 if [ -n "${MIGRT_PYTHON:-}" ]; then
@@ -184,4 +158,5 @@ fi
 mkdir -p /etc/migrt
 [ -f /etc/migrt/config.yaml ] || install -m 0644 "$here/configs/config.yaml" /etc/migrt/config.yaml
 install -d -m 0700 /var/lib/migrt
-log "done: Python $py, $(criu --version | head -1 | tr -s ' '), $(runc --version | head -1), $(containerd --version | cut -d' ' -f3)"
+log "done: Python $py, CRIU $("$criu_dir/sbin/criu" --version | sed -n 's/^Version: //p') in $criu_dir," \
+    "$(runc --version 2>/dev/null | head -1 || echo 'no runc'), containerd $(containerd --version 2>/dev/null | cut -d' ' -f3 || echo none)"

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from migrt.cli import commands, gpu_cmd, import_cmd, install, migrate, registry_cmd  # noqa: F401 - register the commands
 from migrt.cli.group import cli
+from migrt.criu.binary import use_migrt_criu
+from migrt.runtime.lower import configured_value
 
 __all__ = ["cli", "main"]
 
 
 def main() -> None:
+    use_migrt_criu(configured_value("criu"))  # runc and CRIU's children find migrt's CRIU first on PATH (migrt.criu.binary)
     cli(prog_name="migrt")

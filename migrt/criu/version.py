@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 
+from migrt.criu.binary import criu_binary  # noqa: F401 - one rule for which CRIU (migrt.criu.binary)
+
 MIN_CRIU = (4, 2)
+# The oldest lower runtime and containerd migrt supports (Debian 12's runc 1.1.5 and containerd 1.6.20
+# are tested: tests/integration/test_oldest.py); `migrt doctor` fails below them.
+MIN_RUNC = (1, 1)
+MIN_CONTAINERD = (1, 6)
 
 
 def _first_line(argv: list[str]) -> str | None:
@@ -19,8 +24,6 @@ def _first_line(argv: list[str]) -> str | None:
     return text.splitlines()[0] if text else None
 
 
-def criu_binary() -> str | None:
-    return shutil.which("criu") or next((p for p in ("/usr/sbin/criu", "/sbin/criu") if os.path.exists(p)), None)
 
 
 def criu_version() -> str | None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
 
-from migrt.criu.version import MIN_CRIU, criu_binary, criu_version, kernel_version, parse_version, runtime_version
+from migrt.criu.binary import chosen as criu_choice
+from migrt.criu.version import MIN_CONTAINERD, MIN_CRIU, MIN_RUNC, criu_version, kernel_version, parse_version, runtime_version
 from migrt.errors import MigrtError
+from migrt.runtime.lower import configured_value
 from migrt.node.doctor_containerd import containerd_handler_check
 from migrt.node.doctor_gpu import gpu_checks
 from migrt.node.doctor_install import install_checks
@@ -51,14 +54,14 @@ def run_checks() -> list[dict]:
         out.append(_check("config", "ok", f"{cfg.path}" + ("" if cfg.loaded else " (absent: defaults in use)")))
     except MigrtError as exc:
         out.append(_check("config", "fail", str(exc), "fix the file or point MIGRT_CONFIG at a valid one"))
-    setup = "run packaging/setup-host.sh (installs CRIU 4.2, runc and containerd from Debian sid)"
-    crit = criu_binary()
+    setup = "run packaging/setup-host.sh (builds migrt's own CRIU 4.2 into /opt/migrt/criu)"
+    crit, why = criu_choice(configured_value("criu", cfg.path if cfg else None))
     if not crit:
-        out.append(_check("criu", "fail", "criu not found", setup))
+        out.append(_check("criu", "fail", why, setup))
     else:
         v = criu_version()
         ok = parse_version(v) >= MIN_CRIU
-        out.append(_check("criu", "ok" if ok else "fail", f"{crit} version {v}",
+        out.append(_check("criu", "ok" if ok else "fail", f"{crit} version {v} ({why})",
                           "" if ok else f"CRIU >= {'.'.join(map(str, MIN_CRIU))} is needed on kernel {kernel_version()}; {setup}"))
         try:
             res = subprocess.run([crit, "check"], capture_output=True, text=True, timeout=60)
@@ -89,7 +92,10 @@ def run_checks() -> list[dict]:
     except MigrtError as exc:
         out.append(_check("lower runtime", "fail", str(exc), "install runc or set 'runtime:' in the config"))
     if runtime:
-        out.append(_check("lower runtime", "ok", f"{runtime} version {runtime_version(runtime)}"))
+        rv = runtime_version(runtime)
+        old = os.path.basename(runtime).startswith("runc") and parse_version(rv) < MIN_RUNC
+        out.append(_check("lower runtime", "fail" if old else "ok", f"{runtime} version {rv}",
+                          f"migrt needs runc >= {'.'.join(map(str, MIN_RUNC))}: upgrade the node's runc" if old else ""))
     out += install_checks()
     ctrd = shutil.which("containerd")
     if ctrd:
@@ -97,7 +103,10 @@ def run_checks() -> list[dict]:
             v = subprocess.run([ctrd, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             v = "?"
-        out.append(_check("containerd", "ok", v))
+        m = re.search(r"\s(v?\d+\.\d+[.\d]*)", v)
+        old = bool(m) and parse_version(m.group(1).lstrip("v")) < MIN_CONTAINERD
+        out.append(_check("containerd", "fail" if old else "ok", v,
+                          f"migrt needs containerd >= {'.'.join(map(str, MIN_CONTAINERD))}" if old else ""))
         out.append(containerd_handler_check())
     else:
         out.append(_check("containerd", "warn", "not found", "needed only for Kubernetes/containerd use"))
@@ -116,6 +125,10 @@ def _recovery_check(root: str) -> dict:
     """Interrupted operations (journal entries whose migrt is gone) and images kept from them."""
     from migrt.store import Store, journal
 
+    try:
+        Store(root).check()
+    except MigrtError:
+        return _check("recovery", "warn", "not checked: the store is refused (see the store check)")
     stale = [e for e in journal.entries(root) if e.get("stale")]
     kept = Store(root).incomplete()
     if stale:
@@ -137,7 +150,12 @@ def _store_check(root: str) -> dict:
         return _check("store", "warn", f"{root} does not exist yet (created on first checkpoint)", fix)
     except OSError as exc:
         return _check("store", "fail", f"{root}: {exc}", fix)
+    from migrt.store.store import unsafe_root
+
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != 0 or mode & 0o077:
         return _check("store", "fail", f"{root} is owned by uid {st.st_uid} with mode {mode:o}; must be root, 0700", fix)
+    why = unsafe_root(root)  # what every command refuses (the directories above it too)
+    if why:
+        return _check("store", "fail", f"{why}; every migrt command refuses this store", fix)
     return _check("store", "ok", f"{root} (root, 0700)")

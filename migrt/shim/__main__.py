@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+from migrt.criu.binary import use_migrt_criu
 from migrt.runtime.markers import GPU_RELEASE_MARKER as RELEASE_MARKER
 from migrt.runtime.markers import gpu_suspended, gpu_suspended_message, is_restored
 from migrt.runtime import lower as _lower
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                        "migrt: no lower runtime found: set 'runtime:' in the migrt config or put runc on PATH",
                        log_format=parsed.log_format)
         return 127
+    use_migrt_criu(_lower.configured_value("criu"))  # runc runs `criu` from PATH: migrt's own CRIU first (migrt.criu.binary)
     if parsed.command == "create":
         rc = _create(parsed, lower, warning)
         if rc is not None:

@@ -1,15 +1,20 @@
 """A private containerd (own root, state dir and socket) for tests, demo and benchmarks.
 Started here, stopped by pid. CRI is disabled unless asked for.
 
-Two containerd versions: "2" is the system's (containerd 2.x on PATH, config version 3); "1.7" is
-Debian trixie's 1.7 that packaging/setup-host.sh unpacks into $MIGRT_DEPS/containerd-1.7 (config
-version 2; its own ctr and shims come first on the daemon's PATH). MIGRT_TEST_CONTAINERD picks the
-versions the tests run: unset runs the CRI tests against both, "2" or "1.7" only that one.
+Containerd versions: "2" is the one on PATH (scripts/test.sh puts packaging/setup-test.sh's containerd
+2.1 first; on a node set up by setup-host.sh alone, the node's own, whatever its version); "1.7" is
+Debian trixie's 1.7 that setup-test.sh unpacks into $MIGRT_DEPS/containerd-1.7; "1.6" is the node
+release's own (/usr/bin: Debian 12's 1.6.20 with its runc 1.1.5, the oldest migrt supports). A
+versioned one gets its own directory first on the daemon's PATH (its ctr, shims and, for 1.6, runc).
+The config version (2 or 3) follows the binary's own `containerd --version`. MIGRT_TEST_CONTAINERD
+picks the versions the CRI tests run: unset runs "2" and "1.7", "all" adds "1.6", or one name.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import signal
 import subprocess
 import time
@@ -17,13 +22,28 @@ import time
 from tests.helpers.oci_image import IMAGE_REF, build_image_tar
 
 SYSTEM = "2"
-VERSIONS = (SYSTEM, "1.7")
+VERSIONS = (SYSTEM, "1.7", "1.6")
+DEFAULT_VERSIONS = (SYSTEM, "1.7")
 DEPS = os.environ.get("MIGRT_DEPS", "/opt/migrt-deps")
+RELEASE_BIN = "/usr/bin"  # the node release's containerd 1.6 (Debian 12), runc 1.1 beside it
 
 
 def bin_dir(version: str) -> str | None:
-    """Where that containerd's binaries are; None: the system's, on PATH."""
-    return None if version == SYSTEM else os.path.join(DEPS, f"containerd-{version}", "usr", "bin")
+    """Where that containerd's binaries are; None: the one on PATH."""
+    if version == SYSTEM:
+        return None
+    return RELEASE_BIN if version == "1.6" else os.path.join(DEPS, f"containerd-{version}", "usr", "bin")
+
+
+@functools.lru_cache(maxsize=None)
+def config_version(binary: str) -> int:
+    """2 for containerd 1.x, 3 for 2.x (from `containerd --version`; 3 when it cannot tell)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 3
+    m = re.search(r"\sv?(\d+)\.\d+", out)
+    return 2 if m and m.group(1) == "1" else 3
 
 
 def missing(version: str) -> str | None:
@@ -39,7 +59,9 @@ def missing(version: str) -> str | None:
 def test_versions() -> list[str]:
     """The containerd versions the tests run against (MIGRT_TEST_CONTAINERD, default all)."""
     want = os.environ.get("MIGRT_TEST_CONTAINERD", "").strip()
-    if not want or want == "all":
+    if not want:
+        return list(DEFAULT_VERSIONS)
+    if want == "all":
         return list(VERSIONS)
     if want not in VERSIONS:
         raise ValueError(f"MIGRT_TEST_CONTAINERD={want!r}: expected one of {', '.join(VERSIONS)} or 'all'")
@@ -86,7 +108,7 @@ class Containerd:
                  version: str | None = None) -> None:
         self.version = version or default_version()
         self.bin_dir = bin_dir(self.version)
-        self.config_version = 3 if self.bin_dir is None else 2
+        self.config_version = config_version(self.binary("containerd"))
         self.base = base
         self.root = os.path.join(base, "root")
         self.state = os.path.join(base, "state")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from tests.helpers.containerd import Containerd
 from tests.helpers.oci_image import IMAGE_REF, PAUSE_ENTRYPOINT, PAUSE_REF, build_image_tar
 
-PROTO_ROOT = "/usr/share/gocode/src"
+PROTO_ROOT = os.path.join(os.environ.get("MIGRT_DEPS", "/opt/migrt-deps"), "gocode")  # packaging/setup-test.sh
 CRI_PROTO = "k8s.io/cri-api/pkg/apis/runtime/v1/api.proto"
 GOGO_PROTO = "github.com/gogo/protobuf/gogoproto/gogo.proto"
 CRI_MODULE = "k8s.io.cri_api.pkg.apis.runtime.v1"

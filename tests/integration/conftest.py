@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from migrt.criu.binary import choose as criu_choice
 from tests.helpers.containerd import Containerd
 
 BINDIR = os.environ.get("MIGRT_BINDIR", "/usr/local/bin")  # setup-host.sh MIGRT_BINDIR: a private install
@@ -23,14 +24,17 @@ def _missing() -> list[str]:
     miss = []
     if os.geteuid() != 0:
         miss.append("root")
-    for tool in ("runc", "criu", "containerd", "ctr", "iptables"):
+    for tool in ("runc", "containerd", "ctr", "iptables"):
         if not shutil.which(tool):
             miss.append(tool)
     for path in (SHIM, CLI):
         if not os.access(path, os.X_OK):
             miss.append(path)
-    if shutil.which("criu"):
-        out = subprocess.run(["criu", "--version"], capture_output=True, text=True).stdout
+    criu, why = criu_choice()  # migrt's own build (packaging/build-criu.sh), as migrt itself picks it
+    if not criu:
+        miss.append(f"criu ({why})")
+    else:
+        out = subprocess.run([criu, "--version"], capture_output=True, text=True).stdout
         if "Version: 4.2" not in out and "Version: 4.3" not in out:
             miss.append(f"criu >= 4.2 (found {out.strip().splitlines()[0] if out.strip() else '?'})")
     return miss
