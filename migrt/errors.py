@@ -56,5 +56,12 @@ class PreconditionFailed(MigrtError):
     exit_code = 8
 
 
+class StoreFull(PreconditionFailed):
+    """The store's file system cannot hold what a writer is about to write (store/reserve.py): free
+    and reserved (by other live writers) bytes, and who reserved them, for callers' own messages."""
+    free = reserved = 0
+    holders = ""
+
+
 class RegistryError(MigrtError):
     exit_code = 9

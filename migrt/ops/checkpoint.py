@@ -102,14 +102,14 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
         shell_job=bundle.terminal,
     )
     est = space.estimate(state.get("pid"))
-    if cfg.store_space_check:
-        space.check(store.root, est, f"checkpoint of container {req.container_id}")
     dump_mode = dump.decide(cfg, est.memory + est.gpu)
     store.gc()
     created = time.time()
     timings: dict[str, float] = {"memory_wait_s": waited} if waited else {}
     upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle_dir else None  # while still mounted
     root_mode = rootfs.root_mode(bundle.rootfs) if bundle_dir else None  # what CRIU records for "/"
+    # held until the end (imports, pulls and other checkpoints see it); the config may turn the check off
+    res = space.reserve(store.root, est, f"checkpoint of container {req.container_id}", check=cfg.store_space_check)
     work = _work_dir()
     kept = []  # the journal entry, when it must outlive us (then recovery removes `work`)
     try:
@@ -139,6 +139,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                     if key in dumped:
                         timings[key] = dumped.pop(key)
                 journal.update("dumped")
+                res.settle()  # the images are on disk now
                 record_beside(staging)  # the images' survey for the restore's choice, taken while the commit hashes
                 progress("done", name="dump", seconds=timings["dump_s"])
                 if req.leave_running:  # back to work at once; the commit does not need the container
@@ -178,6 +179,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
             data["timings"] = {**data.get("timings", {}), **timings}
             mf.write(store.get(name).path, data)
     finally:
+        res.release()
         if not (kept and kept[0].keep):
             shutil.rmtree(work, ignore_errors=True)
     return data

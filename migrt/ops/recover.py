@@ -308,6 +308,7 @@ HANDLERS = {"checkpoint": _checkpoint, "restore": _restore, "gpu-checkpoint": _g
 def recover(cfg: Config, *, wait_s: float = AUTO_WAIT_S) -> list[Outcome]:
     """Recover every stale journal entry of the store; what was done, per entry."""
     store = Store(cfg.store)
+    store.check()  # never act on (nor create lock files in) a store another user could change
     if not os.path.isdir(os.path.join(store.root, journal.DIR)):
         return []
     log = log_mod.get()
@@ -340,4 +341,5 @@ def pending_for(cfg: Config, container_id: str) -> list[dict]:
 def describe(cfg: Config) -> dict:
     """For `migrt recover --list` and doctor: the journal and what .incomplete/ keeps."""
     store = Store(cfg.store)
+    store.check()
     return {"journal": journal.entries(store.root), "incomplete": store.incomplete()}

@@ -55,6 +55,7 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
     recorded in the journal so that a half-restored container of a killed migrt is cleaned up."""
     names.validate(name)
     store = Store(cfg.store)
+    store.check()  # a store another user could change is never read (nor its journal acted on)
     try:
         _mark("restore")
         if any(e.get("stale") for e in journal.entries(store.root)):  # someone's interrupted operation

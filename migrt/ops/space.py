@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from migrt.errors import PreconditionFailed
+from migrt.errors import PreconditionFailed, StoreFull
 from migrt.gpu import inventory, procs
+from migrt.store import reserve as reserve_mod
 
 MARGIN = 0.10           # on top of the estimate
 SLACK = 16 << 20        # metadata, logs, manifest, the rootfs diff of a small layer
@@ -105,21 +106,30 @@ def estimate(init_pid: int | None) -> Estimate:
 
 
 def free_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+    return reserve_mod.free_bytes(path)
 
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
 
+def reserve(store_root: str, est: Estimate, what: str, *, check: bool = True) -> reserve_mod.Reservation:
+    """The checkpoint's estimated size reserved in the store (store/reserve.py: imports, pulls and other
+    checkpoints see it), decided before anything is frozen: PreconditionFailed when the store's file
+    system cannot hold it beside what the other writers reserved (check=False: recorded, never refused).
+    The caller releases it when the checkpoint ends."""
+    res = reserve_mod.Reservation(store_root, what, margin=0)  # the estimate has its own margin
+    try:
+        res.reserve(est.needed, check=check)
+    except StoreFull as exc:
+        parts = f"memory {_mib(est.memory)}, tmpfs {_mib(est.tmpfs)}" + (f", GPU {_mib(est.gpu)}" if est.gpu else "")
+        raise PreconditionFailed(
+            f"{what}: the store {store_root} has {_mib(exc.free)} free{exc.holders}, the checkpoint needs about "
+            f"{_mib(est.needed)} ({parts}, +{int(MARGIN * 100)}% and {_mib(SLACK)} margin); nothing was frozen. Free "
+            "space in the store or point 'store:' in the migrt config at a larger file system") from None
+    return res
+
+
 def check(store_root: str, est: Estimate, what: str) -> None:
-    """PreconditionFailed (nothing touched yet) when the store's file system cannot hold it."""
-    free = free_bytes(store_root)
-    if free >= est.needed:
-        return
-    parts = f"memory {_mib(est.memory)}, tmpfs {_mib(est.tmpfs)}" + (f", GPU {_mib(est.gpu)}" if est.gpu else "")
-    raise PreconditionFailed(
-        f"{what}: the store {store_root} has {_mib(free)} free, the checkpoint needs about {_mib(est.needed)} "
-        f"({parts}, +{int(MARGIN * 100)}% and {_mib(SLACK)} margin); nothing was frozen. Free space in the store or "
-        "point 'store:' in the migrt config at a larger file system")
+    """PreconditionFailed (nothing touched yet) when the store's file system cannot hold it now."""
+    reserve(store_root, est, what).release()

@@ -20,6 +20,7 @@ import os
 import tarfile
 
 from migrt.errors import CheckpointInvalid
+from migrt.pods import rootfs
 
 PODMAN = "podman"
 ENGINE_MOUNTS = {PODMAN: ("/run/.containerenv",)}
@@ -90,9 +91,11 @@ def drop_engine_mounts(images: str, engine: str) -> tuple[list[str], list[str]]:
     return dropped, kept
 
 
-def convert_devshm(src: str, dest: str) -> dict:
+def convert_devshm(src: str, dest: str, take=None) -> dict:
     """podman's devshm-checkpoint.tar -> dest: regular files, directories and symlinks under relative
-    names; anything else (devices, fifos, hard links, '..', absolute names) refuses the archive."""
+    names; anything else (devices, fifos, hard links, '..', absolute names) refuses the archive.
+    take(nbytes, what) is called before each entry is written (import_cri._Space.take): a sparse
+    member is written out whole."""
     count = entries = size = 0
     try:
         with tarfile.open(src, "r:") as tar, tarfile.open(dest, "w", format=tarfile.PAX_FORMAT) as out:
@@ -107,7 +110,10 @@ def convert_devshm(src: str, dest: str) -> dict:
                     continue  # /dev/shm itself
                 member.name = "/".join(parts)
                 entries += 1
+                if take and (member.isreg() or member.isdir() or member.issym()):
+                    take(rootfs.written_size(member), f"{DEVSHM_SRC} entry {member.name!r}")
                 if member.isreg():
+                    rootfs.dense(member)
                     out.addfile(member, tar.extractfile(member))
                     size += member.size
                 elif member.isdir() or member.issym():

@@ -58,6 +58,7 @@ from migrt.pods import engines, rootfs
 from migrt.progress import Progress, null_progress
 from migrt.store import Store
 from migrt.store import manifest as mf
+from migrt.store import reserve
 
 FORMAT = "kubernetes-checkpoint-archive"
 CHECKPOINT_DIR = "checkpoint"
@@ -118,20 +119,27 @@ def member_parts(name: str) -> tuple[str, ...]:
 
 
 class _Space:
-    """Bytes the store may still take (checked before each member is written)."""
+    """What the import writes into the store, reserved (store/reserve.py) before each write at the
+    size it takes once written: a compressed archive's members decompressed, the members of a
+    compressed inner tar too, a sparse member whole (the conversion writes it out in full). The first
+    write that does not fit refuses the import before it is made; the caller discards what was written."""
 
-    def __init__(self, path: str, archive: str) -> None:
-        st = os.statvfs(path)
-        self.free = st.f_bavail * st.f_frsize
-        self.path = path
-        self.archive = archive
+    def __init__(self, res: reserve.Reservation) -> None:
+        self.res = res
         self.used = 0
+        self._pending = 0
 
-    def take(self, nbytes: int) -> None:
+    def take(self, nbytes: int, what: str) -> None:
+        """`nbytes` are about to be written (for `what`); all that earlier takes covered is written."""
+        self.res.wrote(self._pending)
+        self._pending = 0
+        try:
+            self.res.reserve(nbytes)
+        except PreconditionFailed as exc:
+            raise PreconditionFailed(f"{exc} (refused at {what}: {reserve.human(nbytes)} once written, after "
+                                     f"{reserve.human(self.used)})") from None
+        self._pending = nbytes
         self.used += nbytes
-        if self.used + SPACE_MARGIN > self.free:
-            raise PreconditionFailed(f"importing {self.archive} needs more than the {self.free >> 20} MiB free in the "
-                                     f"store ({self.path}); free some space or import it on a larger store")
 
 
 _MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")  # gzip, bzip2, xz: tarfile reads them
@@ -257,7 +265,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                         raise CheckpointInvalid(f"archive member {member.name!r}: a file without a name")
                     top = parts[0]
                     if top == CHECKPOINT_DIR and len(parts) > 1:
-                        space.take(member.size)
+                        space.take(member.size, f"member {member.name!r}")
                         n = _write_member(tar, member, os.path.join(images_dir, *parts[1:]), raw_fd)
                         out.images += 1
                         out.image_bytes += n
@@ -269,7 +277,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                             raise CheckpointInvalid(f"archive member {member.name!r} appears twice")
                         out.meta[top] = _read_small(tar, member, MAX_META_BYTES)
                     elif top in (DIFF, engines.DEVSHM_SRC):
-                        space.take(2 * member.size)  # extracted, then converted
+                        space.take(member.size, f"member {member.name!r}")  # the conversion takes its own
                         dest = os.path.join(work_dir, "src-" + top)
                         if top == DIFF:
                             out.diff = dest
@@ -281,7 +289,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                         if member.size > MAX_LOG_BYTES:
                             out.ignored.append(top)
                             continue
-                        space.take(member.size)
+                        space.take(member.size, f"member {member.name!r}")
                         dest = os.path.join(work_dir, DUMP_LOG) if top == DUMP_LOG else os.path.join(images_dir, STATS)
                         out.written += _write_member(tar, member, dest, raw_fd)
                         if top == DUMP_LOG:
@@ -336,10 +344,14 @@ def _rel(name: str, what: str) -> str:
         raise CheckpointInvalid(f"{what}: {exc}") from exc
 
 
-def convert_rootfs_diff(src: str | None, deleted_files: list | None, dest_dir: str, exclude: list[str]) -> dict:
+def convert_rootfs_diff(src: str | None, deleted_files: list | None, dest_dir: str, exclude: list[str],
+                       take=None) -> dict:
     """The archive's writable layer (rootfs-diff.tar with OCI whiteouts, and/or a deleted.files list)
     -> migrt's rootfs-diff.tar + rootfs-diff.json in dest_dir. Mount destinations and /proc, /sys,
-    /dev are left out, as `rootfs.capture` does. Returns the manifest's rootfs summary."""
+    /dev are left out, as `rootfs.capture` does. Returns the manifest's rootfs summary.
+    take(nbytes, what) is called before each entry is written with what it will write (_Space.take):
+    the inner tar may be compressed, or hold sparse members, that are written out whole."""
+    take = take or (lambda _n, _w: None)
     if src is None and not deleted_files:
         return {"captured": False, "reason": f"the archive has no {DIFF}"}
     excl = {e.strip("/") for e in exclude if e.strip("/")}
@@ -380,7 +392,10 @@ def convert_rootfs_diff(src: str | None, deleted_files: list | None, dest_dir: s
                         member.name = rel
                         if member.islnk():
                             member.linkname = _rel(member.linkname, f"{DIFF} hard link {rel}")
+                        sparse = " (sparse)" if member.issparse() else ""
+                        take(rootfs.written_size(member), f"{DIFF} entry {rel!r}{sparse}")
                         if member.isreg():
+                            rootfs.dense(member)
                             out.addfile(member, tar.extractfile(member))
                             size += member.size
                         elif member.isdir() or member.issym() or member.islnk():
@@ -389,7 +404,7 @@ def convert_rootfs_diff(src: str | None, deleted_files: list | None, dest_dir: s
                             skipped += 1  # devices, fifos: as rootfs.capture
                             continue
                         count += 1
-            except tarfile.TarError as exc:
+            except _stream_errors() as exc:
                 raise CheckpointInvalid(f"{DIFF} in the archive is unreadable ({exc})") from exc
     with open(os.path.join(dest_dir, rootfs.DIFF_META), "w") as fh:
         json.dump({"deleted": deleted, "opaque": opaque}, fh)
@@ -512,13 +527,14 @@ def import_archive(cfg: Config, archive: str, name: str | None = None, progress:
     store = Store(cfg.store)
     store.ensure()
     store.gc()
-    with store.writer(name, op="import", archive=archive) as staging:
-        return _import_into(store, staging, archive, st.st_size, progress, t_start)
+    with reserve.reserving(store.root, f"importing {archive}", SPACE_MARGIN) as res, \
+            store.writer(name, op="import", archive=archive) as staging:
+        return _import_into(store, staging, archive, st.st_size, progress, t_start, _Space(res))
 
 
-def _import_into(store: Store, staging, archive: str, size: int, progress: Progress, t_start: float) -> dict:
+def _import_into(store: Store, staging, archive: str, size: int, progress: Progress, t_start: float,
+                 space: _Space) -> dict:
     timings: dict[str, float] = {}
-    space = _Space(store.root, archive)
     progress("phase", name="extract", total_bytes=size)
     t0 = time.monotonic()
     ext = read_archive(archive, staging.images, staging.work, space, progress)
@@ -541,7 +557,8 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
         ext.dump_log = os.path.join(staging.path, "logs", DUMP_LOG)
 
     t0 = time.monotonic()
-    layer = convert_rootfs_diff(ext.diff, deleted_files, staging.path, [m.get("destination", "") for m in spec.mounts])
+    layer = convert_rootfs_diff(ext.diff, deleted_files, staging.path, [m.get("destination", "") for m in spec.mounts],
+                                take=space.take)
     if ext.diff:
         os.unlink(ext.diff)
     timings["rootfs_convert_s"] = round(time.monotonic() - t0, 3)
@@ -550,7 +567,7 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
     dropped, kept = engines.drop_engine_mounts(staging.images, engine)
     devshm = None
     if ext.devshm:
-        devshm = engines.convert_devshm(ext.devshm, os.path.join(staging.path, engines.DEVSHM_TAR))
+        devshm = engines.convert_devshm(ext.devshm, os.path.join(staging.path, engines.DEVSHM_TAR), take=space.take)
         os.unlink(ext.devshm)
 
     options, note = criu_options(staging.images, spec.terminal)

@@ -94,6 +94,22 @@ def capture(upper: str | None, dest_dir: str, exclude: list[str]) -> dict:
     return {"captured": True, "entries": count, "bytes": size, "deleted": len(deleted), "opaque": len(opaque)}
 
 
+def dense(member: tarfile.TarInfo) -> None:
+    """A sparse member, to be written out whole: a plain file (its holes read as zeros)."""
+    member.type = tarfile.REGTYPE
+    member.sparse = None
+    member.pax_headers = {k: v for k, v in member.pax_headers.items() if not k.startswith("GNU.sparse.")}
+
+
+def written_size(member: tarfile.TarInfo) -> int:
+    """At least what writing a member into a PAX tar takes: its data in full (a sparse member's
+    apparent size), rounded to blocks, and its headers (the PAX records: long names, xattrs)."""
+    data = -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE if member.isreg() else 0
+    meta = len(member.name.encode()) + len(member.linkname.encode()) + sum(
+        len(str(k).encode()) + len(str(v).encode()) + 24 for k, v in member.pax_headers.items())
+    return data + 3 * tarfile.BLOCKSIZE + -(-meta // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
 def _safe(rel: str) -> bool:
     return bool(rel) and not rel.startswith("/") and ".." not in rel.split("/")
 

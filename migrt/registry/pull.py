@@ -44,7 +44,7 @@ from migrt.registry.client import Client
 from migrt.registry.connect import client_for
 from migrt.registry.reference import Reference, parse
 from migrt.store import Store
-from migrt.store import importer
+from migrt.store import importer, reserve
 from migrt.store.fsutil import TREE_CHUNK, fold_chunks
 
 PULLS = ".pulls"
@@ -61,7 +61,7 @@ def image_lock(store: Store, manifest_digest: str) -> Iterator[None]:
     """Blocking lock per image and node (concurrent creates restoring one reference pull once)."""
     store.ensure()
     path = os.path.join(store.root, ".locks", f".pull-{manifest_digest.split(':', 1)[1]}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -160,7 +160,7 @@ class _Journal:
         self.lock = threading.Lock()
         self.done: set[tuple[str, int, str]] = set()
         try:
-            with open(path, encoding="utf-8") as fh:
+            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), encoding="utf-8") as fh:
                 for line in fh:
                     parts = line.rstrip("\n").split(" ", 2)
                     if len(parts) == 3 and parts[1].isdigit():
@@ -169,8 +169,11 @@ class _Journal:
             pass
 
     def add(self, digest: str, off: int, rel: str) -> None:
-        with self.lock, open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(f"{digest} {off} {rel}\n")
+        with self.lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with open(fd, "a", encoding="utf-8") as fh:
+                fh.write(f"{digest} {off} {rel}\n")
+        self.done.add((digest, off, rel))
 
 
 def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdigest: str, name: str,
@@ -179,13 +182,10 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
     config = _fetch_config(client, manifest, where)
     files = config["files"]
     plan = image.plan_files(manifest, files, where)
-    top = os.path.join(store.root, PULLS)
-    os.makedirs(top, mode=0o700, exist_ok=True)
     hexd = mdigest.split(":", 1)[1]
-    partial, journal = os.path.join(top, hexd), _Journal(os.path.join(top, hexd + ".done"))
-    for d in (partial, os.path.join(partial, "images")):  # one by one: makedirs gives parents the umask's mode
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        os.chmod(d, 0o700)  # it becomes the checkpoint's directory (0700 like every other)
+    # it becomes the checkpoint's directory: private like every other, no link followed on the way
+    partial = os.path.dirname(store.private_dir(f"{PULLS}/{hexd}/images"))
+    journal = _Journal(os.path.join(store.root, PULLS, hexd + ".done"))
     try:
         with importer.importing(store, name, adopt=partial) as imp:
             total = sum(f.get("size", 0) for f in files.values())
@@ -199,6 +199,8 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
                     _allocate(fd, sum(c[1] for c in chunks))
                 finally:
                     os.close(fd)
+            imp.space.settle()  # the blocks are allocated: the free space shows them (or, without
+            # fallocate, the reservation's margin covers what is left; ENOSPC then refuses, unretried)
             jobs = [(rel, off, size, digest) for rel, chunks in plan.items() for off, size, digest in chunks
                     if (digest, off, rel) not in have]
             progress("phase", name="download", total_bytes=sum(j[2] for j in jobs))
@@ -214,8 +216,14 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
                             pos[0] = off  # a new try starts the blob again
                             return
                         n = 0
-                        while n < len(view):
-                            n += os.pwrite(fd, view[n:], pos[0] + n)
+                        try:
+                            while n < len(view):
+                                n += os.pwrite(fd, view[n:], pos[0] + n)
+                        except OSError as exc:  # a full store is not a network error: never retried
+                            full = reserve.enospc(exc, f"pulling {client.ref}", store.root)
+                            if full is None:
+                                raise
+                            raise full from exc
                         pos[0] += len(view)
                     client.fetch_blob(digest, size, sink)
                 finally:
@@ -245,6 +253,10 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
             progress("done", name="commit", seconds=round(time.monotonic() - t0, 3))
     except CheckpointInvalid:
         _forget(partial, journal.path)
+        raise
+    except BaseException:
+        if not journal.done:  # nothing verified arrived (e.g. refused for space): nothing to resume
+            _forget(partial, journal.path)
         raise
     _forget(partial, journal.path)  # committed: the directory was renamed away; the journal goes
     return data
@@ -295,24 +307,38 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
     from migrt.store import manifest as mf
 
     layer = image.check_descriptor(manifest["layers"][0], str(client.ref))
+    what = f"pulling {client.ref}"
+    store.ensure()
     tmpdir = tempfile.mkdtemp(dir=os.path.join(store.root, ".tmp"), prefix=f"pull.{os.getpid()}.")
     try:
         path = os.path.join(tmpdir, "checkpoint.tar")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            def sink(view: memoryview) -> None:
-                if not len(view):
-                    os.ftruncate(fd, 0)
-                    os.lseek(fd, 0, os.SEEK_SET)
-                    return
-                os.write(fd, view)
-            progress("phase", name="download", total_bytes=layer["size"])
-            t0 = time.monotonic()
-            client.fetch_blob(layer["digest"], layer["size"], sink)
-            progress("bytes", name="download", bytes=layer["size"])
-            progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
-        finally:
-            os.close(fd)
+        # the layer as it arrives (its size is checked by the client), then the import reserves what
+        # the extraction writes: member by member, decompressed (pods/import_cri.py)
+        with reserve.reserving(store.root, what, importer.SPACE_MARGIN) as res:
+            res.reserve(layer["size"])
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                def sink(view: memoryview) -> None:
+                    try:
+                        if not len(view):
+                            os.ftruncate(fd, 0)
+                            os.lseek(fd, 0, os.SEEK_SET)
+                            return
+                        n = 0
+                        while n < len(view):
+                            n += os.write(fd, view[n:])
+                    except OSError as exc:  # a full store is not a network error: never retried
+                        full = reserve.enospc(exc, what, store.root)
+                        if full is None:
+                            raise
+                        raise full from exc
+                progress("phase", name="download", total_bytes=layer["size"])
+                t0 = time.monotonic()
+                client.fetch_blob(layer["digest"], layer["size"], sink)
+                progress("bytes", name="download", bytes=layer["size"])
+                progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
+            finally:
+                os.close(fd)
         data = import_archive(cfg, path, name=name, progress=progress)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)

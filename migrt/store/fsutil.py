@@ -49,7 +49,7 @@ def lock_is_free(lock_path: str) -> bool:
     """Nobody holds an flock on `lock_path` (or the file is gone): its owner ended or was killed.
     A probe only: the lock is taken without waiting and let go at once."""
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return True
     try:
@@ -83,11 +83,14 @@ def sha256_file(path: str, *, fsync: bool = False) -> tuple[int, str]:
 
 
 def walk_files(top: str) -> list[str]:
-    """Relative paths of all regular files under top (symlinks are refused by the caller)."""
+    """Relative paths of every non-directory under top, symbolic links included (to directories
+    too: os.walk lists those as directories without entering them), for the caller to refuse."""
     out = []
     for dirpath, dirnames, filenames in os.walk(top):
         dirnames.sort()
-        for name in sorted(filenames):
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        dirnames[:] = [d for d in dirnames if d not in links]
+        for name in sorted(filenames + links):
             out.append(os.path.relpath(os.path.join(dirpath, name), top))
     return out
 

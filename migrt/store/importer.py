@@ -19,9 +19,9 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from migrt.errors import CheckpointInvalid, Conflict, PreconditionFailed
+from migrt.errors import CheckpointInvalid, Conflict
 from migrt.store import manifest as mf
-from migrt.store import journal
+from migrt.store import journal, reserve
 from migrt.store.beside import Beside
 from migrt.store.fsutil import digest_of, fsync_dir, make_entry
 from migrt.store.store import Store, fsync_tree_dirs, publish, secure_tree
@@ -58,17 +58,17 @@ class Import:
         self.committed = False
         self.adopted = adopt  # a directory the caller keeps between attempts (a resumable pull)
         self._beside = Beside()
-        os.makedirs(os.path.join(store.root, ".staging"), mode=0o700, exist_ok=True)
+        self.space = reserve.Reservation(store.root, f"checkpoint {name}", SPACE_MARGIN)
+        store.ensure()
         if not adopt:
             os.mkdir(path, 0o700)
             os.mkdir(self.images, 0o700)
 
     def ensure_space(self, nbytes: int) -> None:
-        st = os.statvfs(self.path)
-        free = st.f_bavail * st.f_frsize
-        if nbytes + SPACE_MARGIN > free:
-            raise PreconditionFailed(f"store {self.store.root} has {free >> 20} MiB free; checkpoint {self.name} "
-                                     f"needs {nbytes >> 20} MiB")
+        """Reserve room for `nbytes` more that this import will write (store/reserve.py; `self.space.wrote`
+        once they are on disk): PreconditionFailed when the store cannot hold them beside what the other
+        writers reserved. The reservation ends with the import."""
+        self.space.reserve(nbytes)
 
     @contextlib.contextmanager
     def open(self, rel: str) -> Iterator[int]:
@@ -160,7 +160,11 @@ def importing(store: Store, name: str, *, adopt: str | None = None) -> Iterator[
             raise Conflict(f"checkpoint {name} already exists in the target store {store.root} "
                            f"(choose another --name, or 'migrt rm {name}' there)")
         if adopt is not None:
-            yield Import(store, name, adopt, adopt=True)
+            imp = Import(store, name, adopt, adopt=True)
+            try:
+                yield imp
+            finally:
+                imp.space.release()
             return
         path = os.path.join(store.root, ".staging", f"{name}.{os.getpid()}.{time.monotonic_ns()}")
         entry = journal.begin(store.root, "receive", name=name, staging=path)  # recovery: the source has it
@@ -170,5 +174,6 @@ def importing(store: Store, name: str, *, adopt: str | None = None) -> Iterator[
                 yield imp
             finally:
                 imp.discard()
+                imp.space.release()
         finally:
             entry.end()

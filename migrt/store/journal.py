@@ -89,7 +89,7 @@ def begin(store_root: str, op: str, phase: str = "started", **fields) -> Entry:
     d = _dir(store_root)
     os.makedirs(d, mode=0o700, exist_ok=True)
     entry_id = f"{op}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{os.urandom(3).hex()}"
-    fd = os.open(os.path.join(d, f"{entry_id}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(os.path.join(d, f"{entry_id}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     data = {"id": entry_id, "op": op, "pid": os.getpid(), "started": time.time(), **fields}
     entry = Entry(store_root, entry_id, data, fd)
@@ -110,9 +110,9 @@ def recording(store_root: str, op: str, **fields) -> Iterator[Entry]:
 
 def _read(path: str) -> dict | None:
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), encoding="utf-8") as fh:
             data = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -146,12 +146,12 @@ def take_stale(store_root: str) -> Iterator[Entry]:
         entry_id = n[:-5]
         lock_path = os.path.join(d, f"{entry_id}.lock")
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             if not os.path.exists(os.path.join(d, n)):
                 continue  # ended meanwhile
             try:  # a record without its lock file (removed by hand): nobody can own it
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             except OSError:
                 continue
         except OSError:

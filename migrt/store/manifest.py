@@ -18,8 +18,10 @@ reads a newer manifest of the same schema. A manifest from a newer schema is ref
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 
 from migrt.errors import CheckpointInvalid
 from migrt.store.fsutil import digest_of, hash_tree, walk_files, write_json_atomic
@@ -30,12 +32,22 @@ REQUIRED = ("schema", "name", "created", "files")
 
 
 def load(path: str, name: str) -> dict:
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as fh:
-            data = json.load(fh)
+    full = os.path.join(path, MANIFEST)
+    try:  # never through a link; O_NONBLOCK: a fifo planted there must not hang the reader
+        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise CheckpointInvalid(f"checkpoint {name}: manifest.json is missing") from exc
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointInvalid(f"checkpoint {name}: manifest.json is a symbolic link; a checkpoint's manifest is "
+                                    "a plain file (it was altered after its commit: remove the checkpoint)") from exc
+        raise CheckpointInvalid(f"checkpoint {name}: manifest.json is unreadable: {exc}") from exc
+    try:
+        with open(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise CheckpointInvalid(f"checkpoint {name}: manifest.json is not a regular file")
+            data = json.load(fh)
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointInvalid(f"checkpoint {name}: manifest.json is unreadable: {exc}") from exc
     if not isinstance(data, dict):
         raise CheckpointInvalid(f"checkpoint {name}: manifest.json is not a JSON object")
@@ -69,7 +81,10 @@ def list_payload(path: str) -> list[str]:
         if rel == MANIFEST:
             continue
         full = os.path.join(path, rel)
-        if os.path.islink(full) or not os.path.isfile(full):
+        if os.path.islink(full):
+            raise CheckpointInvalid(f"{full}: not a regular file but a symbolic link (to {os.readlink(full)!r}); a "
+                                    "checkpoint holds none (it was altered after its commit)")
+        if not os.path.isfile(full):
             raise CheckpointInvalid(f"{full}: not a regular file")
         rels.append(rel)
     return rels

@@ -47,22 +47,78 @@ class StoreError(MigrtError):
     exit_code = 1
 
 
-def _mkdir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
+def private_dir(path: str) -> None:
+    """A directory of ours, 0700, created if missing; never a symbolic link (one planted inside the
+    store would send locks, staging and restore views elsewhere): StoreError instead of following it."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            kind = "a symbolic link" if os.path.islink(path) else "not a directory"
+            raise StoreError(f"{path} is {kind}; migrt never follows links inside its store (remove it, then "
+                             "run the command again)") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise StoreError(f"{path} is owned by uid {st.st_uid}, not {os.geteuid()}; refusing a store directory "
+                             "another user could change (remove it, or chown it if you trust its content)")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
 
 
 def secure_tree(path: str) -> None:
-    """Directories 0700, files 0600, owned by root (when we are root)."""
+    """Directories 0700, files 0600, owned by root (when we are root). Links are refused, never
+    followed (a commit publishes plain files and directories only)."""
     root_owned = os.geteuid() == 0
     for dirpath, dirnames, filenames in os.walk(path):
-        for d in dirnames:
-            os.chmod(os.path.join(dirpath, d), 0o700)
-        for f in filenames:
-            full = os.path.join(dirpath, f)
-            os.chmod(full, 0o600)
-            if root_owned:
+        for n in dirnames + filenames:
+            full = os.path.join(dirpath, n)
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                raise CheckpointInvalid(f"{full}: a symbolic link; a checkpoint holds plain files and directories")
+            os.chmod(full, 0o700 if stat.S_ISDIR(st.st_mode) else 0o600)
+            if root_owned and not stat.S_ISDIR(st.st_mode):
                 os.chown(full, 0, 0)
+
+
+def unsafe_root(root: str) -> str | None:
+    """Why another user could change what is under `root`, or None: the store directory must be owned
+    by us (root) and writable by nobody else, and so must every directory above it (on the path as
+    given and once links are resolved), except sticky ones (/tmp: others cannot rename our entries)."""
+    me = os.geteuid()
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None  # not a store at all: whoever reads or writes it says so
+    if st.st_uid != me:
+        return f"{root} is owned by uid {st.st_uid}, not {me}"
+    if st.st_mode & 0o022:
+        return f"{root} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    for path in {os.path.abspath(root), os.path.realpath(root)}:
+        parent = os.path.dirname(path)
+        while True:
+            try:
+                pst = os.stat(parent)
+            except OSError as exc:
+                return f"{parent}: {exc.strerror or exc}"
+            if pst.st_uid not in (0, me):
+                return f"{parent} (above the store) is owned by uid {pst.st_uid}"
+            if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+                return f"{parent} (above the store) is writable by group or others (mode {stat.S_IMODE(pst.st_mode):o})"
+            if parent == os.path.dirname(parent):
+                break
+            parent = os.path.dirname(parent)
+    return None
 
 
 def fsync_tree_dirs(path: str) -> None:
@@ -118,9 +174,9 @@ class Staging:
         self.committed = False
         self.journal: journal.Entry | None = None
         self._beside = Beside()
-        _mkdir(path)  # makedirs would give the intermediate directory the umask's mode, not 0700
-        _mkdir(self.images)
-        _mkdir(self.work)
+        private_dir(path)  # makedirs would give the intermediate directory the umask's mode, not 0700
+        private_dir(self.images)
+        private_dir(self.work)
 
     def payload_bytes(self) -> int:
         """What commit() will hash (every file but work/), e.g. the total of its progress."""
@@ -164,16 +220,41 @@ class Staging:
 class Store:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
+        self._checked = False
 
     # -- layout ------------------------------------------------------------------------------
+    def check(self) -> None:
+        """StoreError when another user could change the store (unsafe_root): every command that reads
+        or writes it calls this first (once per Store). A store that does not exist yet passes."""
+        if self._checked:
+            return
+        why = unsafe_root(self.root)
+        if why:
+            raise StoreError(f"store {self.root}: {why}; refusing to use a store another user could change (links "
+                             "planted in it would make migrt write elsewhere as root). Fix its owner and mode "
+                             f"(install -d -m 0700 -o root -g root {self.root}) or point 'store:' in the migrt config "
+                             "at a directory only root can write")
+        self._checked = os.path.isdir(self.root)
+
     def ensure(self) -> None:
         try:
-            _mkdir(self.root)
+            if not os.path.isdir(self.root):
+                os.makedirs(self.root, mode=0o700, exist_ok=True)
+            self.check()
             for d in HIDDEN:
-                _mkdir(os.path.join(self.root, d))
+                private_dir(os.path.join(self.root, d))
         except OSError as exc:
             raise StoreError(f"store {self.root} cannot be written: {exc.strerror or exc} (check the file system "
                              "it is on: full, read-only, gone?)") from exc
+
+    def private_dir(self, rel: str) -> str:
+        """<root>/<rel>, each component a private directory of ours (created if missing, links refused)."""
+        self.ensure()
+        path = self.root
+        for part in rel.split("/"):
+            path = os.path.join(path, part)
+            private_dir(path)
+        return path
 
     def _lock_path(self, name: str) -> str:
         return os.path.join(self.root, ".locks", f"{name}.lock")
@@ -187,7 +268,7 @@ class Store:
         path = self._lock_path(name)
         deadline = time.monotonic() + max(0.0, wait)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError as exc:
@@ -222,7 +303,7 @@ class Store:
         key = hashlib.sha256(f"{os.path.abspath(root)}\0{container_id}".encode()).hexdigest()[:32]
         path = os.path.join(self.root, ".locks", f"container-{key}.lock")
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as exc:
@@ -255,16 +336,19 @@ class Store:
 
     # -- reading -----------------------------------------------------------------------------
     def exists(self, name: str) -> bool:
-        return os.path.isdir(os.path.join(self.root, names.validate(name)))
+        self.check()
+        return os.path.lexists(os.path.join(self.root, names.validate(name)))
 
     def get(self, name: str) -> Checkpoint:
         names.validate(name)
+        self.check()
         ckpt = Checkpoint(self, name)
         if not os.path.isdir(ckpt.path) or os.path.islink(ckpt.path):
             raise NotFound(f"checkpoint {name}: not found in {self.root} (run 'migrt ls')")
         return ckpt
 
     def list(self) -> list[Checkpoint]:
+        self.check()
         try:
             entries = sorted(os.listdir(self.root))
         except FileNotFoundError:
@@ -274,7 +358,8 @@ class Store:
                              "a directory migrt owns; run 'migrt doctor')") from exc
         out = []
         for entry in entries:
-            if entry.startswith(".") or not os.path.isdir(os.path.join(self.root, entry)):
+            full = os.path.join(self.root, entry)
+            if entry.startswith(".") or os.path.islink(full) or not os.path.isdir(full):
                 continue
             try:
                 names.validate(entry)
@@ -343,7 +428,7 @@ class Store:
     def keep_incomplete(self, staging: str, *, reason: str, **info) -> str:
         """Move a staging directory out of the way, kept whole, with a note of why (for 'migrt recover')."""
         dest_dir = os.path.join(self.root, ".incomplete")
-        _mkdir(dest_dir)
+        private_dir(dest_dir)
         dest = os.path.join(dest_dir, os.path.basename(staging))
         os.rename(staging, dest)
         write_json_atomic(os.path.join(dest, "INCOMPLETE.json"), {"reason": reason, "kept": time.time(), **info})
@@ -352,15 +437,20 @@ class Store:
 
     def incomplete(self) -> list[dict]:
         """What .incomplete/ holds: [{entry, path, reason, size_bytes, ...}]."""
+        self.check()
         out = []
         top = os.path.join(self.root, ".incomplete")
+        if os.path.islink(top):
+            return out
         for entry in _listdir(top):
             path = os.path.join(top, entry)
             note = {}
-            with contextlib.suppress(OSError, ValueError):
-                with open(os.path.join(path, "INCOMPLETE.json"), encoding="utf-8") as fh:
+            with contextlib.suppress(OSError, ValueError, RecursionError):
+                fd = os.open(os.path.join(path, "INCOMPLETE.json"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with open(fd, encoding="utf-8") as fh:
                     note = json.load(fh)
-            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+                note = note if isinstance(note, dict) else {}
+            size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
             out.append({**note, "entry": entry, "path": path, "size_bytes": size})
         return out
 
@@ -371,7 +461,7 @@ class Store:
         stats-restore file into the image directory, and the checkpoint must stay untouched."""
         self.ensure()
         view = os.path.join(self.root, ".tmp", f"view.{os.getpid()}.{time.monotonic_ns()}")
-        _mkdir(view)
+        private_dir(view)
         try:
             for rel in sorted(ckpt.manifest["files"]):
                 if not rel.startswith("images/"):
@@ -440,13 +530,24 @@ def check_secure(path: str, what: str) -> None:
                 st = os.lstat(full)
             except FileNotFoundError:
                 continue
+            if stat.S_ISLNK(st.st_mode):
+                raise CheckpointInvalid(f"{what}: {full} is a symbolic link (to {_readlink(full)!r}); a checkpoint "
+                                        "holds plain files and directories only: it was altered after its commit, "
+                                        "refusing to read through it (remove the checkpoint)")
             if st.st_uid != me:
                 raise CheckpointInvalid(f"{what}: {full} is owned by uid {st.st_uid}, not {me}; refusing to use a "
                                         f"checkpoint another user could have changed (chown -R {me} it if you trust it)")
-            if st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode):
+            if st.st_mode & 0o022:
                 raise CheckpointInvalid(f"{what}: {full} is writable by group or others (mode "
                                         f"{stat.S_IMODE(st.st_mode):o}); refusing to use it (chmod go-w it if you "
                                         "trust its content, then 'migrt inspect --verify')")
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 def _cmdline(pid: int) -> list[str]:

@@ -369,7 +369,7 @@ def test_size_caps(migrt_env, tmp_path, monkeypatch):
     monkeypatch.setattr(import_cri, "MAX_MEMBERS", 100_000)
     monkeypatch.setattr(import_cri, "SPACE_MARGIN", 1 << 60)  # the store "has no room"
     res = invoke(archive, "--name", "full")
-    assert res.exit_code == 8 and "free in the store" in res.stderr, res.output
+    assert res.exit_code == 8 and " free, and " in res.stderr and "refused at member" in res.stderr, res.output
     _nothing_left(migrt_env.store)
 
 
