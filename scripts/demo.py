@@ -1,8 +1,9 @@
 """The migrt demo: private containerd -> counter container through migrt-runc -> `migrt checkpoint`
 -> container removed -> new container with MIGRT_RESTORE -> the counter resumes where it stopped.
 Everything lives in a temporary directory, removed at the end (--keep keeps it).
---containerd 1.7 runs it with containerd 1.7 (unpacked beside 2.x by packaging/setup-host.sh) instead
-of the system's 2.x; MIGRT_BINDIR names where migrt and migrt-runc are (default /usr/local/bin)."""
+--containerd 1.7 runs it with containerd 1.7 (unpacked by packaging/setup-test.sh), 1.6 with the node
+release's own containerd and runc (Debian 12: 1.6.20 and 1.1.5), instead of the containerd on PATH;
+MIGRT_BINDIR names where migrt and migrt-runc are (default /usr/local/bin)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.helpers.containerd import SYSTEM, VERSIONS, Containerd, missing  # noqa: E402
+from tests.helpers.containerd import RELEASE_PATH, SYSTEM, VERSIONS, Containerd, missing  # noqa: E402
 from tests.integration.workloads import COUNTER, parse_ticks  # noqa: E402
 
 BINDIR = os.environ.get("MIGRT_BINDIR", "/usr/local/bin")
@@ -35,7 +36,7 @@ def ticks(path: str) -> list:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--containerd", choices=VERSIONS, default=SYSTEM,
-                    help="containerd version: 2 (the system's) or 1.7 (unpacked beside it)")
+                    help="containerd: 2 (the one on PATH), 1.7 (unpacked by setup-test.sh) or 1.6 (the release's, with its runc)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = ap.parse_args()
     why = missing(args.containerd)
@@ -45,7 +46,9 @@ def main() -> int:
     base = tempfile.mkdtemp(prefix="migrt-demo.")
     cfg = os.path.join(base, "config.yaml")
     with open(cfg, "w") as fh:
-        fh.write(f"runtime: runc\nstore: {base}/store\nlog_file: {base}/migrt.log\n")
+        # 1.6: the release's runc too (its shims find it first; `migrt checkpoint` here must use the same)
+        runtime = shutil.which("runc", path=RELEASE_PATH) if args.containerd == "1.6" else "runc"
+        fh.write(f"runtime: {runtime}\nstore: {base}/store\nlog_file: {base}/migrt.log\n")
     os.environ["MIGRT_CONFIG"] = cfg
     ctd = Containerd(os.path.join(base, "containerd"), namespace="migrt-demo", version=args.containerd)
     say(f"private containerd {args.containerd} under {base} (store {base}/store)")
@@ -75,6 +78,9 @@ def main() -> int:
         info = json.loads(res.stdout)
         stopped_at = ticks(log1)[-1]
         print(f"checkpoint {info['name']}: {info['size_bytes'] / 1e6:.1f} MB, timings {info['timings']}")
+        made = json.loads(subprocess.run([MIGRT, "inspect", info["name"], "--json"], capture_output=True,
+                                         text=True, check=True).stdout)["manifest"].get("versions") or {}
+        print(f"made with runc {made.get('runtime')} ({made.get('runtime_path')}), CRIU {made.get('criu')}")
         print(f"counter-1 stopped at tick {stopped_at[0]}")
         subprocess.run([MIGRT, "ls"])
 

@@ -25,7 +25,8 @@ SYSTEM = "2"
 VERSIONS = (SYSTEM, "1.7", "1.6")
 DEFAULT_VERSIONS = (SYSTEM, "1.7")
 DEPS = os.environ.get("MIGRT_DEPS", "/opt/migrt-deps")
-RELEASE_BIN = "/usr/bin"  # the node release's containerd 1.6 (Debian 12), runc 1.1 beside it
+RELEASE_BIN = "/usr/bin"  # the node release's containerd 1.6 (Debian 12)
+RELEASE_PATH = "/usr/sbin:/usr/bin"  # ... and its runc (/usr/sbin/runc, 1.1.5) first for its shims
 
 
 def bin_dir(version: str) -> str | None:
@@ -152,7 +153,8 @@ class Containerd:
         """The daemon's environment: its own shims first on PATH."""
         env = dict(os.environ)
         if self.bin_dir:
-            env["PATH"] = self.bin_dir + os.pathsep + env.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            first = RELEASE_PATH if self.version == "1.6" else self.bin_dir
+            env["PATH"] = first + os.pathsep + env.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         return env
 
     def command(self, config_path: str) -> list[str]:
