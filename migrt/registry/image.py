@@ -19,8 +19,10 @@ the CRI-O checkpoint annotations on the manifest, an ordinary OCI image config. 
 from __future__ import annotations
 
 import json
+import re
 
 from migrt.errors import CheckpointInvalid
+from migrt.registry.text import printable
 from migrt.store.fsutil import TREE_CHUNK
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
@@ -37,6 +39,12 @@ A_NAME = "io.migrt.checkpoint.name"
 A_CHUNK = "io.migrt.checkpoint.chunk-size"
 CHUNK = TREE_CHUNK
 MAX_LAYERS = 100_000
+# Nesting a manifest or config may have (migrt's own manifest nests about 6 deep): deeper JSON from a
+# registry is refused, not handed to code that walks it recursively.
+MAX_JSON_DEPTH = 64
+_SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
+# Where CRI-O's checkpoint images say the Kubernetes namespace of the pod they were taken in.
+CRIO_NAMESPACE = "io.kubernetes.cri-o.annotations.checkpoint.namespace"
 # What CRI-O (and Podman, containerd) write on a checkpoint image; any of them marks one.
 CRIO_NAME = "io.kubernetes.cri-o.annotations.checkpoint.name"
 CHECKPOINT_NAME_KEYS = (CRIO_NAME, "io.podman.annotations.checkpoint.name",
@@ -103,11 +111,39 @@ def cri_config(layer_digest: str, created: str) -> dict:
 
 # -- reading a pulled manifest ------------------------------------------------------------------
 
-def parse(raw: bytes, where: str) -> dict:
+def load_json(raw: bytes, where: str, what: str):
+    """JSON from a registry, nested at most MAX_JSON_DEPTH deep; CheckpointInvalid otherwise (never a
+    RecursionError from the parser or from code that walks the result later)."""
     try:
         data = json.loads(raw)
+    except RecursionError as exc:
+        raise CheckpointInvalid(f"{where}: {what} is nested deeper than {MAX_JSON_DEPTH} levels") from exc
     except ValueError as exc:
-        raise CheckpointInvalid(f"{where}: the image manifest is not JSON ({exc})") from exc
+        raise CheckpointInvalid(f"{where}: {what} is not JSON ({printable(exc, 120)})") from exc
+    level, depth = [data], 1
+    while level:
+        if depth > MAX_JSON_DEPTH:
+            raise CheckpointInvalid(f"{where}: {what} is nested deeper than {MAX_JSON_DEPTH} levels")
+        level = [c for x in level if isinstance(x, (dict, list)) for c in (x.values() if isinstance(x, dict) else x)
+                 if isinstance(c, (dict, list))]
+        depth += 1
+    return data
+
+
+def namespace(manifest: dict, config: dict | None = None) -> str | None:
+    """The Kubernetes namespace an image says its checkpoint was taken in (None: it does not say):
+    a migrt image's config (its checkpoint manifest), or a CRI-O checkpoint image's annotation."""
+    src = (config or {}).get("source") if isinstance(config, dict) else None
+    cri = src.get("cri") if isinstance(src, dict) else None
+    ns = cri.get("pod_namespace") if isinstance(cri, dict) else None
+    if ns is None:
+        ann = manifest.get("annotations")
+        ns = ann.get(CRIO_NAMESPACE) if isinstance(ann, dict) else None
+    return ns if isinstance(ns, str) and ns else None
+
+
+def parse(raw: bytes, where: str) -> dict:
+    data = load_json(raw, where, "the image manifest")
     if not isinstance(data, dict) or data.get("schemaVersion") != 2:
         raise CheckpointInvalid(f"{where}: not an OCI image manifest (schemaVersion 2)")
     return data
@@ -118,21 +154,21 @@ def kind(manifest: dict) -> str:
     'index' (a list of manifests); CheckpointInvalid for an image that holds no checkpoint."""
     if manifest.get("mediaType") in INDEX_TYPES or "manifests" in manifest:
         return "index"
-    cfg = manifest.get("config") or {}
-    if cfg.get("mediaType") == CONFIG_TYPE:
+    cfg = manifest.get("config")
+    if isinstance(cfg, dict) and cfg.get("mediaType") == CONFIG_TYPE:
         return "migrt"
-    ann = manifest.get("annotations") or {}
-    layers = manifest.get("layers") or []
-    if any(k in ann for k in CHECKPOINT_NAME_KEYS) and len(layers) == 1 and layers[0].get("mediaType") in TAR_TYPES:
+    ann = manifest.get("annotations")
+    layers = manifest.get("layers")
+    if isinstance(ann, dict) and any(k in ann for k in CHECKPOINT_NAME_KEYS) and isinstance(layers, list) \
+            and len(layers) == 1 and isinstance(layers[0], dict) and layers[0].get("mediaType") in TAR_TYPES:
         return "archive"
     raise CheckpointInvalid("the image is not a checkpoint: neither a migrt checkpoint image nor a single-layer "
                             f"checkpoint image with the CRI-O annotation {CRIO_NAME}")
 
 
 def check_descriptor(d: object, where: str) -> dict:
-    if not isinstance(d, dict) or not isinstance(d.get("digest"), str) or not d["digest"].startswith("sha256:") \
-            or len(d["digest"]) != 71 or not isinstance(d.get("size"), int) or isinstance(d.get("size"), bool) \
-            or d["size"] < 0:
+    if not isinstance(d, dict) or not isinstance(d.get("digest"), str) or not _SHA256.fullmatch(d["digest"]) \
+            or not isinstance(d.get("size"), int) or isinstance(d.get("size"), bool) or d["size"] < 0:
         raise CheckpointInvalid(f"{where}: a descriptor without a sha256 digest and size")
     return d
 
@@ -156,7 +192,8 @@ def plan_files(manifest: dict, files: dict, where: str) -> dict[str, list[tuple[
         plan.setdefault(rel, []).append((int(off), d["size"], d["digest"]))
     if set(plan) != set(files):
         extra = sorted(set(plan) ^ set(files))
-        raise CheckpointInvalid(f"{where}: file {extra[0]} is in the image's layers or its manifest, not in both")
+        raise CheckpointInvalid(f"{where}: file '{printable(extra[0], 200)}' is in the image's layers or its "
+                                "manifest, not in both")
     for rel, chunks in plan.items():
         chunks.sort()
         size = files[rel].get("size") if isinstance(files[rel], dict) else None

@@ -72,8 +72,8 @@ def _run(argv: list[str]) -> None:
     subprocess.run(argv, check=True, capture_output=True)
 
 
-def make_tls(base: str) -> tuple[str, str, str]:
-    """A throw-away CA and a server certificate for 127.0.0.1/localhost signed by it."""
+def make_tls(base: str, ips: tuple[str, ...] = ("127.0.0.1",)) -> tuple[str, str, str]:
+    """A throw-away CA and a server certificate for the addresses `ips` and localhost, signed by it."""
     ca_key, ca = os.path.join(base, "ca.key"), os.path.join(base, "ca.pem")
     key, csr, cert = (os.path.join(base, n) for n in ("server.key", "server.csr", "server.pem"))
     ext = os.path.join(base, "san.ext")
@@ -82,7 +82,7 @@ def make_tls(base: str) -> tuple[str, str, str]:
           "-days", "2", "-subj", "/CN=migrt test CA"])
     _run(["openssl", "req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=localhost"])
     with open(ext, "w") as fh:
-        fh.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+        fh.write(f"subjectAltName={','.join('IP:' + ip for ip in ips)},DNS:localhost\nbasicConstraints=CA:FALSE\n"
                  "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
     _run(["openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
           "-days", "2", "-extfile", ext])
