@@ -10,6 +10,8 @@
 #  - a virtual environment with the project under $MIGRT_PREFIX (default /opt/migrt), made with a
 #    pinned interpreter (recorded in $MIGRT_PREFIX/interpreter) that survives python3 upgrades, pycriu
 #    from the same CRIU build;
+#  - /usr/local/sbin/criu -> migrt's CRIU when the node has no criu on PATH (containerd 2.x looks for
+#    one before serving kubelet's checkpoint API; MIGRT_CRIU_LINK=0 skips it);
 #  - /usr/local/bin/migrt and /usr/local/bin/migrt-runc, $MIGRT_PREFIX/libexec/cuda-criu-action,
 #    /etc/migrt/config.yaml (if absent), /var/lib/migrt, and fs.pipe-max-size 4 MiB (sysctl.d file).
 # Test-only components (newer runc/containerd, podman, a registry) are packaging/setup-test.sh's.
@@ -51,6 +53,20 @@ else
 fi
 "$criu_dir/sbin/criu" --version | grep -q 'Version: 4\.[2-9]' ||
     { log "CRIU 4.2 or newer is required; $criu_dir/sbin/criu says: $("$criu_dir/sbin/criu" --version 2>&1 | head -1)"; exit 1; }
+# containerd 2.x checks for a `criu` on its own PATH before it serves CRI CheckpointContainer (kubelet's
+# checkpoint API), then checkpoints through migrt-runc, which uses migrt's CRIU whatever containerd
+# found. A node with no criu at all gets $sbindir/criu -> migrt's (MIGRT_CRIU_LINK=0: none); a node's
+# own criu is left alone.
+sbindir=${MIGRT_SBINDIR:-/usr/local/sbin}
+if [ "${MIGRT_CRIU_LINK:-1}" = 1 ]; then
+    current=$(command -v criu 2>/dev/null || true)
+    if [ -z "$current" ] || [ "$(readlink -f "$current")" = "$(readlink -f "$criu_dir/sbin/criu")" ]; then
+        mkdir -p "$sbindir"
+        ln -sfn "$criu_dir/sbin/criu" "$sbindir/criu"
+    else
+        log "kept the node's own $current for containerd's CRI checkpoint check (migrt uses $criu_dir/sbin/criu)"
+    fi
+fi
 
 # The venv: made with a versioned interpreter resolved once (/usr/bin/python3 -> /usr/bin/python3.11),
 # recorded in $prefix/interpreter, and self-contained (no system site-packages): an apt upgrade that
