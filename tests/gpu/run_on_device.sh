@@ -4,7 +4,8 @@
 #   source .device/setup.sh && bash tests/gpu/run_on_device.sh [pytest arguments, e.g. -k two_cuda]
 #
 # Uses the checkout in place (PYTHONPATH, nothing installed), the machine's Python with torch
-# (MIGRT_GPU_PYTHON to choose another) and criu/runc from .device/. Writes to $OUT (default
+# (MIGRT_GPU_PYTHON to choose another) and criu/runc from .device/ (migrt's own CRIU build when
+# .device/migrt-criu holds it: `cp -a /opt/migrt/criu .device/migrt-criu` after prepare.sh). Writes to $OUT (default
 # ./gpu-results): environment.txt, doctor.txt, pytest.log, junit.xml, results.jsonl (figures per
 # test), results.md (the table), migrt.log and hook.log (migrt's and the CRIU hook's own logs).
 # Sizes: MIGRT_GPU_TEST_GBS (default "2 8": the round trip runs at each, the other tests at the
@@ -17,12 +18,18 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MIGRT_GPU_TEST_GBS=${MIGRT_GPU_TEST_GBS:-"2 8"}
 export MIGRT_GPU_RESULTS="$OUT"
 PY=${MIGRT_GPU_PYTHON:-python3}
+# migrt's own CRIU build (packaging/build-criu.sh, the one nodes get), carried as .device/migrt-criu
+# (copy /opt/migrt/criu there on the preparing machine): first on PATH, and migrt's choice.
+if [ -x .device/migrt-criu/sbin/criu ]; then
+    export PATH="$PWD/.device/migrt-criu/sbin:$PATH" MIGRT_CRIU="$PWD/.device/migrt-criu/sbin/criu"
+fi
 . tests/gpu/iptables_names.sh
 export MIGRT_GPU_PYTHON=$PY
 
 {
     echo "date: $(date -u +%FT%TZ)"; echo "kernel: $(uname -r)"
     nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,driver_version,memory.total,persistence_mode --format=csv
+    echo "criu: $(command -v criu) ($(head -3 "$(dirname "$(command -v criu)")/../BUILD" 2>/dev/null | tr '\n' ' '))"
     criu --version | head -1; runc --version | head -1
     echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled)"
     "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
