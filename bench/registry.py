@@ -190,7 +190,8 @@ def main() -> int:
                          else os.path.join(base, "store"))
             with open(lab.config, "w") as fh:
                 fh.write(f"runtime: runc\nstore: {lab.store}\nlog_file: {lab.log_file}\nlog_level: info\n"
-                         f"registry_auth_file: {reg.auth_file}\nregistry_ca_file: {reg.ca_file}\n")
+                         f"registry_auth_file: {reg.auth_file}\nregistry_ca_file: {reg.ca_file}\n"
+                         f"restore_registries: ['{reg.host}']\nregistry_timeout: 3600\n")
             for size in (float(x) for x in args.sizes.split(",")):
                 need = int(size * GIB) * (4 if args.shm else 1) + GIB
                 if meminfo("MemAvailable") < need:

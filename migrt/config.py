@@ -11,12 +11,20 @@ Keys (all optional):
   gpu_backend: auto                  auto | cuda | none (auto: the CUDA driver API when libcuda.so.1 has it)
   gpu_lock_timeout_ms: 30000         how long a CUDA process may take to reach a lockable point
   allow_cross_namespace_restore: false  restore a pod's checkpoint into another Kubernetes namespace
+  allow_unbound_checkpoints: false   restore a checkpoint that records no Kubernetes namespace (not taken
+                                     from a pod, or made by hand) into a pod container
   store_space_check: true            refuse a checkpoint (before freezing) when the store cannot hold it
   migration_key_file: (none)         file with the secret shared by nodes that migrate to each other
   migration_tls: (none)              {cert, key, ca}: TLS for migrations (docs/migration.md)
   registry_auth_file: (none)         docker-style config.json with registry credentials (docs/registry.md)
   registry_ca_file: (none)           CA bundle for registries (default: the system's)
   registry_parallel: 4               blobs moved at once by push and pull
+  registry_timeout: 60               seconds a restore by reference (`MIGRT_RESTORE=oci:...` in a create) may
+                                     spend pulling, all requests and retries together; keep it below kubelet's
+                                     runtimeRequestTimeout (2 minutes) less the restore's own time (docs/registry.md)
+  restore_registries: []             registries a container's create may pull from (`oci:HOST/...` restore
+                                     requests): host[:port] entries, '*' wildcards in the host (no port: 443);
+                                     none by default. `migrt pull` is not limited (docs/registry.md)
   migration_stall_timeout: 10        seconds without progress (bytes, messages, CRIU I/O) after which a
                                      migration gives up on the peer or kills a stuck CRIU (docs/migration.md)
   restore_pages: auto                auto | lazy | eager: how a restore fills memory (docs/restore-pages.md);
@@ -31,6 +39,7 @@ Keys (all optional):
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 from migrt.errors import ConfigError
@@ -41,7 +50,11 @@ LEVELS = ("debug", "info", "warning", "error")
 CRIU_OPTION_KEYS = ("tcp_established", "ext_unix_sk", "file_locks", "shell_job")
 GPU_KEYS = ("gpu_backend", "gpu_lock_timeout_ms")
 GPU_BACKENDS = ("auto", "cuda", "none")
-REGISTRY_KEYS = ("registry_auth_file", "registry_ca_file", "registry_parallel")
+REGISTRY_KEYS = ("registry_auth_file", "registry_ca_file", "registry_parallel", "registry_timeout",
+                 "restore_registries")
+# host[:port] or [v6][:port]; wildcards (* ?) in the host, '*' for any port
+_REGISTRY_PATTERN = re.compile(r"(?:[A-Za-z0-9*?](?:[A-Za-z0-9*?.-]*[A-Za-z0-9*?])?|\[[0-9a-fA-F:]+\])"
+                               r"(?::(?:[0-9]{1,5}|\*))?")
 RESTORE_PAGES = ("auto", "lazy", "eager")
 PAGE_KEYS = ("restore_pages", "fill_threads", "fill_min_mib")
 DUMP_PAGES = ("auto", "parallel", "criu")
@@ -64,10 +77,13 @@ class Config:
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
     allow_cross_namespace_restore: bool = False
+    allow_unbound_checkpoints: bool = False
     store_space_check: bool = True
     registry_auth_file: str | None = None
     registry_ca_file: str | None = None
     registry_parallel: int = 4
+    registry_timeout: float = 60.0
+    restore_registries: list[str] = field(default_factory=list)
     restore_pages: str = "auto"
     fill_threads: int = 0
     fill_min_mib: int = 256
@@ -169,7 +185,7 @@ def load(path: str | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
-             "allow_cross_namespace_restore", "migration_key_file", "migration_tls", "store_space_check",
+             "allow_cross_namespace_restore", "allow_unbound_checkpoints", "migration_key_file", "migration_tls", "store_space_check",
              "migration_stall_timeout"}
     known |= set(REGISTRY_KEYS)
     known |= set(GPU_KEYS) | set(PAGE_KEYS) | set(DUMP_KEYS)
@@ -206,6 +222,10 @@ def load(path: str | None = None) -> Config:
     if not isinstance(cross, bool):
         raise ConfigError(f"config {path}: 'allow_cross_namespace_restore' must be true or false")
     cfg.allow_cross_namespace_restore = cross
+    unbound = data.get("allow_unbound_checkpoints", False)
+    if not isinstance(unbound, bool):
+        raise ConfigError(f"config {path}: 'allow_unbound_checkpoints' must be true or false")
+    cfg.allow_unbound_checkpoints = unbound
     space_check = data.get("store_space_check", True)
     if not isinstance(space_check, bool):
         raise ConfigError(f"config {path}: 'store_space_check' must be true or false")
@@ -237,6 +257,15 @@ def _load_registry(cfg: Config, data: dict, path: str) -> None:
     if not isinstance(par, int) or isinstance(par, bool) or not 1 <= par <= 32:
         raise ConfigError(f"config {path}: 'registry_parallel' must be an integer from 1 to 32")
     cfg.registry_parallel = par
+    timeout = data.get("registry_timeout", cfg.registry_timeout)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 1 <= timeout <= 3600:
+        raise ConfigError(f"config {path}: 'registry_timeout' must be a number of seconds from 1 to 3600")
+    cfg.registry_timeout = float(timeout)
+    allowed = data.get("restore_registries") or []
+    if not isinstance(allowed, list) or not all(isinstance(a, str) and _REGISTRY_PATTERN.fullmatch(a) for a in allowed):
+        raise ConfigError(f"config {path}: 'restore_registries' must be a list of registries as host[:port] "
+                          "(e.g. [registry.example, '*.corp.example', '127.0.0.1:5000'])")
+    cfg.restore_registries = allowed
 
 
 def _load_gpu(cfg: Config, data: dict, path: str) -> None:

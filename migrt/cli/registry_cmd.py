@@ -43,18 +43,23 @@ def push(name, reference, fmt, as_json):
 @click.argument("reference")
 @click.option("--name", help="Store name (default: oci-<repository>-<manifest digest prefix>, the name a restore "
                              "by reference looks for).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+              help="Give up when the whole pull (every request, retry and wait) takes longer; what arrived is "
+                   "kept and the next pull resumes it. Default: no limit for the whole (each request has its own).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 @handle_errors
-def pull(reference, name, as_json):
+def pull(reference, name, timeout, as_json):
     """Pull a checkpoint image (pushed by migrt, or a CRI-O/Podman checkpoint image) into the store,
     every digest checked before it is committed; prints the checkpoint name."""
+    from migrt.registry.client import Deadline
     from migrt.registry.pull import pull as do_pull
 
     cfg = load_config()
     progress = _progress(as_json)
     if progress.enabled:
         click.echo(f"pulling {reference}", err=True)
-    out = do_pull(cfg, reference, name=name, progress=progress)
+    deadline = Deadline.after(timeout, "migrt pull --timeout") if timeout else None
+    out = do_pull(cfg, reference, name=name, progress=progress, deadline=deadline)
     if as_json:
         emit_json(out)
         return

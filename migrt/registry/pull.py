@@ -18,6 +18,11 @@ create finds the pre-pulled checkpoint. One pull per image and node at a time (a
 caller waits and then reuses what the first committed. A tag is resolved with the registry each
 time (tags move); a reference pinned with `@sha256:` that this node already pulled needs no
 registry at all (a restore still works while the registry is down).
+
+A create's pull (`ensure_local`) is the pod's request, not the node operator's: its registry must be
+one of the config's `restore_registries` (refused before any connection), the whole pull ends within
+`registry_timeout`, and an image that says it was taken in another Kubernetes namespace than the
+pod's is refused before any layer is fetched (the caller's `admit`). `migrt pull` is not limited.
 """
 
 from __future__ import annotations
@@ -25,13 +30,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from migrt import names
@@ -40,9 +44,9 @@ from migrt.errors import CheckpointInvalid, Conflict, MigrtError, PreconditionFa
 from migrt.pagefill.images import record_beside
 from migrt.progress import Progress, null_progress
 from migrt.registry import image
-from migrt.registry.client import Client
+from migrt.registry.client import Client, Deadline
 from migrt.registry.connect import client_for
-from migrt.registry.reference import Reference, parse
+from migrt.registry.reference import Reference, parse, registry_allowed
 from migrt.store import Store
 from migrt.store import importer, reserve
 from migrt.store.fsutil import TREE_CHUNK, fold_chunks
@@ -56,21 +60,38 @@ def default_name(ref: Reference, manifest_digest: str) -> str:
     return names.validate(f"oci-{stem}-{manifest_digest.split(':', 1)[1][:16]}")
 
 
+Admit = Callable[[str | None], None]
+
+
 @contextlib.contextmanager
-def image_lock(store: Store, manifest_digest: str) -> Iterator[None]:
-    """Blocking lock per image and node (concurrent creates restoring one reference pull once)."""
+def image_lock(store: Store, manifest_digest: str, deadline: Deadline | None = None) -> Iterator[None]:
+    """Lock per image and node (concurrent creates restoring one reference pull once); waited for at
+    most until the deadline."""
     store.ensure()
     path = os.path.join(store.root, ".locks", f".pull-{manifest_digest.split(':', 1)[1]}.lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if deadline is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    deadline.check(f"waiting for another pull of {manifest_digest} on this node")
+                    time.sleep(0.1)
         yield
     finally:
         os.close(fd)
 
 
-def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Progress = null_progress) -> dict:
-    """Pull an image into the store (or find it already there). Returns a summary with `name`."""
+def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Progress = null_progress,
+         deadline: Deadline | None = None, admit: Admit | None = None) -> dict:
+    """Pull an image into the store (or find it already there). Returns a summary with `name`.
+    deadline: the end of the whole pull (None: each request's own budget only). admit(namespace):
+    called, before any layer is fetched, with the Kubernetes namespace the image says its checkpoint
+    was taken in (None: it does not say); it raises to refuse the image."""
     t_start = time.monotonic()
     ref = parse(reference)
     if name:
@@ -82,14 +103,14 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
         if have:
             return {"name": have, "reference": str(ref), "digest": ref.digest, "already_present": True,
                     "bytes_received": 0, "seconds": round(time.monotonic() - t_start, 3)}
-    client = client_for(cfg, ref)
+    client = client_for(cfg, ref, deadline=deadline)
     try:
         raw, _ctype, mdigest = client.get_manifest()
         manifest = image.parse(raw, str(ref))
         if image.kind(manifest) == "index":
             raw, mdigest, manifest = _from_index(client, manifest, ref)
         name = name or default_name(ref, mdigest)
-        with image_lock(store, mdigest):
+        with image_lock(store, mdigest, deadline):
             if store.exists(name):
                 if _present(store, name, mdigest):
                     return {"name": name, "reference": str(ref), "digest": mdigest, "already_present": True,
@@ -99,8 +120,10 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
             pulled = {"reference": str(ref), "registry": ref.registry, "repository": ref.repository,
                       "manifest_digest": mdigest, "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             if image.kind(manifest) == "migrt":
-                data = _pull_chunked(cfg, client, store, manifest, mdigest, name, pulled, progress)
+                data = _pull_chunked(cfg, client, store, manifest, mdigest, name, pulled, progress, admit)
             else:
+                if admit:
+                    admit(image.namespace(manifest))
                 data = _pull_archive(cfg, client, store, manifest, name, pulled, progress)
     finally:
         client.close()
@@ -119,8 +142,10 @@ def _present(store: Store, name: str, manifest_digest: str) -> str | None:
 
 
 def _from_index(client: Client, index: dict, ref: Reference) -> tuple[bytes, str, dict]:
-    entries = [m for m in index.get("manifests") or [] if isinstance(m, dict)]
-    mine = [m for m in entries if (m.get("platform") or {}).get("architecture") in (ARCH, None)]
+    listed = index.get("manifests")
+    entries = [m for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
+    mine = [m for m in entries if isinstance(m.get("platform") or {}, dict)
+            and (m.get("platform") or {}).get("architecture") in (ARCH, None)]
     chosen = mine[0] if len(mine) >= 1 else (entries[0] if len(entries) == 1 else None)
     if not chosen:
         raise CheckpointInvalid(f"{ref}: an image index without a manifest for linux/{ARCH}")
@@ -138,10 +163,7 @@ def _fetch_config(client: Client, manifest: dict, where: str) -> dict:
         raise CheckpointInvalid(f"{where}: the image config is {desc['size']} bytes; at most 16 MiB accepted")
     buf = bytearray()
     client.fetch_blob(desc["digest"], desc["size"], lambda v: buf.extend(v) if len(v) else buf.clear())
-    try:
-        data = json.loads(bytes(buf))
-    except ValueError as exc:
-        raise CheckpointInvalid(f"{where}: the checkpoint manifest in the image config is not JSON") from exc
+    data = image.load_json(bytes(buf), where, "the checkpoint manifest in the image config")
     if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
         raise CheckpointInvalid(f"{where}: the image config holds no checkpoint manifest with a file list")
     schema = data.get("schema")
@@ -177,9 +199,11 @@ class _Journal:
 
 
 def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdigest: str, name: str,
-                  pulled: dict, progress: Progress) -> dict:
+                  pulled: dict, progress: Progress, admit: Admit | None = None) -> dict:
     where = f"{client.ref}"
     config = _fetch_config(client, manifest, where)
+    if admit:  # before the partial directory and any layer
+        admit(image.namespace(manifest, config))
     files = config["files"]
     plan = image.plan_files(manifest, files, where)
     hexd = mdigest.split(":", 1)[1]
@@ -349,11 +373,21 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
     return data
 
 
-def ensure_local(cfg: Config, reference: str, progress: Progress = null_progress) -> tuple[str, bool]:
+def ensure_local(cfg: Config, reference: str, progress: Progress = null_progress, *,
+                 admit: Admit | None = None) -> tuple[str, bool]:
     """(store name, pulled now) of an image reference, pulled first if this node does not have it
-    (the `create` path of `oci:` restore requests). Errors are MigrtErrors."""
+    (the `create` path of `oci:` restore requests: a pod's request). Its registry must be in the
+    config's restore_registries (PreconditionFailed before any connection otherwise); the whole pull
+    ends within registry_timeout. Errors are MigrtErrors."""
+    ref = parse(reference)
+    if not registry_allowed(ref, cfg.restore_registries):
+        raise PreconditionFailed(
+            f"registry {ref.registry} is not one this node restores from: a restore by reference may only name "
+            f"a registry listed in restore_registries in the node's migrt config ({cfg.path}); ask the cluster's "
+            "administrators, or restore a checkpoint already in the node's store by its name")
+    deadline = Deadline.after(cfg.registry_timeout, "registry_timeout in the migrt config")
     try:
-        out = pull(cfg, reference, progress=progress)
+        out = pull(cfg, reference, progress=progress, deadline=deadline, admit=admit)
         return out["name"], not out["already_present"]
     except MigrtError:
         raise

@@ -8,6 +8,7 @@ contain ':' (migrt.names), so the two cannot be mistaken for each other.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 
@@ -88,3 +89,27 @@ def parse(text: str) -> Reference:
     if tag is None and digest is None:
         tag = "latest"
     return Reference(registry=registry, repository=repo, tag=tag, digest=digest)
+
+
+def _host_port(hostport: str) -> tuple[str, str]:
+    """('host', 'port') of host[:port] or [v6][:port]; the port defaults to https's 443."""
+    if hostport.startswith("["):
+        host, _, rest = hostport.partition("]")
+        return host + "]", rest[1:] if rest.startswith(":") else "443"
+    host, sep, port = hostport.rpartition(":")
+    return (host, port) if sep else (hostport, "443")
+
+
+def registry_allowed(ref: Reference, patterns: list[str]) -> bool:
+    """Whether a reference's registry is one of `patterns` (the node's restore_registries): entries
+    host[:port] or [v6-address][:port], where the host may hold shell-style wildcards ('*' matches any
+    characters, dots included) and the port may be '*'; no port means 443. Docker Hub is 'docker.io'."""
+    names = {ref.registry, ref.api_host}
+    for pattern in patterns:
+        p_host, p_port = _host_port(pattern.lower())
+        for name in names:
+            host, port = _host_port(name.lower())
+            if (p_port == "*" or p_port == port) and (
+                    host == p_host if p_host.startswith("[") else fnmatch.fnmatchcase(host, p_host)):
+                return True
+    return False

@@ -35,7 +35,8 @@ def registry(migrt_config, tmp_path_factory):
     original = open(cfg).read()
     with local_registry(str(base)) as reg:
         with open(cfg, "a") as fh:
-            fh.write(f"registry_auth_file: {reg.auth_file}\nregistry_ca_file: {reg.ca_file}\n")
+            fh.write(f"registry_auth_file: {reg.auth_file}\nregistry_ca_file: {reg.ca_file}\n"
+                     f"restore_registries: ['{reg.host}']\n")  # creates may restore `oci:` images from it
         try:
             yield reg
         finally:
