@@ -18,7 +18,7 @@ from migrt.config import POLICIES, Config
 from migrt.criu.options import CriuOptions
 from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
-from migrt.ops import pages, restore_checks
+from migrt.ops import pages, restore_checks, restore_privileges
 from migrt.pods import namespaces, rootfs
 from migrt.registry import reference
 from migrt.progress import Progress, null_progress
@@ -109,7 +109,9 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
     fill = None
     gate = None
     try:
-        check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore)
+        security = check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore,
+                                allow_unbound=cfg.allow_unbound_checkpoints, images=ckpt.images,
+                                rootfs_changes=lambda: restore_privileges.layer_changes(ckpt.path))
         options = CriuOptions.from_dict(ckpt.manifest.get("options"))
         if target.fill is not None:  # a lazy migration's filler, already fetching from the source
             page_mode = pages.migration_mode(target.fill)
@@ -155,7 +157,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                 container_id=target.container_id, bundle=target.bundle.path, image_path=view,
                 work_path=work, pid_file=target.pid_file or os.path.join(work, "init.pid"), console_socket=target.console_socket,
                 no_pivot=target.no_pivot, options=options,
-                extra=target.extra + (["--lazy-pages"] if fill else []),
+                extra=target.extra + security.runc_args + (["--lazy-pages"] if fill else []),
             )
             if fill:
                 fill.link(work)
@@ -218,7 +220,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
         shutil.rmtree(work, ignore_errors=True)
     timings["total_s"] = round(time.monotonic() - t_all, 3)
     return {"checkpoint": name, "container_id": target.container_id, "pid": pid, "hostname": hostname,
-            "timings": timings, "restore_gate": gate, "pages": page_mode}
+            "timings": timings, "restore_gate": gate, "pages": page_mode, "security": security.notes}
 
 
 def _gpu_steps():
@@ -259,14 +261,25 @@ def _process_age_s() -> float | None:
         return None
 
 
-def check_target(manifest: dict, bundle: Bundle, name: str, *, allow_cross_namespace: bool) -> None:
-    """Refuse, before anything is touched, a target the checkpoint cannot go into."""
+def check_target(manifest: dict, bundle: Bundle, name: str, *, allow_cross_namespace: bool,
+                 allow_unbound: bool = False, images: str | None = None,
+                 rootfs_changes: Callable[[], list[str]] | None = None) -> restore_privileges.Verdict:
+    """Refuse, before anything is touched, a target the checkpoint cannot go into: another Kubernetes
+    namespace, a pod for a checkpoint bound to none, missing mounts, and (given its `images`) a
+    container that grants less than the checkpointed processes hold (ops/restore_privileges.py).
+    Returns what runc must be told for the privileges to match (an --lsm-profile)."""
     src_ns = ((manifest.get("source") or {}).get("cri") or {}).get("pod_namespace")
     dst_ns = bundle.cri_metadata().get("pod_namespace")
     if src_ns and dst_ns != src_ns and not allow_cross_namespace:
         raise PreconditionFailed(
             f"checkpoint {name} was taken in Kubernetes namespace {src_ns!r} and may only be restored there "
             f"(target: {dst_ns or 'not a pod'}); set 'allow_cross_namespace_restore: true' in the migrt config to allow it"
+        )
+    if dst_ns and not src_ns and not allow_unbound:
+        raise PreconditionFailed(
+            f"checkpoint {name} records no Kubernetes namespace (not taken from a pod, or made by hand) and may not "
+            f"be restored into a pod (namespace {dst_ns!r}); set 'allow_unbound_checkpoints: true' in the migrt "
+            "config to allow checkpoints without a namespace into pods"
         )
     old_binds = rootfs.bind_destinations(manifest.get("mounts") or [])
     new_dests = {m.get("destination") for m in bundle.mounts}
@@ -278,6 +291,10 @@ def check_target(manifest: dict, bundle: Bundle, name: str, *, allow_cross_names
             f"mount from {sources.get(missing[0])} there); give the new container a volume at {missing[0]}"
             + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else "")
         )
+    if images is None:
+        return restore_privileges.Verdict()
+    captured = bool((manifest.get("rootfs") or {}).get("captured"))  # the layer a restore applies
+    return restore_privileges.check(images, bundle, name, rootfs_changes=rootfs_changes if captured else None)
 
 
 def _check_create_flags(cmd) -> list[str]:

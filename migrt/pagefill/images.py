@@ -15,7 +15,7 @@ store commits the checkpoint: `record_beside()`): a restore decides eager or laz
 reading the images. The plan the filler works from is always made again from the images themselves
 (by the guard), and the restore's tree waits for it (ops/pages.py PlanCheck).
 
-A small protobuf reader of our own (stdlib only) instead of pycriu: it reads the three message types
+A small protobuf reader of our own (stdlib only, criu/protobuf.py) instead of pycriu: it reads the three message types
 needed in milliseconds, while importing pycriu costs ~0.25 s on the restore path; the unit tests
 check it against pycriu on images CRIU made.
 """
@@ -23,8 +23,11 @@ check it against pycriu on images CRIU made.
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass, field
+
+from migrt.criu.protobuf import ImageError, read_entries
+from migrt.criu.protobuf import fields as _fields
+from migrt.criu.protobuf import varint as _varint  # noqa: F401 - pagedump reads its varints with it
 
 PAGE = 4096
 # The version of plan()'s rules (what it refuses, what it counts as lazy). A recorded survey counts
@@ -34,81 +37,6 @@ PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
 VMA_AREA_VSYSCALL, VMA_AREA_VDSO = 1 << 2, 1 << 3
 MADV_DONTFORK, MADV_WIPEONFORK = 10, 18  # VmaEntry.madv holds 1 << MADV_* of what the VMA had
-_MAGIC_COMMON, _MAGIC_SERVICE = 0x54564319, 0x55105940
-
-
-class ImageError(Exception):
-    """The images cannot be filled by migrt (unreadable, or something the filler does not support)."""
-
-
-# -- protobuf (wire format: varint keys, varint / 64-bit / length-delimited / 32-bit values) ---------
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        if i >= len(buf):
-            raise ImageError("truncated varint")
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
-        if shift > 70:
-            raise ImageError("overlong varint")
-
-
-def _need(buf: bytes, i: int, n: int) -> None:
-    if i + n > len(buf):
-        raise ImageError("truncated protobuf field")
-
-
-def _fields(buf: bytes) -> list[tuple[int, int | bytes]]:
-    """(field number, value) for every field; repeated fields appear several times."""
-    out = []
-    i = 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            val, i = _varint(buf, i)
-        elif wt == 1:
-            _need(buf, i, 8)
-            val, i = struct.unpack_from("<Q", buf, i)[0], i + 8
-        elif wt == 2:
-            n, i = _varint(buf, i)
-            _need(buf, i, n)
-            val, i = buf[i:i + n], i + n
-        elif wt == 5:
-            _need(buf, i, 4)
-            val, i = struct.unpack_from("<I", buf, i)[0], i + 4
-        else:
-            raise ImageError(f"unsupported protobuf wire type {wt}")
-        out.append((num, val))
-    return out
-
-
-def read_entries(path: str) -> list[bytes]:
-    """The protobuf entries of a CRIU image file (magic(s), then u32 size + message, repeated)."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise ImageError(f"cannot read {os.path.basename(path)}: {exc.strerror}") from exc
-    if len(data) < 4:
-        raise ImageError(f"{os.path.basename(path)} is too short")
-    i = 4
-    if struct.unpack_from("<I", data)[0] in (_MAGIC_COMMON, _MAGIC_SERVICE):
-        i = 8
-    out = []
-    while i < len(data):
-        if i + 4 > len(data):
-            raise ImageError(f"{os.path.basename(path)}: truncated entry header")
-        (n,) = struct.unpack_from("<I", data, i)
-        if i + 4 + n > len(data):
-            raise ImageError(f"{os.path.basename(path)}: truncated entry")
-        out.append(data[i + 4:i + 4 + n])
-        i += 4 + n
-    return out
 
 
 # -- the three images ------------------------------------------------------------------------------

@@ -1,0 +1,304 @@
+"""What the checkpointed tasks hold, read from CRIU's images: the privileges CRIU gives back to every
+task and thread it restores, whatever the new container's config.json says.
+
+CRIU restores credentials, capability sets, securebits, no_new_privs, the seccomp mode and filters,
+the LSM label, open files and the mount table exactly as its images record them; `runc restore`
+applies neither process.user nor process.capabilities, noNewPrivileges or the seccomp profile to
+restored tasks. So a restore compares these facts with what the new bundle grants before CRIU runs
+(ops/restore_privileges.py). The images are the authority (they are what CRIU reads); a manifest
+could be hand-made and is not consulted here.
+
+Where the facts live (CRIU 3.x/4.x):
+  pstree.img                 every process and its threads
+  core-<tid>.img             per thread: thread_core.creds (uids, gids, groups, capability words,
+                             secbits, no_new_privs, lsm_profile), thread_core.seccomp_mode;
+                             per process: tc.task_state, tc.comm, ids (files_id, mnt_ns_id)
+  creds-<pid>.img            the same creds in images of CRIU before 3.0 (read when core has none)
+  files.img, fdinfo-<id>.img open files (reg: path, flags, st_mode, mnt_id; tty: tty_info_id)
+  tty-info.img               a tty's kind and device number
+  mountpoints-<ns>.img       the mount table CRIU recreates (mountpoint, flags)
+  seccomp.img                the BPF filters (only their presence is used)
+
+Stdlib only (criu/protobuf.py: no pycriu on the restore path, whose import costs ~0.3 s); the unit
+tests check it against pycriu-written images.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+
+from migrt.criu.protobuf import ImageError, read_entries
+from migrt.criu.protobuf import fields as _fields
+from migrt.criu.protobuf import varint as _varint
+
+TASK_ALIVE, TASK_DEAD, TASK_STOPPED, TASK_HELPER = 1, 2, 3, 4
+SECCOMP_DISABLED, SECCOMP_STRICT, SECCOMP_FILTER = 0, 1, 2
+FD_REG, FD_TTY = 1, 11
+TTY_PTY, TTY_CONSOLE, TTY_CTTY = 1, 2, 4
+CAP_SETS = ("effective", "permitted", "inheritable", "bounding", "ambient")
+_CRED_CAPS = {9: "inheritable", 10: "permitted", 11: "effective", 12: "bounding", 19: "ambient"}
+MS_RDONLY = 1
+O_ACCMODE, O_WRONLY, O_RDWR, O_PATH = 0o3, 0o1, 0o2, 0o10000000
+
+
+@dataclass
+class Thread:
+    """One restored thread's privileges."""
+    pid: int                      # its process (the pstree entry)
+    tid: int
+    comm: str
+    uids: tuple[int, int, int, int] | None = None   # real, effective, saved, fs (None: not recorded)
+    gids: tuple[int, int, int, int] | None = None
+    groups: tuple[int, ...] = ()
+    caps: dict[str, int] = field(default_factory=dict)  # CAP_SETS -> bit mask
+    secbits: int = 0
+    no_new_privs: int | None = None  # None: the images do not record it (CRIU older than 3.19)
+    lsm_profile: str | None = None
+    seccomp_mode: int = SECCOMP_DISABLED
+    seccomp_filter: int | None = None  # index of the last filter of its chain in seccomp.img
+
+    @property
+    def what(self) -> str:
+        who = f"process {self.pid}" if self.tid == self.pid else f"thread {self.tid} of process {self.pid}"
+        return f"{who} ({self.comm})" if self.comm else who
+
+
+@dataclass(frozen=True)
+class OpenFile:
+    """A descriptor CRIU reopens: a regular or device file by path, or a tty by device number."""
+    pid: int
+    fd: int
+    path: str
+    flags: int
+    mode: int | None = None        # st_mode as recorded (None: not recorded)
+    mnt_id: int | None = None
+    rdev: int | None = None        # ttys: the device number CRIU recorded
+
+    @property
+    def writes(self) -> bool:
+        return not self.flags & O_PATH and self.flags & O_ACCMODE in (O_WRONLY, O_RDWR)
+
+    @property
+    def reads(self) -> bool:
+        return not self.flags & O_PATH and self.flags & O_ACCMODE != O_WRONLY
+
+
+@dataclass(frozen=True)
+class Mount:
+    mnt_id: int
+    mountpoint: str
+    flags: int
+    fstype: int
+
+    @property
+    def read_only(self) -> bool:
+        return bool(self.flags & MS_RDONLY)
+
+
+@dataclass
+class Tasks:
+    threads: list[Thread]
+    files: list[OpenFile]
+    mounts: list[Mount]             # the mount namespace of the tree's root task
+    seccomp_filters: int            # filters in seccomp.img
+
+    @property
+    def root_mount(self) -> Mount | None:
+        return next((m for m in self.mounts if m.mountpoint == "/"), None)
+
+
+def _ints(fields: list, num: int) -> list[int]:
+    """A repeated uint32 field, packed or not."""
+    out: list[int] = []
+    for n, v in fields:
+        if n != num:
+            continue
+        if isinstance(v, bytes):  # packed
+            i = 0
+            while i < len(v):
+                x, i = _varint(v, i)
+                out.append(x)
+        else:
+            out.append(int(v))
+    return out
+
+
+def _one(fields: list, num: int, default=None):
+    for n, v in reversed(fields):
+        if n == num:
+            return v
+    return default
+
+
+def _text(raw) -> str:
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else ""
+
+
+def _mask(words: list[int]) -> int:
+    return sum((w & 0xFFFFFFFF) << (32 * i) for i, w in enumerate(words))
+
+
+def _creds(thread: Thread, f: list) -> None:
+    ids = [_one(f, n) for n in range(1, 9)]
+    if any(x is None for x in ids):
+        raise ImageError(f"{thread.what}: credentials without all uids and gids")
+    thread.uids = (int(ids[0]), int(ids[2]), int(ids[4]), int(ids[6]))
+    thread.gids = (int(ids[1]), int(ids[3]), int(ids[5]), int(ids[7]))
+    thread.groups = tuple(_ints(f, 14))
+    thread.caps = {name: _mask(_ints(f, num)) for num, name in _CRED_CAPS.items()}
+    thread.secbits = int(_one(f, 13, 0))
+    nnp = _one(f, 18)
+    thread.no_new_privs = None if nnp is None else int(nnp)
+    profile = _one(f, 15)
+    thread.lsm_profile = _text(profile) if profile is not None else None
+
+
+def _core(images: str, tid: int) -> list:
+    path = os.path.join(images, f"core-{tid}.img")
+    entries = read_entries(path)
+    if not entries:
+        raise ImageError(f"core-{tid}.img is empty")
+    return _fields(entries[0])
+
+
+def read(images: str) -> Tasks:
+    """Every task and thread CRIU would restore from `images`, with what it holds. Raises
+    ImageError when an image is missing or unreadable (a restore must then refuse: CRIU reads them)."""
+    tree = read_entries(os.path.join(images, "pstree.img"))
+    if not tree:
+        raise ImageError("pstree.img lists no process")
+    threads: list[Thread] = []
+    files_ids: dict[int, int] = {}
+    root_mnt_ns: int | None = None
+    for raw in tree:
+        entry = _fields(raw)
+        pid = int(_one(entry, 1, 0))
+        tids = _ints(entry, 5) or [pid]
+        core = _core(images, pid)
+        tc = _fields(_one(core, 3, b"") or b"")
+        state = int(_one(tc, 1, TASK_ALIVE))
+        comm = _text(_one(tc, 6))
+        ids = _one(core, 4)
+        ids = _fields(ids) if isinstance(ids, bytes) else _ids_image(images, pid)
+        if ids:
+            files_ids[pid] = int(_one(ids, 2, 0))
+            if root_mnt_ns is None and _one(ids, 9) is not None:
+                root_mnt_ns = int(_one(ids, 9))
+        if state in (TASK_DEAD, TASK_HELPER):
+            continue  # a zombie or CRIU's helper: never runs code after the restore
+        old_seccomp = int(_one(tc, 11, SECCOMP_DISABLED))
+        for tid in tids:
+            tcore = core if tid == pid else _core(images, tid)
+            th = _fields(_one(tcore, 5, b"") or b"")
+            thread = Thread(pid=pid, tid=tid, comm=_text(_one(th, 13)) or comm)
+            creds = _one(th, 10)
+            if isinstance(creds, bytes):
+                _creds(thread, _fields(creds))
+            else:
+                legacy = os.path.join(images, f"creds-{tid}.img")
+                if tid == pid and os.path.exists(legacy):
+                    ce = read_entries(legacy)
+                    if ce:
+                        _creds(thread, _fields(ce[0]))
+            if thread.uids is None:
+                raise ImageError(f"core-{tid}.img: {thread.what} records no credentials")
+            mode = _one(th, 11)
+            thread.seccomp_mode = int(mode) if mode is not None else old_seccomp
+            filt = _one(th, 12, _one(tc, 12))
+            thread.seccomp_filter = None if filt is None else int(filt)
+            threads.append(thread)
+    return Tasks(threads=threads, files=_open_files(images, files_ids),
+                 mounts=_mounts(images, root_mnt_ns), seccomp_filters=_seccomp_filters(images))
+
+
+def _ids_image(images: str, pid: int) -> list | None:
+    path = os.path.join(images, f"ids-{pid}.img")  # images of CRIU before the ids moved into core
+    if not os.path.exists(path):
+        return None
+    entries = read_entries(path)
+    return _fields(entries[0]) if entries else None
+
+
+def _open_files(images: str, files_ids: dict[int, int]) -> list[OpenFile]:
+    regs: dict[int, list] = {}
+    ttys: dict[int, list] = {}
+    path = os.path.join(images, "files.img")
+    if os.path.exists(path):
+        for raw in read_entries(path):
+            f = _fields(raw)
+            kind, fid = int(_one(f, 1, 0)), int(_one(f, 2, 0))
+            if kind == FD_REG and isinstance(_one(f, 3), bytes):
+                regs[fid] = _fields(_one(f, 3))
+            elif kind == FD_TTY and isinstance(_one(f, 19), bytes):
+                ttys[fid] = _fields(_one(f, 19))
+    for legacy, into in (("reg-files.img", regs), ("tty.img", ttys)):  # images of old CRIU
+        p = os.path.join(images, legacy)
+        if os.path.exists(p):
+            for raw in read_entries(p):
+                f = _fields(raw)
+                into.setdefault(int(_one(f, 1, 0)), f)
+    infos: dict[int, int] = {}
+    p = os.path.join(images, "tty-info.img")
+    if ttys and os.path.exists(p):
+        for raw in read_entries(p):
+            f = _fields(raw)
+            infos[int(_one(f, 1, 0))] = int(_one(f, 8, 0))
+    out: list[OpenFile] = []
+    seen: set[int] = set()
+    for pid, files_id in files_ids.items():
+        if files_id in seen:
+            continue  # a table shared by several processes (CLONE_FILES): once
+        seen.add(files_id)
+        p = os.path.join(images, f"fdinfo-{files_id}.img")
+        if not os.path.exists(p):
+            continue
+        for raw in read_entries(p):
+            fd = _fields(raw)
+            fid, kind, num = int(_one(fd, 1, 0)), int(_one(fd, 3, 0)), int(_one(fd, 4, 0))
+            if kind == FD_REG and fid in regs:
+                r = regs[fid]
+                mnt = _one(r, 7)
+                out.append(OpenFile(pid=pid, fd=num, path=_text(_one(r, 6)), flags=int(_one(r, 2, 0)),
+                                    mode=None if _one(r, 10) is None else int(_one(r, 10)),
+                                    mnt_id=None if mnt is None else _zigzag(int(mnt))))
+            elif kind == FD_TTY and fid in ttys:
+                t = ttys[fid]
+                rdev = infos.get(int(_one(t, 2, 0)))
+                out.append(OpenFile(pid=pid, fd=num, path="", flags=int(_one(t, 3, 0)),
+                                    mode=stat.S_IFCHR, rdev=rdev))
+    return out
+
+
+def _zigzag(n: int) -> int:
+    return (n >> 1) ^ -(n & 1)
+
+
+def _mounts(images: str, mnt_ns: int | None) -> list[Mount]:
+    if mnt_ns is None:
+        return []
+    p = os.path.join(images, f"mountpoints-{mnt_ns}.img")
+    if not os.path.exists(p):
+        return []
+    out = []
+    for raw in read_entries(p):
+        f = _fields(raw)
+        out.append(Mount(mnt_id=int(_one(f, 2, 0)), mountpoint=_text(_one(f, 7)) or "/",
+                         flags=int(_one(f, 5, 0)), fstype=int(_one(f, 1, 0))))
+    return out
+
+
+def _seccomp_filters(images: str) -> int:
+    p = os.path.join(images, "seccomp.img")
+    if not os.path.exists(p):
+        return 0
+    entries = read_entries(p)
+    return sum(len([1 for n, _ in _fields(e) if n == 1]) for e in entries)
+
+
+def is_device(f: OpenFile) -> bool:
+    """A device node: by its recorded st_mode, or (images without it) by a path under /dev."""
+    if f.mode is not None:
+        return stat.S_ISCHR(f.mode) or stat.S_ISBLK(f.mode)
+    return f.path.startswith("/dev/") and not f.path.startswith(("/dev/shm/", "/dev/mqueue/", "/dev/hugepages/"))

@@ -1,0 +1,167 @@
+"""What a bundle's config.json grants its process: identity, capabilities, no_new_privs, seccomp,
+LSM label, devices, a read-only root, masked and read-only paths. Read the way runc reads them
+(runc's defaults where config.json is silent), for comparison with what a checkpoint's tasks hold
+(ops/restore_privileges.py). Stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from migrt.oci.bundle import Bundle
+
+CAPS = ("CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP",
+        "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW", "IPC_LOCK", "IPC_OWNER",
+        "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE", "SYS_PACCT", "SYS_ADMIN", "SYS_BOOT", "SYS_NICE",
+        "SYS_RESOURCE", "SYS_TIME", "SYS_TTY_CONFIG", "MKNOD", "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP",
+        "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG", "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ", "PERFMON", "BPF",
+        "CHECKPOINT_RESTORE")
+ALL_CAPS = (1 << 64) - 1  # no capabilities section: runc leaves the sets as they are (all of them for root)
+CAP_SETUID, CAP_SETGID = 1 << CAPS.index("SETUID"), 1 << CAPS.index("SETGID")
+WILDCARD = -1
+# runc's devices, always created in /dev and allowed in the device cgroup after the bundle's own rules
+# (libcontainer/specconv AllowedDevices): path -> (type, major, minor)
+DEFAULT_DEVICES = {"/dev/null": ("c", 1, 3), "/dev/zero": ("c", 1, 5), "/dev/full": ("c", 1, 7),
+                   "/dev/random": ("c", 1, 8), "/dev/urandom": ("c", 1, 9), "/dev/tty": ("c", 5, 0),
+                   "/dev/ptmx": ("c", 5, 2), "/dev/pts/ptmx": ("c", 5, 2)}
+PTY_MAJOR = 136
+_DEFAULT_RULES = [(True, "c", WILDCARD, WILDCARD, "m"), (True, "b", WILDCARD, WILDCARD, "m"),
+                  *[(True, t, ma, mi, "rwm") for t, ma, mi in sorted(set(DEFAULT_DEVICES.values()))],
+                  (True, "c", PTY_MAJOR, WILDCARD, "rwm")]
+
+
+def cap_names(mask: int) -> list[str]:
+    return [f"CAP_{CAPS[i]}" if i < len(CAPS) else f"capability {i}" for i in range(64) if mask >> i & 1]
+
+
+def cap_mask(names) -> int:
+    """A capability list of config.json as a bit mask (names runc does not know grant nothing)."""
+    mask = 0
+    for name in names if isinstance(names, list) else []:
+        if isinstance(name, str) and name.upper().removeprefix("CAP_") in CAPS:
+            mask |= 1 << CAPS.index(name.upper().removeprefix("CAP_"))
+    return mask
+
+
+@dataclass(frozen=True)
+class DeviceRule:
+    allow: bool
+    type: str           # "a", "c" or "b"
+    major: int          # WILDCARD for any
+    minor: int
+    access: str
+
+    def matches(self, kind: str, major: int, minor: int, access: str) -> bool:
+        return (self.type in ("a", kind) and self.major in (WILDCARD, major) and self.minor in (WILDCARD, minor)
+                and access in self.access)
+
+
+@dataclass
+class Grants:
+    uid: int = 0
+    gid: int = 0
+    additional_gids: frozenset[int] = frozenset()
+    caps: dict[str, int] | None = None          # None: no capabilities section (nothing dropped)
+    no_new_privs: bool = False
+    seccomp: bool = False                        # linux.seccomp is set
+    apparmor: str | None = None
+    selinux: str | None = None
+    readonly_root: bool = False
+    device_rules: list[DeviceRule] | None = None  # None: no linux.resources.devices (runc's defaults)
+    devices: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # linux.devices path -> (type, maj, min)
+    binds: dict[str, str] = field(default_factory=dict)  # bind mount destination -> host source
+    masked_paths: tuple[str, ...] = ()
+    readonly_paths: tuple[str, ...] = ()
+    oom_score_adj: int | None = None
+
+    @classmethod
+    def of(cls, bundle: Bundle) -> "Grants":
+        cfg = bundle.config
+        proc = cfg.get("process") if isinstance(cfg.get("process"), dict) else {}
+        linux = cfg.get("linux") if isinstance(cfg.get("linux"), dict) else {}
+        user = proc.get("user") if isinstance(proc.get("user"), dict) else {}
+        g = cls(uid=_int(user.get("uid"), 0), gid=_int(user.get("gid"), 0),
+                additional_gids=frozenset(x for x in user.get("additionalGids") or [] if isinstance(x, int)))
+        caps = proc.get("capabilities")
+        if isinstance(caps, dict):
+            g.caps = {name: cap_mask(caps.get(name)) for name in ("effective", "permitted", "inheritable",
+                                                                   "bounding", "ambient")}
+        g.no_new_privs = proc.get("noNewPrivileges") is True
+        g.seccomp = isinstance(linux.get("seccomp"), dict)
+        g.apparmor = _label(proc.get("apparmorProfile"))
+        g.selinux = _label(proc.get("selinuxLabel"))
+        root = cfg.get("root") if isinstance(cfg.get("root"), dict) else {}
+        g.readonly_root = root.get("readonly") is True
+        resources = linux.get("resources") if isinstance(linux.get("resources"), dict) else {}
+        rules = resources.get("devices")
+        if isinstance(rules, list):
+            g.device_rules = [r for r in (_rule(x) for x in rules) if r is not None]
+        for d in linux.get("devices") or []:
+            if isinstance(d, dict) and isinstance(d.get("path"), str) and d.get("type") in ("c", "b", "u", "p"):
+                kind = "c" if d["type"] == "u" else d["type"]
+                g.devices[os.path.normpath(d["path"])] = (kind, _int(d.get("major"), 0), _int(d.get("minor"), 0))
+        for m in bundle.mounts:
+            if isinstance(m.get("destination"), str) and isinstance(m.get("source"), str) and (
+                    m.get("type") == "bind" or any(o in ("bind", "rbind") for o in m.get("options") or [])):
+                g.binds[os.path.normpath(m["destination"])] = m["source"]
+        g.masked_paths = tuple(p for p in linux.get("maskedPaths") or [] if isinstance(p, str))
+        g.readonly_paths = tuple(p for p in linux.get("readonlyPaths") or [] if isinstance(p, str))
+        oom = proc.get("oomScoreAdj")
+        g.oom_score_adj = oom if isinstance(oom, int) and not isinstance(oom, bool) else None
+        return g
+
+    @property
+    def may_setuid(self) -> bool:
+        """Can the container's process take any uid (root keeping CAP_SETUID)?"""
+        return self.uid == 0 and bool(self.cap_ceiling("permitted") & self.cap_ceiling("bounding") & CAP_SETUID)
+
+    @property
+    def may_setgid(self) -> bool:
+        return self.uid == 0 and bool(self.cap_ceiling("permitted") & self.cap_ceiling("bounding") & CAP_SETGID)
+
+    def cap_ceiling(self, which: str) -> int:
+        """The most a process of this container may hold in capability set `which`: the configured set;
+        for permitted and effective of a root process without no_new_privs also what exec gives root
+        (bounding | inheritable, as the kernel computes it); effective may be raised up to permitted."""
+        if self.caps is None:
+            return ALL_CAPS
+        c = self.caps
+        if which in ("permitted", "effective"):
+            top = c["permitted"] | (c["effective"] if which == "effective" else 0)
+            if self.uid == 0 and not self.no_new_privs:
+                top |= c["bounding"] | c["inheritable"]
+            return top
+        return c[which]
+
+    def device_allowed(self, kind: str, major: int, minor: int, access: str) -> bool:
+        """runc's device cgroup for this bundle: its rules, then runc's defaults; the last rule that
+        matches decides. Without linux.resources.devices nothing is restricted here."""
+        if self.device_rules is None:
+            return True
+        decision = True
+        for r in [*self.device_rules, *(DeviceRule(*x) for x in _DEFAULT_RULES)]:
+            if r.matches(kind, major, minor, access):
+                decision = r.allow
+        return decision
+
+
+def _int(v, default: int) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else default
+
+
+def _label(v) -> str | None:
+    return v if isinstance(v, str) and v else None
+
+
+def _rule(x) -> DeviceRule | None:
+    if not isinstance(x, dict) or not isinstance(x.get("allow"), bool):
+        return None
+    kind = x.get("type") or "a"
+    if kind not in ("a", "c", "b"):
+        return None
+    major = x.get("major")
+    minor = x.get("minor")
+    return DeviceRule(allow=x["allow"], type=kind, major=major if isinstance(major, int) and major >= 0 else WILDCARD,
+                      minor=minor if isinstance(minor, int) and minor >= 0 else WILDCARD,
+                      access=x.get("access") if isinstance(x.get("access"), str) and x.get("access") else "rwm")
