@@ -113,8 +113,9 @@ def convert_devshm(src: str, dest: str, take=None) -> dict:
                 if take and (member.isreg() or member.isdir() or member.issym()):
                     take(rootfs.written_size(member), f"{DEVSHM_SRC} entry {member.name!r}")
                 if member.isreg():
+                    data = tar.extractfile(member)  # reads a sparse member's holes as zeros
                     rootfs.dense(member)
-                    out.addfile(member, tar.extractfile(member))
+                    out.addfile(member, data)
                     size += member.size
                 elif member.isdir() or member.issym():
                     out.addfile(member)

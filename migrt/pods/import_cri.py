@@ -318,15 +318,40 @@ def _json(out: Extracted, key: str, kind: type, archive: str, *, strict: bool = 
         return None
     try:
         value = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
         if not strict:
             return None
-        raise CheckpointInvalid(f"{archive}: {key} is not valid JSON ({exc})") from exc
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise CheckpointInvalid(f"{archive}: {key} is not valid JSON ({why})") from None
     if not isinstance(value, kind):
         if not strict:
             return None
         raise CheckpointInvalid(f"{archive}: {key} is not a JSON {kind.__name__}")
     return value
+
+
+def check_mounts(spec: dict, archive: str) -> None:
+    """spec.dump's mounts as the OCI spec has them: a list of objects whose destination is an absolute
+    path and whose type, source and options are strings (a list of them); the manifest, the rootfs
+    conversion and the restore's checks read them."""
+    mounts = spec.get("mounts")
+    if mounts is None:
+        return
+    if not isinstance(mounts, list):
+        raise CheckpointInvalid(f"{archive}: spec.dump 'mounts' is not a list")
+    for i, m in enumerate(mounts):
+        where = f"{archive}: spec.dump mount {i}"
+        if not isinstance(m, dict):
+            raise CheckpointInvalid(f"{where} is not an object")
+        dest = m.get("destination")
+        if not isinstance(dest, str) or not dest.startswith("/") or "\x00" in dest:
+            raise CheckpointInvalid(f"{where}: destination {dest!r} is not an absolute path")
+        for key in ("type", "source"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise CheckpointInvalid(f"{where} ({dest}): {key} {m[key]!r} is not a string")
+        opts = m.get("options")
+        if opts is not None and not (isinstance(opts, list) and all(isinstance(o, str) for o in opts)):
+            raise CheckpointInvalid(f"{where} ({dest}): options must be a list of strings")
 
 
 # -- the writable layer -----------------------------------------------------------------------------
@@ -395,8 +420,9 @@ def convert_rootfs_diff(src: str | None, deleted_files: list | None, dest_dir: s
                         sparse = " (sparse)" if member.issparse() else ""
                         take(rootfs.written_size(member), f"{DIFF} entry {rel!r}{sparse}")
                         if member.isreg():
+                            data = tar.extractfile(member)  # reads a sparse member's holes as zeros
                             rootfs.dense(member)
-                            out.addfile(member, tar.extractfile(member))
+                            out.addfile(member, data)
                             size += member.size
                         elif member.isdir() or member.issym() or member.islnk():
                             out.addfile(member)
@@ -490,8 +516,11 @@ def _iso(text: object) -> str | None:
         if isinstance(text, str) else None
     if not m or text.startswith("0001-"):
         return None
-    dt = datetime.fromisoformat(m.group(1) + ("+00:00" if m.group(2) == "Z" else m.group(2)))
-    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:  # a date that does not exist (month 13, hour 25) or leaves the calendar once in UTC: unknown
+        dt = datetime.fromisoformat(m.group(1) + ("+00:00" if m.group(2) == "Z" else m.group(2)))
+        return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (ValueError, OverflowError):
+        return None
 
 
 def cri_metadata(spec: Bundle) -> dict:
@@ -544,6 +573,7 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
     spec_data = _json(ext, "spec.dump", dict, archive)
     status = _json(ext, "status", dict, archive, strict=False) or {}
     deleted_files = _json(ext, "deleted.files", list, archive)
+    check_mounts(spec_data, archive)
     spec = Bundle("", spec_data)
 
     cri_dir = os.path.join(staging.path, "cri")

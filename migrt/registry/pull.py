@@ -327,7 +327,7 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
                   progress: Progress) -> dict:
     """A CRI-O/Podman checkpoint image (or `push --format cri`): the one layer is a checkpoint
     archive; downloaded (digest-checked) into the store's .tmp, then imported as `migrt import` does."""
-    from migrt.pods.import_cri import import_archive
+    from migrt.pods import import_cri
     from migrt.store import manifest as mf
 
     layer = image.check_descriptor(manifest["layers"][0], str(client.ref))
@@ -338,7 +338,7 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
         path = os.path.join(tmpdir, "checkpoint.tar")
         # the layer as it arrives (its size is checked by the client), then the import reserves what
         # the extraction writes: member by member, decompressed (pods/import_cri.py)
-        with reserve.reserving(store.root, what, importer.SPACE_MARGIN) as res:
+        with reserve.reserving(store.root, what, import_cri.SPACE_MARGIN) as res:
             res.reserve(layer["size"])
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
@@ -363,7 +363,7 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
                 progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
             finally:
                 os.close(fd)
-        data = import_archive(cfg, path, name=name, progress=progress)
+        data = import_cri.import_archive(cfg, path, name=name, progress=progress)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     with store.lock(name):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -11,8 +12,26 @@ import tempfile
 from collections.abc import Iterator
 from io import IOBase  # not typing.IO: typing costs 2 ms of every migrt-runc start
 
+from migrt.errors import MigrtError
+
 CHUNK = 4 << 20
 SMALL_BYTES = 4 << 20  # hash_chunks hashes at most this much in the calling thread
+
+
+class StoreError(MigrtError):
+    exit_code = 1
+
+
+def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
+    """os.open that never goes through a symbolic link at `path` (O_NOFOLLOW): StoreError naming it
+    instead (the directories on the way are the store's own, checked by Store.ensure)."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreError(f"{path} is a symbolic link; migrt never follows links inside its store (remove it, "
+                             "then run the command again)") from exc
+        raise
 
 
 def fsync_dir(path: str) -> None:

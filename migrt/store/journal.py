@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 
 from migrt import faults
-from migrt.store.fsutil import fsync_dir, lock_is_free, write_json_atomic
+from migrt.store.fsutil import fsync_dir, lock_is_free, open_nofollow, write_json_atomic
 
 DIR = ".journal"
 
@@ -89,7 +89,7 @@ def begin(store_root: str, op: str, phase: str = "started", **fields) -> Entry:
     d = _dir(store_root)
     os.makedirs(d, mode=0o700, exist_ok=True)
     entry_id = f"{op}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{os.urandom(3).hex()}"
-    fd = os.open(os.path.join(d, f"{entry_id}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    fd = open_nofollow(os.path.join(d, f"{entry_id}.lock"), os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     data = {"id": entry_id, "op": op, "pid": os.getpid(), "started": time.time(), **fields}
     entry = Entry(store_root, entry_id, data, fd)

@@ -2,8 +2,8 @@
 that two of them that each fit alone do not fill the file system together.
 
   <root>/.locks/.space.lock    flock held while the reservations are read and rewritten
-  <root>/.locks/.space.json    {id: {"pid", "start", "bytes", "what"}}: bytes each live writer may
-                               still write
+  <root>/.locks/.space.json    {id: {"pid", "start", "bytes", "slack", "what"}}: bytes each live
+                               writer may still write (slack of them reserved ahead, see GRANT)
 
 A request fits when the file system's free space, less what the other live writers have reserved
 and less a margin, holds everything this writer still has to write. A writer's bytes, once written,
@@ -28,10 +28,12 @@ import threading
 from collections.abc import Iterator
 
 from migrt.errors import PreconditionFailed, StoreFull
+from migrt.store.fsutil import open_nofollow
 from migrt.store.store import private_dir
 
 MARGIN = 64 << 20   # left free in the store's file system beyond every reservation
-GRANT = 64 << 20    # reserved ahead of small requests, so that not every file rewrites the list
+GRANT = 16 << 20    # reserved ahead of small requests (the entry's slack), so that not every small file
+                    # rewrites the list; another writer may count on it (MARGIN covers two such overlaps)
 LOCK = ".space.lock"
 DATA = ".space.json"
 _ids = iter(range(1, 1 << 62))
@@ -85,7 +87,7 @@ class Reservation:
     def _locked(self) -> Iterator[dict]:
         locks = os.path.join(self.root, ".locks")
         private_dir(locks)  # Store.ensure made it; a bare root (a test's) gets it here, never through a link
-        fd = os.open(os.path.join(locks, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = open_nofollow(os.path.join(locks, LOCK), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield self._read(os.path.join(locks, DATA))
@@ -105,6 +107,7 @@ class Reservation:
         for key, e in data.items():
             if isinstance(e, dict) and isinstance(e.get("pid"), int) and isinstance(e.get("bytes"), int) \
                     and e["pid"] > 0 and _start_time(e["pid"]) == e.get("start"):
+                e["slack"] = e["slack"] if isinstance(e.get("slack"), int) and 0 <= e["slack"] <= e["bytes"] else 0
                 live[key] = e
         return live
 
@@ -116,8 +119,9 @@ class Reservation:
             json.dump(entries, fh)
         os.replace(tmp, path)
 
-    def _mine(self, granted: int) -> dict:
-        return {"pid": os.getpid(), "start": self._start, "bytes": granted, "what": self.what}
+    def _mine(self, granted: int, outstanding: int) -> dict:
+        return {"pid": os.getpid(), "start": self._start, "bytes": granted, "slack": granted - outstanding,
+                "what": self.what}
 
     # -- the writer's side ---------------------------------------------------------------------
     def reserve(self, nbytes: int, *, check: bool = True) -> None:
@@ -131,14 +135,13 @@ class Reservation:
                 return
             with self._locked() as entries:
                 entries.pop(self.id, None)
-                others = {k: e for k, e in entries.items()}
-                reserved = sum(e["bytes"] for e in others.values())
+                others = dict(entries)
                 free = free_bytes(self.root)
-                room = free - reserved - self.margin
+                room = free - sum(e["bytes"] - e["slack"] for e in others.values()) - self.margin
                 if check and want > room:
                     raise self._refusal(nbytes, free, others)
-                granted = max(want, min(want + GRANT, room))
-                entries[self.id] = self._mine(granted)
+                granted = want + max(0, min(GRANT, room - want))
+                entries[self.id] = self._mine(granted, want)
                 self._write(entries)
             self.outstanding, self.granted = want, granted
 
@@ -150,7 +153,7 @@ class Reservation:
                 return
             with self._locked() as entries:
                 self.granted = self.outstanding + GRANT
-                entries[self.id] = self._mine(self.granted)
+                entries[self.id] = self._mine(self.granted, self.outstanding)
                 self._write(entries)
 
     def settle(self) -> None:
@@ -169,9 +172,9 @@ class Reservation:
     def _refusal(self, nbytes: int, free: int, others: dict) -> StoreFull:
         exc = StoreFull(f"{self.what}: the store {self.root} has {human(free)} free{held_text(others)}, and "
                         f"{human(self.margin)} are kept free; {human(self.outstanding + nbytes)} more would not fit. "
-                        "Nothing was kept; free space in the store or point 'store:' in the migrt config at a larger "
-                        "file system")
-        exc.free, exc.reserved, exc.holders = free, sum(e["bytes"] for e in others.values()), held_text(others)
+                        "Free space in the store or point 'store:' in the migrt config at a larger file system")
+        exc.free, exc.reserved, exc.holders = free, sum(e["bytes"] - e["slack"] for e in others.values()), \
+            held_text(others)
         return exc
 
 
@@ -179,9 +182,10 @@ def held_text(others: dict) -> str:
     """', N MiB of it reserved by other writers (what (pid P) M MiB; ...)', or '' when none."""
     if not others:
         return ""
-    who = "; ".join(f"{e.get('what') or '?'} (pid {e['pid']}) {human(e['bytes'])}"
-                    for e in sorted(others.values(), key=lambda e: -e["bytes"])[:3])
-    return f", {human(sum(e['bytes'] for e in others.values()))} of it reserved by other writers ({who})"
+    held = {k: e["bytes"] - e.get("slack", 0) for k, e in others.items()}
+    who = "; ".join(f"{others[k].get('what') or '?'} (pid {others[k]['pid']}) {human(n)}"
+                    for k, n in sorted(held.items(), key=lambda kv: -kv[1])[:3])
+    return f", {human(sum(held.values()))} of it reserved by other writers ({who})"
 
 
 @contextlib.contextmanager

@@ -36,15 +36,11 @@ from migrt.errors import CheckpointInvalid, Conflict, MigrtError, NotFound
 from migrt.store import journal
 from migrt.store import manifest as mf
 from migrt.store.beside import Beside
-from migrt.store.fsutil import fsync_dir, hash_tree, lock_is_free, write_json_atomic
+from migrt.store.fsutil import StoreError, fsync_dir, hash_tree, lock_is_free, open_nofollow, write_json_atomic
 
 HIDDEN = (".staging", ".locks", ".tmp", journal.DIR, ".incomplete")
 READ_WAIT_S = 10.0    # a reader waits this long for a writer or remover of the same name
 REMOVE_WAIT_S = 10.0  # `rm` waits this long for the readers of a checkpoint
-
-
-class StoreError(MigrtError):
-    exit_code = 1
 
 
 def private_dir(path: str) -> None:
@@ -268,7 +264,7 @@ class Store:
         path = self._lock_path(name)
         deadline = time.monotonic() + max(0.0, wait)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError as exc:
@@ -303,7 +299,7 @@ class Store:
         key = hashlib.sha256(f"{os.path.abspath(root)}\0{container_id}".encode()).hexdigest()[:32]
         path = os.path.join(self.root, ".locks", f"container-{key}.lock")
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as exc:
