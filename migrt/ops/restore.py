@@ -143,7 +143,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
             plan_check.fill = fill
         if (ckpt.manifest.get("rootfs") or {}).get("captured"):
             t0 = time.monotonic()
-            rootfs.apply(ckpt.path, target.bundle.rootfs)
+            rootfs.apply_checkpoint(ckpt.path, ckpt.manifest, target.bundle.rootfs)
             timings["rootfs_apply_s"] = round(time.monotonic() - t0, 3)
         if ckpt.manifest.get("devshm"):
             from migrt.pods.engines import DEVSHM_TAR
@@ -269,18 +269,7 @@ def check_target(manifest: dict, bundle: Bundle, name: str, *, allow_cross_names
     container that grants less than the checkpointed processes hold (ops/restore_privileges.py).
     Returns what runc must be told for the privileges to match (an --lsm-profile)."""
     src_ns = ((manifest.get("source") or {}).get("cri") or {}).get("pod_namespace")
-    dst_ns = bundle.cri_metadata().get("pod_namespace")
-    if src_ns and dst_ns != src_ns and not allow_cross_namespace:
-        raise PreconditionFailed(
-            f"checkpoint {name} was taken in Kubernetes namespace {src_ns!r} and may only be restored there "
-            f"(target: {dst_ns or 'not a pod'}); set 'allow_cross_namespace_restore: true' in the migrt config to allow it"
-        )
-    if dst_ns and not src_ns and not allow_unbound:
-        raise PreconditionFailed(
-            f"checkpoint {name} records no Kubernetes namespace (not taken from a pod, or made by hand) and may not "
-            f"be restored into a pod (namespace {dst_ns!r}); set 'allow_unbound_checkpoints: true' in the migrt "
-            "config to allow checkpoints without a namespace into pods"
-        )
+    check_namespace(src_ns, bundle, name, allow_cross_namespace=allow_cross_namespace, allow_unbound=allow_unbound)
     old_binds = rootfs.bind_destinations(manifest.get("mounts") or [])
     new_dests = {m.get("destination") for m in bundle.mounts}
     missing = [d for d in old_binds if d not in new_dests]
@@ -295,6 +284,60 @@ def check_target(manifest: dict, bundle: Bundle, name: str, *, allow_cross_names
         return restore_privileges.Verdict()
     captured = bool((manifest.get("rootfs") or {}).get("captured"))  # the layer a restore applies
     return restore_privileges.check(images, bundle, name, rootfs_changes=rootfs_changes if captured else None)
+
+
+def check_namespace(src_ns: str | None, bundle: Bundle, name: str, *, allow_cross_namespace: bool,
+                    allow_unbound: bool) -> None:
+    """A checkpoint taken in Kubernetes namespace src_ns goes into a pod of that namespace only; one
+    that records none (not taken from a pod, or made by hand) into no pod."""
+    dst_ns = bundle.cri_metadata().get("pod_namespace")
+    if src_ns and dst_ns != src_ns and not allow_cross_namespace:
+        raise PreconditionFailed(
+            f"checkpoint {name} was taken in Kubernetes namespace {src_ns!r} and may only be restored there "
+            f"(target: {dst_ns or 'not a pod'}); set 'allow_cross_namespace_restore: true' in the migrt config to allow it"
+        )
+    if dst_ns and not src_ns and not allow_unbound:
+        raise PreconditionFailed(
+            f"checkpoint {name} records no Kubernetes namespace (not taken from a pod, or made by hand) and may not "
+            f"be restored into a pod (namespace {dst_ns!r}); set 'allow_unbound_checkpoints: true' in the migrt "
+            "config to allow checkpoints without a namespace into pods"
+        )
+
+
+def pull_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, cid: str) -> tuple[str, bool]:
+    """(store name, pulled now) of a create's `oci:REF` request: pulled once per node, within the
+    config's restore_registries and registry_timeout (registry/pull.py ensure_local). An image that says
+    it belongs to another namespace than the pod's (or to none) is refused before any layer is
+    fetched; one that says so only once pulled is removed again. A failed pull reaches the runc log, which containerd
+    shows to the pod's author, as one generic line: the registry's answer (or its silence, a closed
+    port, plain HTTP, TLS) would tell that author about the node's network; the detail goes to
+    migrt's own log. Refusals of the request itself (reference, registry, namespace) say what they are."""
+    from migrt.errors import RegistryError
+    from migrt.registry import pull  # http.client, ssl: only for oci: references
+
+    def admit(image_ns: str | None) -> None:
+        check_namespace(image_ns, bundle, request.name, allow_cross_namespace=cfg.allow_cross_namespace_restore,
+                        allow_unbound=cfg.allow_unbound_checkpoints)
+
+    try:
+        name, just_pulled = pull.ensure_local(cfg, request.name, admit=admit)
+    except (UsageError, PreconditionFailed):
+        raise
+    except MigrtError as exc:
+        log.error("restore_pull_failed", container=cid, reference=request.name, error=str(exc),
+                  exit_code=exc.exit_code)
+        raise RegistryError(f"cannot pull {request.name} (see the node's migrt log)") from exc
+    if just_pulled:  # what the checkpoint itself records (an image may not have said it before the pull)
+        store = Store(cfg.store)
+        try:
+            admit(((store.get(name).manifest.get("source") or {}).get("cri") or {}).get("pod_namespace"))
+        except PreconditionFailed:
+            try:
+                store.remove(name, wait=0)
+            except MigrtError as exc:  # in use by another restore meanwhile: it stays
+                log.warning("refused_pull_kept", checkpoint=name, error=str(exc))
+            raise
+    return name, just_pulled
 
 
 def _check_create_flags(cmd) -> list[str]:
@@ -348,9 +391,7 @@ def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, l
         name, just_pulled = request.name, False
         if reference.is_reference(name):  # oci:REF: pulled into the store once per node, then restored
             t0 = time.monotonic()
-            from migrt.registry import pull  # http.client, ssl: only for oci: references
-
-            name, just_pulled = pull.ensure_local(cfg, name)
+            name, just_pulled = pull_for_create(cfg, request, bundle, log, cid)
             log.info("restore_image_ready", container=cid, reference=request.name, checkpoint=name,
                      pulled=just_pulled, seconds=round(time.monotonic() - t0, 3))
         names.validate(name)

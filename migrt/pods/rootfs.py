@@ -3,7 +3,9 @@ volumes) are not in CRIU's images. At checkpoint they are captured from the over
 directory of the rootfs mount (containerd's snapshotter): files, directories and symlinks into
 `rootfs-diff.tar`, deletions (whiteouts) and opaque directories into `rootfs-diff.json`. At restore
 they are re-applied into the new rootfs before CRIU runs, inside a chroot so that no path can leave
-the new rootfs.
+the new rootfs. A layer holds regular files, directories and links only (`layer_member`): capture
+writes nothing else, and an applied layer that holds a device node or fifo (an import, a pulled or
+received image made by hand) has it left out; a pulled image's files lose their setuid/setgid bits.
 """
 
 from __future__ import annotations
@@ -110,11 +112,21 @@ def written_size(member: tarfile.TarInfo) -> int:
     return data + 3 * tarfile.BLOCKSIZE + -(-meta // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
 
 
+def layer_member(member: tarfile.TarInfo) -> bool:
+    """What a writable layer may hold: regular files, directories, symbolic and hard links. Device
+    nodes, fifos and sockets are left out wherever a layer is converted or applied: a device node in
+    the rootfs is a way around the new container's device rules."""
+    return member.isreg() or member.isdir() or member.issym() or member.islnk()
+
+
+SETID = stat.S_ISUID | stat.S_ISGID
+
+
 def _safe(rel: str) -> bool:
     return bool(rel) and not rel.startswith("/") and ".." not in rel.split("/")
 
 
-def _apply_in_chroot(tar_file, meta: dict) -> None:
+def _apply_in_chroot(tar_file, meta: dict, strip_setid: bool = False) -> None:
     for rel in meta.get("opaque", []) + meta.get("deleted", []):
         if not _safe(rel):
             continue
@@ -128,8 +140,10 @@ def _apply_in_chroot(tar_file, meta: dict) -> None:
             shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
     with tarfile.open(fileobj=tar_file) as tar:
         for member in tar:
-            if not _safe(member.name):
+            if not _safe(member.name) or not layer_member(member):
                 continue
+            if strip_setid and not member.isdir():
+                member.mode &= ~SETID
             path = "/" + member.name
             if member.isdir():
                 if os.path.lexists(path) and not os.path.isdir(path):
@@ -147,25 +161,33 @@ def _apply_in_chroot(tar_file, meta: dict) -> None:
                 os.chown(path, member.uid, member.gid)
 
 
-def apply(diff_dir: str, rootfs: str) -> int:
-    """Re-apply a captured diff into rootfs (in a forked, chrooted child). Returns entries applied."""
+def apply(diff_dir: str, rootfs: str, *, strip_setid: bool = False) -> int:
+    """Re-apply a captured diff into rootfs (in a forked, chrooted child). Returns entries applied.
+    strip_setid: files are written without setuid/setgid bits (a layer from a registry: whoever
+    pushed it must not plant a setuid program in the new container)."""
     tar_path = os.path.join(diff_dir, DIFF_TAR)
     meta_path = os.path.join(diff_dir, DIFF_META)
     if not os.path.isfile(tar_path):
         return 0
     with open(meta_path) as fh:
         meta = json.load(fh)
-    return _apply_tar(tar_path, meta, rootfs, f"re-applying the container's writable-layer changes into {rootfs}") \
-        + len(meta.get("deleted", []))
+    return _apply_tar(tar_path, meta, rootfs, f"re-applying the container's writable-layer changes into {rootfs}",
+                      strip_setid) + len(meta.get("deleted", []))
 
 
-def _apply_tar(tar_path: str, meta: dict, root: str, what: str) -> int:
+def apply_checkpoint(ckpt_path: str, manifest: dict, rootfs: str) -> int:
+    """A checkpoint's captured diff into rootfs, as its origin allows: from a registry (`pulled` in
+    its manifest), without setuid/setgid bits."""
+    return apply(ckpt_path, rootfs, strip_setid=bool(manifest.get("pulled")))
+
+
+def _apply_tar(tar_path: str, meta: dict, root: str, what: str, strip_setid: bool = False) -> int:
     tar_file = open(tar_path, "rb")  # opened before the chroot
 
     def child() -> bytes:
         os.chroot(root)
         os.chdir("/")
-        _apply_in_chroot(tar_file, meta)
+        _apply_in_chroot(tar_file, meta, strip_setid)
         return b""
 
     try:
@@ -173,7 +195,7 @@ def _apply_tar(tar_path: str, meta: dict, root: str, what: str) -> int:
     finally:
         tar_file.close()
     with tarfile.open(tar_path) as tar:
-        return len(tar.getmembers())
+        return sum(1 for m in tar if _safe(m.name) and layer_member(m))
 
 
 def apply_devshm(tar_path: str, mounts: list[dict]) -> int:

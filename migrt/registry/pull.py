@@ -90,8 +90,9 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
          deadline: Deadline | None = None, admit: Admit | None = None) -> dict:
     """Pull an image into the store (or find it already there). Returns a summary with `name`.
     deadline: the end of the whole pull (None: each request's own budget only). admit(namespace):
-    called, before any layer is fetched, with the Kubernetes namespace the image says its checkpoint
-    was taken in (None: it does not say); it raises to refuse the image."""
+    called before any layer is fetched with the Kubernetes namespace the image's checkpoint was taken
+    in (None: none), where the image says so before its layers (a migrt image's config always, a
+    CRI-O image's annotation when it has one); it raises to refuse the image."""
     t_start = time.monotonic()
     ref = parse(reference)
     if name:
@@ -122,7 +123,7 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
             if image.kind(manifest) == "migrt":
                 data = _pull_chunked(cfg, client, store, manifest, mdigest, name, pulled, progress, admit)
             else:
-                if admit:
+                if admit and image.namespace(manifest) is not None:  # (unannotated: the archive may say)
                     admit(image.namespace(manifest))
                 data = _pull_archive(cfg, client, store, manifest, name, pulled, progress)
     finally:
