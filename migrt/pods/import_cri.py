@@ -414,6 +414,9 @@ def convert_rootfs_diff(src: str | None, deleted_files: list | None, dest_dir: s
                         if _excluded(rel, excl):
                             skipped += 1
                             continue
+                        if not rootfs.layer_member(member):
+                            skipped += 1  # devices, fifos: never in a layer (rootfs.layer_member)
+                            continue
                         member.name = rel
                         if member.islnk():
                             member.linkname = _rel(member.linkname, f"{DIFF} hard link {rel}")
@@ -424,11 +427,8 @@ def convert_rootfs_diff(src: str | None, deleted_files: list | None, dest_dir: s
                             rootfs.dense(member)
                             out.addfile(member, data)
                             size += member.size
-                        elif member.isdir() or member.issym() or member.islnk():
-                            out.addfile(member)
                         else:
-                            skipped += 1  # devices, fifos: as rootfs.capture
-                            continue
+                            out.addfile(member)
                         count += 1
             except _stream_errors() as exc:
                 raise CheckpointInvalid(f"{DIFF} in the archive is unreadable ({exc})") from exc
