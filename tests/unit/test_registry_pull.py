@@ -361,3 +361,36 @@ def test_a_pulled_layer_brings_no_devices_and_no_setuid(cfg, reg, tmp_path):
     assert sorted(os.listdir(new)) == ["bin"]
     modes = {f: stat.S_IMODE(os.stat(new / "bin" / f).st_mode) for f in ("su", "wall", "plain")}
     assert modes == {"su": 0o755, "wall": 0o755, "plain": 0o755}
+
+
+def test_migrt_pull_timeout_bounds_the_whole_pull(migrt_env, reg):
+    from click.testing import CliRunner
+
+    import migrt.cli.registry_cmd  # noqa: F401 - registers `migrt pull`
+    from migrt.cli.main import cli
+
+    registry, host, ca = reg
+    stop = threading.Event()
+
+    def trickle(h):
+        h.send_response(200)
+        h.send_header("Content-Length", "100000")
+        h.end_headers()
+        while not stop.is_set():
+            try:
+                h.wfile.write(b" ")
+            except OSError:
+                return
+            stop.wait(0.2)
+    registry.hooks["/v2/team/ckpt/manifests/v1"] = trickle
+    with open(migrt_env.config, "a") as fh:
+        fh.write(f"registry_ca_file: {ca}\n")
+    t0 = time.monotonic()
+    try:
+        out = _within(20, lambda: CliRunner().invoke(cli, ["pull", f"{host}/team/ckpt:v1", "--timeout", "1.5"]))
+    finally:
+        stop.set()
+    res = out["value"]
+    assert res.exit_code == 9, res.output
+    assert "not finished within 1.5 s (migrt pull --timeout)" in res.output
+    assert time.monotonic() - t0 < 5
