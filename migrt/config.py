@@ -10,6 +10,9 @@ Keys (all optional):
   criu_options: {}                   defaults for checkpoints: tcp_established, ext_unix_sk, file_locks
   gpu_backend: auto                  auto | cuda | none (auto: the CUDA driver API when libcuda.so.1 has it)
   gpu_lock_timeout_ms: 30000         how long a CUDA process may take to reach a lockable point
+  gpu_hook_timeout_s: 30             how long a process that registered the application hook may take to
+                                     answer (docs/gpu.md, Multi-GPU jobs)
+  gpu_peer_check: refuse             refuse | warn: CUDA processes with peer state the driver cannot restore
   allow_cross_namespace_restore: false  restore a pod's checkpoint into another Kubernetes namespace
   allow_unbound_checkpoints: false   restore a checkpoint that records no Kubernetes namespace (not taken
                                      from a pod, or made by hand) into a pod container
@@ -48,7 +51,8 @@ from migrt.runtime.lower import config_path, resolve
 POLICIES = ("fail", "fresh")
 LEVELS = ("debug", "info", "warning", "error")
 CRIU_OPTION_KEYS = ("tcp_established", "ext_unix_sk", "file_locks", "shell_job")
-GPU_KEYS = ("gpu_backend", "gpu_lock_timeout_ms")
+GPU_KEYS = ("gpu_backend", "gpu_lock_timeout_ms", "gpu_hook_timeout_s", "gpu_peer_check")
+GPU_PEER_CHECKS = ("refuse", "warn")
 GPU_BACKENDS = ("auto", "cuda", "none")
 REGISTRY_KEYS = ("registry_auth_file", "registry_ca_file", "registry_parallel", "registry_timeout",
                  "restore_registries")
@@ -76,6 +80,8 @@ class Config:
     migration_stall_timeout: float = 10.0
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
+    gpu_hook_timeout_s: float = 30.0
+    gpu_peer_check: str = "refuse"
     allow_cross_namespace_restore: bool = False
     allow_unbound_checkpoints: bool = False
     store_space_check: bool = True
@@ -277,6 +283,14 @@ def _load_gpu(cfg: Config, data: dict, path: str) -> None:
     if not isinstance(timeout, int) or isinstance(timeout, bool) or not 0 <= timeout <= 3_600_000:
         raise ConfigError(f"config {path}: 'gpu_lock_timeout_ms' must be an integer from 0 (no timeout) to 3600000")
     cfg.gpu_lock_timeout_ms = timeout
+    hook = data.get("gpu_hook_timeout_s", cfg.gpu_hook_timeout_s)
+    if not isinstance(hook, (int, float)) or isinstance(hook, bool) or not 1 <= hook <= 3600:
+        raise ConfigError(f"config {path}: 'gpu_hook_timeout_s' must be a number of seconds from 1 to 3600")
+    cfg.gpu_hook_timeout_s = float(hook)
+    check = data.get("gpu_peer_check", cfg.gpu_peer_check)
+    if check not in GPU_PEER_CHECKS:
+        raise ConfigError(f"config {path}: 'gpu_peer_check' must be one of {GPU_PEER_CHECKS}, got {check!r}")
+    cfg.gpu_peer_check = check
 
 
 def _load_pages(cfg: Config, data: dict, path: str) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import sys
 
+from migrt import trust
+
 DEFAULT_PREFIX = "/opt/migrt"
 ENV = "MIGRT_CRIU"
 
@@ -47,7 +49,10 @@ def choose(cfg: str | None = None) -> tuple[str | None, str]:
     if env:
         return (env, f"{ENV} in the environment") if _executable(env) else (None, f"{ENV}={env} is not an executable file")
     if cfg:
-        return (cfg, "'criu:' in the migrt config") if _executable(cfg) else (None, f"'criu: {cfg}' in the migrt config is not an executable file")
+        if not _executable(cfg):
+            return None, f"'criu: {cfg}' in the migrt config is not an executable file"
+        untrusted = trust.problem(cfg)  # CRIU runs as root: only a binary nobody else could have written
+        return (None, f"'criu: {cfg}' in the migrt config: {untrusted}") if untrusted else (cfg, "'criu:' in the migrt config")
     own = own_build()
     if _executable(own):
         return own, "migrt's own build beside its venv"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 
 from migrt.errors import Conflict, MigrtError, PreconditionFailed
-from migrt.gpu import inventory, procs, records, visible
+from migrt.gpu import gate, inventory, procs, records, visible
 from migrt.ops import gpu_steps
 from migrt.progress import Progress, null_progress
 
@@ -53,6 +53,10 @@ class GpuSource:
         except visible.VisibleError:
             config_gpus = None
         vis = records.visible_at_checkpoint(config_gpus, visible.from_devnodes(self.init_pid, inv), self.pids, inv)
+        # peer state the driver cannot restore is refused before the offer (the application hook is
+        # asked later, in suspend(), right before the lock)
+        gate.check_peers(self.pids, what=f"container {self.cid}", driver_version=inv.driver_version,
+                         config=self.config, peer_check=getattr(self.cfg, "gpu_peer_check", "refuse"))
         self.section = records.describe(self.pids, inv, vis)
         return self.section
 
@@ -87,8 +91,16 @@ class GpuSource:
         try:
             self.suspension.resume()
         except MigrtError as exc:
-            return (f"; its {len(self.pids)} CUDA process(es) could NOT be resumed on the GPU ({exc}): "
-                    f"they stay locked; 'migrt gpu' cannot help here, restart the container")
+            from migrt.ops import gpu_preempt
+
+            try:
+                root = gpu_preempt.find_root(self.cid, getattr(self.cfg, "runtime_roots", None))
+            except MigrtError:
+                return (f"; its {len(self.pids)} CUDA process(es) could NOT be resumed on the GPU ({exc}): they "
+                        "stay suspended, and its runc state was not found to record them for 'migrt gpu resume'")
+            kept = gpu_preempt.keep_suspended(self.cid, root, self.pids, self.suspension.section,
+                                              by="migrt migrate", error=str(exc))
+            return f"; its {len(self.pids)} CUDA process(es) could NOT be resumed on the GPU ({exc}){kept}"
         self.suspension = None
         return f"; its {len(self.pids)} CUDA process(es) were resumed on their GPU"
 
@@ -125,4 +137,7 @@ def resume_pids(pids: list[int]) -> str:
         session.resume_if_needed(live, backend)
     except MigrtError as exc:
         return f"; its CUDA processes could NOT be resumed on the GPU: {exc}"
+    from migrt.gpu import apphooks
+
+    apphooks.after_restore(live, what="migrated container (recovered)", reason=apphooks.RESUMED)
     return f"; its {len(live)} CUDA process(es) were resumed on their GPU"

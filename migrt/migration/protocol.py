@@ -29,10 +29,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
-import stat
 import struct
 
+from migrt import trust
 from migrt.errors import ConfigError, MigrtError
 
 PROTOCOL = 2
@@ -54,25 +53,18 @@ class AuthError(TransferError):
 
 
 def load_key(path: str | None) -> bytes:
-    """The shared secret from `migration_key_file`: at least 16 bytes, readable by its owner only."""
+    """The shared secret from `migration_key_file`: at least 16 bytes, in a file only root (or we) could
+    have written and nobody else can read (migrt/trust.py; links are followed when they are ours too)."""
     if not path:
         raise ConfigError("no migration key: set 'migration_key_file:' in the config (a file holding a shared "
                           "secret, e.g. 'head -c 32 /dev/urandom | base64 > /etc/migrt/migration.key; "
                           "chmod 600 /etc/migrt/migration.key') on both nodes")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # the file and every directory and link on its way: root's (or ours), written and read by nobody else
+        data = trust.read(path, "migration key file", secret=True, limit=1 << 16).strip()
     except OSError as exc:
-        raise ConfigError(f"migration key file {path}: {exc.strerror}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"migration key file {path}: not a regular file")
-        if st.st_mode & 0o077:
-            raise ConfigError(f"migration key file {path} is readable by group or others (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}); run 'chmod 600 {path}'")
-        data = os.read(fd, 1 << 16).strip()
-    finally:
-        os.close(fd)
+        raise ConfigError(f"migration key file {path} (migration_key_file in the migrt config): "
+                          f"{exc.strerror or exc}") from exc
     if len(data) < MIN_KEY:
         raise ConfigError(f"migration key file {path}: the key must be at least {MIN_KEY} bytes")
     return data

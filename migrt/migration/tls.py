@@ -17,6 +17,7 @@ import socket
 import ssl
 from dataclasses import dataclass
 
+from migrt import trust
 from migrt.errors import ConfigError
 from migrt.migration.protocol import TransferError
 
@@ -30,7 +31,16 @@ class TLSFiles:
     ca: str
 
 
+def check_files(files: TLSFiles) -> None:
+    """The key is a secret; the certificate and the CA decide whom this node talks to: all three must
+    be files only root (or we) could have written (migrt/trust.py), the key readable by nobody else."""
+    trust.check(files.cert, "migration_tls certificate")
+    trust.check(files.key, "migration_tls private key", secret=True)
+    trust.check(files.ca, "migration_tls CA")
+
+
 def _context(files: TLSFiles, purpose: int) -> ssl.SSLContext:
+    check_files(files)
     ctx = ssl.SSLContext(purpose)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.check_hostname = False

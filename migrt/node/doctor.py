@@ -10,11 +10,13 @@ import subprocess
 
 from migrt.criu.binary import chosen as criu_choice
 from migrt.criu.version import MIN_CONTAINERD, MIN_CRIU, MIN_RUNC, criu_version, kernel_version, parse_version, runtime_version
+from migrt import trust
 from migrt.errors import MigrtError
 from migrt.runtime.lower import configured_value
 from migrt.node.doctor_containerd import containerd_handler_check
 from migrt.node.doctor_gpu import gpu_checks
 from migrt.node.doctor_install import install_checks
+from migrt.trust import Untrusted
 
 
 def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
@@ -52,8 +54,12 @@ def run_checks() -> list[dict]:
     try:
         cfg = config.load()
         out.append(_check("config", "ok", f"{cfg.path}" + ("" if cfg.loaded else " (absent: defaults in use)")))
+    except Untrusted as exc:
+        out.append(_check("config", "fail", str(exc), "every migrt command and migrt-runc refuse it until it is fixed"))
     except MigrtError as exc:
         out.append(_check("config", "fail", str(exc), "fix the file or point MIGRT_CONFIG at a valid one"))
+    if cfg:
+        out.append(trusted_files_check(cfg))
     setup = "run packaging/setup-host.sh (builds migrt's own CRIU 4.2 into /opt/migrt/criu)"
     crit, why = criu_choice(configured_value("criu", cfg.path if cfg else None))
     if not crit:
@@ -89,6 +95,8 @@ def run_checks() -> list[dict]:
     runtime = None
     try:
         runtime = cfg.runtime_path() if cfg else None
+    except Untrusted as exc:
+        out.append(_check("lower runtime", "fail", str(exc), "migrt-runc refuses to run it until it is fixed"))
     except MigrtError as exc:
         out.append(_check("lower runtime", "fail", str(exc), "install runc or set 'runtime:' in the config"))
     if runtime:
@@ -119,6 +127,27 @@ def run_checks() -> list[dict]:
         out.append(_store_check(cfg.store))
         out.append(_recovery_check(cfg.store))
     return out
+
+
+def trusted_files_check(cfg) -> dict:
+    """The key, TLS and registry files the config names: root's (or ours) and written by nobody else,
+    the secrets read by nobody else (migrt/trust.py); migrt refuses them otherwise when it needs them."""
+    files = [(cfg.migration_key_file, "migration_key_file", True), (cfg.registry_auth_file, "registry_auth_file", True),
+             (cfg.registry_ca_file, "registry_ca_file", False)]
+    for key, path in sorted((cfg.migration_tls or {}).items()):
+        files.append((path, f"migration_tls {key}", key == "key"))
+    named = [(p, what, secret) for p, what, secret in files if p]
+    if not named:
+        return _check("trusted files", "ok", "the config names no key, TLS or registry file")
+    bad = []
+    for path, what, secret in named:
+        if not os.path.exists(path):
+            bad.append(f"{what} {path} does not exist")
+        elif why := trust.problem(path, secret=secret):
+            bad.append(f"{what} {path}: {why}")
+    if bad:
+        return _check("trusted files", "fail", "; ".join(bad), "migrt refuses these files until they are fixed")
+    return _check("trusted files", "ok", ", ".join(f"{what} {p}" for p, what, _ in named))
 
 
 def _recovery_check(root: str) -> dict:

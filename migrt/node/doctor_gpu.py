@@ -7,6 +7,7 @@ import glob
 import os
 import re
 
+from migrt import trust
 from migrt.gpu import inventory
 from migrt.gpu.cuda import LIBCUDA, CudaDriverBackend
 from migrt.node.doctor_install import SETUP, script_problem
@@ -128,6 +129,10 @@ def _hook_check() -> dict:
         return _check(name, "ok", "not installed: migrt drives the GPU on its own paths (migrt, migrt-runc)",
                       "")
     conf, script = found
+    untrusted = trust.problem(conf) or trust.problem(script)
+    if untrusted:  # CRIU runs it as root at every dump and restore (and this check would run it too)
+        return _check(name, "fail", f"{script} (from {conf}): {untrusted}",
+                      "CRIU runs the action script as root: only root may be able to change it and its config")
     if not os.access(script, os.X_OK):
         return _check(name, "fail", f"{conf} names action-script {script}, which is not executable",
                       "install hooks/cuda-criu-action there (docs/gpu.md) or remove the line: CRIU fails without it")

@@ -17,6 +17,7 @@ from migrt.criu.options import CriuOptions
 from migrt.criu.version import versions
 from migrt.errors import Conflict, MigrtError, RuntimeFailed
 from migrt.gpu import procs, records
+from migrt.gpu.backend import GpuError
 from migrt.oci.bundle import Bundle
 from migrt.ops import dump, gpu_steps, recover, space
 from migrt.pagefill.images import record_beside
@@ -111,6 +112,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
     # held until the end (imports, pulls and other checkpoints see it); the config may turn the check off
     res = space.reserve(store.root, est, f"checkpoint of container {req.container_id}", check=cfg.store_space_check)
     work = _work_dir()
+    stuck = None  # --leave-running: why the GPU processes stayed suspended after the dump
     kept = []  # the journal entry, when it must outlive us (then recovery removes `work`)
     try:
         with store.writer(name, op="checkpoint", container=req.container_id, root=root, was_paused=was_paused,
@@ -143,7 +145,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                 record_beside(staging)  # the images' survey for the restore's choice, taken while the commit hashes
                 progress("done", name="dump", seconds=timings["dump_s"])
                 if req.leave_running:  # back to work at once; the commit does not need the container
-                    undo.run()
+                    stuck = _resume_after_dump(undo, req.container_id, root)
                     journal.update("resumed")
                 dump_log = os.path.join(work, "dump.log")
                 if os.path.isfile(dump_log):
@@ -182,7 +184,29 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
         res.release()
         if not (kept and kept[0].keep):
             shutil.rmtree(work, ignore_errors=True)
+    if req.leave_running and stuck:
+        raise RuntimeFailed(f"checkpoint {name} is committed, but the CUDA processes of container {req.container_id} "
+                            f"could not be resumed after the dump: {stuck}; or restore {name} into a new container")
     return data
+
+
+def _resume_after_dump(undo: "_Undo", cid: str, root: str) -> str | None:
+    """--leave-running, after a complete dump: thaw, then resume the GPU processes. If the GPU resume
+    fails the dump is kept (it is committed next: it may be the only copy the driver can restore)
+    and the processes are recorded as suspended for 'migrt gpu resume' (ops/gpu_preempt.py); the
+    sentence returned is raised once the checkpoint is committed. A failed thaw is the undo's."""
+    gpu = undo.gpu
+    try:
+        undo.run()
+    except GpuError as exc:
+        if gpu is None or undo.frozen:
+            raise
+        undo.gpu = None  # nothing more the undo can do for them
+        from migrt.ops import gpu_preempt
+
+        return str(exc) + gpu_preempt.keep_suspended(cid, root, gpu.pids, gpu.section,
+                                                     by="migrt checkpoint --leave-running", error=str(exc))
+    return None
 
 
 def _exists(runtime: LowerRuntime, root: str, cid: str) -> bool:

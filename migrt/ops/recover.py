@@ -160,6 +160,12 @@ def _resume_gpu(cfg: Config, pids: list[int], actions: list[str]) -> None:
                 raise
     if done:
         actions.append(f"resumed GPU processes {', '.join(map(str, done))}")
+        from migrt.gpu import apphooks  # those the dead migrt had told "pre-checkpoint" rebuild now
+
+        told, _ = apphooks.after_restore(done, what="recovered container", reason=apphooks.RESUMED,
+                                         timeout_s=float(getattr(cfg, "gpu_hook_timeout_s", apphooks.DEFAULT_TIMEOUT_S)))
+        if told:
+            actions.append(f"told {len(told)} application hook(s) 'post-restore'")
 
 
 def _thaw(runtime: LowerRuntime, root: str, cid: str, st: dict | None, was_paused: bool, actions: list[str]) -> None:

@@ -189,6 +189,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                     entry.update("gpu-restore", pid=pid)
                     gpu = checks.value("gpu_preflight")
                     gpu.backend = checks.value("gpu_driver")
+                    gpu.hook_timeout_s = _gpu_steps().hook_timeout_s(cfg)  # the application hook's post-restore
                     # GPU restore (remap) + unlock. The driver reads each process's memory: with the filler,
                     # a process's GPU restore starts once its own memory is in, the others' still arriving
                     early = os.environ.get("MIGRT_GPU_RESTORE_EARLY") == "1"  # experiment seam (pages.py)

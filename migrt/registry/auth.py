@@ -15,10 +15,9 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import os
-import stat
 from dataclasses import dataclass
 
+from migrt import trust
 from migrt.errors import ConfigError
 
 MAX_BYTES = 1 << 20
@@ -45,18 +44,12 @@ def load(auth_file: str | None, host: str) -> Credentials | None:
     if not auth_file:
         return None
     try:
-        st = os.stat(auth_file)
-        if st.st_size > MAX_BYTES:
-            raise ConfigError(f"registry auth file {auth_file} is larger than {MAX_BYTES} bytes")
-        with open(auth_file, "rb") as fh:
-            data = json.load(fh)
+        # like ssh with a private key: root's (or ours) alone, written and read by nobody else (migrt/trust.py)
+        data = json.loads(trust.read(auth_file, "registry auth file", secret=True, limit=MAX_BYTES))
     except FileNotFoundError as exc:
         raise ConfigError(f"registry auth file {auth_file} (registry_auth_file in the migrt config) does not exist") from exc
     except (OSError, ValueError) as exc:
         raise ConfigError(f"registry auth file {auth_file} is unreadable or not JSON: {exc}") from exc
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        # like ssh with a private key: a password file others can read is a mistake worth stopping for
-        raise ConfigError(f"registry auth file {auth_file} is readable by group or others; chmod 600 it")
     if not isinstance(data, dict):
         raise ConfigError(f"registry auth file {auth_file}: a JSON object is expected")
     auths = data.get("auths") or {}

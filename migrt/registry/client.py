@@ -36,6 +36,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from migrt import trust
 from migrt.errors import CheckpointInvalid, NotFound, RegistryError
 from migrt.registry.auth import Credentials
 from migrt.registry.reference import Reference
@@ -207,6 +208,8 @@ class Client:
         self.timeout = timeout
         self.push = push
         self.deadline = deadline
+        if ca_file:
+            trust.check(ca_file, "registry CA bundle (registry_ca_file)")  # it decides which servers are believed
         try:
             self.ctx = ssl.create_default_context(cafile=ca_file)
         except (OSError, ssl.SSLError) as exc:

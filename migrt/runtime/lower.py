@@ -4,11 +4,17 @@ The config file is YAML, but only its top-level `runtime:` line is read here: a 
 and a trailing comment allowed). A missing, unreadable or broken config, or a runtime that is not an
 executable file, falls back to `runc` on PATH: pass-through of ordinary containers never breaks.
 The full config (yaml) is loaded only after the decision to intercept.
+
+A config or a runtime binary that another user could have written (migrt/trust.py) is refused, never
+skipped: its `runtime:` would run as root. lower_runtime() raises trust.Untrusted; configured_value()
+reads nothing from such a config (whoever loads it in full says why).
 """
 
 from __future__ import annotations
 
 import os
+
+from migrt import trust
 
 DEFAULT_CONFIG = "/etc/migrt/config.yaml"
 SELF_NAMES = ("migrt-runc", "migrt-runc-py")
@@ -18,19 +24,39 @@ def config_path() -> str:
     return os.environ.get("MIGRT_CONFIG") or DEFAULT_CONFIG
 
 
-def configured_value(key: str, path: str | None = None) -> str | None:
-    """A top-level plain scalar `key: value` line of the config (quotes, trailing comment allowed)."""
+def config_text(path: str | None = None) -> str | None:
+    """The config's text; None when it is missing or unreadable. Raises trust.Untrusted for a config
+    another user could have written."""
+    path = path or config_path()
     try:
-        with open(path or config_path(), encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.startswith(f"{key}:"):
-                    value = line[len(key) + 1:].split(" #", 1)[0].strip()
-                    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-                        value = value[1:-1]
-                    return value or None
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
+    with open(fd, encoding="utf-8", errors="replace", closefd=True) as fh:
+        trust.check(path, "migrt config", st=os.fstat(fd))
+        try:
+            return fh.read()
+        except OSError:
+            return None
+
+
+def _value(text: str | None, key: str) -> str | None:
+    for line in (text or "").splitlines():
+        if line.startswith(f"{key}:"):
+            value = line[len(key) + 1:].split(" #", 1)[0].strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            return value or None
     return None
+
+
+def configured_value(key: str, path: str | None = None) -> str | None:
+    """A top-level plain scalar `key: value` line of the config (quotes, trailing comment allowed);
+    None from an untrusted config."""
+    try:
+        return _value(config_text(path), key)
+    except trust.Untrusted:
+        return None
 
 
 def configured_runtime(path: str | None = None) -> str | None:
@@ -66,16 +92,18 @@ def resolve(value: str | None) -> str | None:
 
 
 def lower_runtime() -> tuple[str | None, str | None]:
-    """(path of the lower runtime, warning or None). path None: no runtime could be found at all."""
-    wanted = configured_runtime()
+    """(path of the lower runtime, warning or None). path None: no runtime could be found at all.
+    trust.Untrusted when the config or the runtime binary is one another user could have written."""
+    wanted = _value(config_text(), "runtime")
     path = resolve(wanted)
-    if path:
-        return path, None
-    fallback = _which("runc")
     warning = None
-    if wanted:
-        warning = f"configured runtime {wanted!r} is not an executable file; using {fallback or 'nothing'}"
-    return fallback, warning
+    if not path:
+        path = _which("runc")
+        if wanted:
+            warning = f"configured runtime {wanted!r} is not an executable file; using {path or 'nothing'}"
+    if path:
+        trust.check(path, "lower runtime")
+    return path, warning
 
 
 def default_root(runtime_path: str) -> str:

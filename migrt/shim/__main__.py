@@ -16,6 +16,7 @@ import os
 import sys
 
 from migrt.criu.binary import use_migrt_criu
+from migrt.trust import Untrusted
 from migrt.runtime.markers import GPU_RELEASE_MARKER as RELEASE_MARKER
 from migrt.runtime.markers import gpu_suspended, gpu_suspended_message, is_restored
 from migrt.runtime import lower as _lower
@@ -142,7 +143,11 @@ def _gpu(parsed: RuncArgv, lower: str) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parsed = RuncArgv.parse(args)
-    lower, warning = _lower.lower_runtime()
+    try:
+        lower, warning = _lower.lower_runtime()
+    except Untrusted as exc:  # its `runtime:` would run as root: refused, never replaced by a default
+        runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
+        return exc.exit_code
     if lower is None:
         runclog.append(parsed.log_path, "error",
                        "migrt: no lower runtime found: set 'runtime:' in the migrt config or put runc on PATH",

@@ -13,7 +13,8 @@
 #     create for GPU release on pause (one `test -f`; every other pause/resume passes straight through);
 #   - a global flag this script does not know.
 # `start` of a container carrying migrt's restore marker exits 0 here (it already runs).
-# Builtins only on the pass-through path, except one `grep` for create.
+# Builtins only on the pass-through path, except one `stat` (the config and the runtime must be
+# root's and written by nobody else: see trusted()) and one `grep` for create.
 #
 # The hand-over checks that migrt's interpreter is there, and BOOT (migrt/node/launchers.py) turns
 # "migrt does not import with it" (a venv whose python moved to a newer version) into one error: a
@@ -100,6 +101,38 @@ case $lower in
 */*) if [ ! -f "$lower" ] || [ ! -x "$lower" ] || self_like "$lower"; then py "$@"; fi ;;
 *) find_path "$lower" || py "$@" ;;
 esac
+
+# Trust (migrt/trust.py's rule): the config names what runs as root, so it, the runtime, and every
+# directory above them must be root's and not writable by group or others (a sticky directory may
+# be), with no symbolic link on the way. sh cannot test permission bits: one `stat` reads them all.
+# Anything else goes to Python, which follows links that are root's, accepts a non-root migrt's own
+# files, and refuses the rest with a message in --log; never is an untrusted `runtime:` exec'd here.
+trusted() {  # PATH...
+    for _f in "$@"; do
+        case $_f in /*) ;; *) return 1 ;; esac
+        _p=$_f
+        while [ -n "$_p" ]; do
+            if [ -h "$_p" ]; then return 1; fi
+            set -- "$@" "$_p"
+            _p=${_p%/*}
+        done
+    done
+    _st=$(stat -c '%u %a %F' / "$@" 2>/dev/null) || return 1
+    _IFS=$IFS; IFS='
+'
+    for _l in $_st; do  # "uid mode type": root's; group/other write only on a sticky directory
+        case $_l in
+        "0 "*[2367]?" directory"|"0 "*[2367]" directory") case $_l in "0 "[1357]???" "*) ;; *) _st= ;; esac ;;
+        "0 "*[2367]?" "*|"0 "*[2367]" "*) _st= ;;
+        "0 "*) ;;
+        *) _st= ;;
+        esac
+        [ -n "$_st" ] || break
+    done
+    IFS=$_IFS
+    [ -n "$_st" ]
+}
+if [ -r "$cfg" ]; then trusted "$cfg" "$lower" || py "$@"; else trusted "$lower" || py "$@"; fi
 
 sub= root= bundle= last= expect=
 for a in "$@"; do

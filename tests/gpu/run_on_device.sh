@@ -22,6 +22,7 @@ PY=${MIGRT_GPU_PYTHON:-python3}
 # (copy /opt/migrt/criu there on the preparing machine): first on PATH, and migrt's choice.
 if [ -x .device/migrt-criu/sbin/criu ]; then
     export PATH="$PWD/.device/migrt-criu/sbin:$PATH" MIGRT_CRIU="$PWD/.device/migrt-criu/sbin/criu"
+    export PYTHONPATH="$PWD/.device/migrt-criu/python:$PYTHONPATH"  # its pycriu, from the same source
 fi
 . tests/gpu/iptables_names.sh
 export MIGRT_GPU_PYTHON=$PY
