@@ -172,10 +172,12 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                 undo.committed = True
             if not req.leave_running:
                 journal.update("stopping")
-                if runtime.delete_force(root, req.container_id) != 0 and _exists(runtime, root, req.container_id):
+                try:  # killed while still frozen: nothing runs after the dump (runtime/stop.py)
+                    runtime.stop(root, req.container_id)
+                except RuntimeFailed as exc:
                     journal.keep = True
                     raise RuntimeFailed(f"checkpoint {name} is committed, but container {req.container_id} could not "
-                                        "be stopped (it is frozen); run 'migrt recover'")
+                                        f"be stopped: {exc.message}", details=exc.details) from exc
             timings["total_s"] = round(time.monotonic() - t_start, 3)
             # The last timings are known only after commit: record them (atomic rewrite, lock still held).
             data["timings"] = {**data.get("timings", {}), **timings}
@@ -207,10 +209,6 @@ def _resume_after_dump(undo: "_Undo", cid: str, root: str) -> str | None:
         return str(exc) + gpu_preempt.keep_suspended(cid, root, gpu.pids, gpu.section,
                                                      by="migrt checkpoint --leave-running", error=str(exc))
     return None
-
-
-def _exists(runtime: LowerRuntime, root: str, cid: str) -> bool:
-    return os.path.isfile(os.path.join(root, cid, "state.json"))
 
 
 class _Undo:

@@ -240,7 +240,7 @@ def _checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> l
             _thaw(runtime, root, cid, st, bool(d.get("was_paused")), actions)
             _resume_gpu(cfg, gpu_pids, actions)
         elif st:
-            runtime.delete_force(root, cid)
+            runtime.stop(root, cid)  # frozen: killed before it is thawed
             actions.append(f"stopped container {cid} (its checkpoint {d.get('name')} is committed)")
         actions.append(f"checkpoint {d.get('name')} is complete")
     elif st:

@@ -16,6 +16,7 @@ import time
 from migrt.criu.logs import error_lines
 from migrt.criu.options import CriuOptions
 from migrt.errors import RuntimeFailed
+from migrt.runtime import stop
 from migrt.runtime.runc import _last_runc_error
 
 PS_IOV_CLOSE = 0x1023  # criu/page-xfer.c
@@ -41,8 +42,8 @@ def resume(runtime: str, root: str, cid: str) -> None:
 
 
 def destroy(runtime: str, root: str, cid: str) -> None:
-    """Kill and delete (works on a paused container: runc thaws it to let SIGKILL through)."""
-    _run(runtime, root, ["delete", "--force", cid], f"deleting container {cid}")
+    """Kill and delete; a frozen container is killed before it is thawed (runtime/stop.py)."""
+    stop.stop(runtime, root, cid)
 
 
 def _raise_nofile() -> None:

@@ -172,6 +172,12 @@ class LowerRuntime:
                 raise RuntimeFailed(f"restore succeeded but pid file {spec.pid_file} is unreadable: {exc}") from exc
         return 0
 
+    def stop(self, root: str, container_id: str) -> None:
+        """Kill and delete the container; a frozen one is killed before it is thawed (runtime/stop.py)."""
+        from migrt.runtime import stop  # stop.py quotes errors with this module's helpers
+
+        stop.stop(self.path, root, container_id)
+
     def delete_force(self, root: str | None, container_id: str) -> int:
         return subprocess.run(self._argv(root, ["delete", "--force", container_id]), stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode

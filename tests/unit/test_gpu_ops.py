@@ -101,6 +101,9 @@ class FakeLower:
         FakeLower.calls.append(("delete", cid))
         return 0
 
+    def stop(self, root, cid):
+        FakeLower.calls.append(("stop", cid))
+
 
 def dumps() -> list[tuple]:
     return [c for c in FakeLower.calls if c[0] == "checkpoint"]
@@ -137,7 +140,7 @@ def test_checkpoint_suspends_all_cuda_processes_before_the_dump(cfg, node):
     # GPU suspended while the processes run, then frozen, dumped (hook told to stand aside), and
     # stopped only after the commit
     assert FakeLower.calls == [("pause", "c1", [CHECKPOINTED, CHECKPOINTED]),
-                               ("checkpoint", "1", [CHECKPOINTED, CHECKPOINTED]), ("delete", "c1")]
+                               ("checkpoint", "1", [CHECKPOINTED, CHECKPOINTED]), ("stop", "c1")]
     assert node.states(INIT, CHILD) == [CHECKPOINTED, CHECKPOINTED]  # the dump ends them
     gpu = data["gpu"]
     assert gpu["driver_version"] == "580.159" and [g["uuid"] for g in gpu["gpus"]] == [U0]
@@ -217,7 +220,7 @@ def test_preflight_mismatch_stops_the_restore_before_the_gpu_and_keeps_the_check
     take_checkpoint(cfg)
     with pytest.raises(PreconditionFailed, match="ran on 1 GPU.*gets 2"):
         restore_into(cfg, tmp_path, ["NVIDIA_VISIBLE_DEVICES=all"])
-    assert [c[0] for c in FakeLower.calls] == ["pause", "checkpoint", "delete", "restore", "delete"]
+    assert [c[0] for c in FakeLower.calls] == ["pause", "checkpoint", "stop", "restore", "delete"]
     assert node.backend.calls_of("restore") == [] and node.backend.calls_of("state") == []
     assert node.states(NEW_INIT, NEW_CHILD) == [CHECKPOINTED, CHECKPOINTED]
     (tmp_path / "rr" / "c2").rmdir()  # what runc's delete does (the fake's does not)
@@ -291,7 +294,7 @@ def test_killed_checkpoint_is_recovered_by_the_next_command(cfg, node, tmp_path,
     assert os.listdir(os.path.join(cfg.store, ".staging")) == []
     store = Store(cfg.store)
     if committed:  # the checkpoint is whole: finish the job, stop the container
-        assert FakeLower.calls == [("delete", "c1")]
+        assert FakeLower.calls == [("stop", "c1")]
         store.get("ck1").verify()
     else:  # not committed: the workload is the truth: thawed first, GPU restored + unlocked, no checkpoint
         assert node.states(INIT, CHILD) == [RUNNING, RUNNING] and FakeLower.status == "running"

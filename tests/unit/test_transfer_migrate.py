@@ -119,7 +119,7 @@ def test_stop_and_copy_success_destroys_the_frozen_source(lab):
     address, t, reports = _receiver(lab.b)
     res = migrate(lab.a, MigrateRequest(container_id="c1", to=address, root=lab.root_a, name="moved", pre_dump="0"))
     t.join(10)
-    assert lab.subcommands() == ["state", "pause", "checkpoint", "delete"]
+    assert lab.subcommands() == ["state", "pause", "checkpoint", "state", "delete"]
     checkpoint = lab.calls()[2]
     assert "--leave-running" in checkpoint  # frozen by pause, resumable until the target holds the state
     assert res["restored"] is False and res["downtime_s"] is None and res["frozen_s"] > 0
@@ -137,7 +137,7 @@ def test_restore_on_target_then_source_destroyed(lab):
     res = migrate(lab.a, MigrateRequest(container_id="c1", to=address, root=lab.root_a, name="up", pre_dump="0"))
     t.join(10)
     subs = lab.subcommands()
-    assert subs == ["state", "pause", "checkpoint", "restore", "delete"]  # target runs before the source goes
+    assert subs == ["state", "pause", "checkpoint", "restore", "state", "delete"]  # target runs before the source goes
     assert res["restored"] is True and res["target"] == {"container_id": "c1-b", "pid": 5151}
     assert 0 < res["downtime_s"] <= res["total_s"]
     assert os.path.isfile(os.path.join(lab.root_b, "c1-b", "migrt-restored"))
