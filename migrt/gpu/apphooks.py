@@ -67,19 +67,19 @@ class Reply:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-def hook_dir(pid: int, proc: str = procview.PROC) -> str:
+def hook_dir(pid: int, proc: str | None = None) -> str:
     d = procview.environ(pid, proc).get(DIR_ENV) or DEFAULT_DIR
     return d.rstrip("/") or DEFAULT_DIR
 
 
-def find(pids: list[int], proc: str = procview.PROC) -> list[Endpoint]:
+def find(pids: list[int], proc: str | None = None) -> list[Endpoint]:
     """The registered endpoints among pids (see the module docstring), in pid order."""
     listening: dict[str, list[tuple[int, str]]] = {}  # network namespace -> (inode, path)
     held: dict[int, set[int]] = {p: procview.socket_inodes(p, proc) for p in pids}
     found: dict[int, Endpoint] = {}
     for pid in pids:
         try:
-            ns = os.readlink(f"{proc}/{pid}/ns/net")
+            ns = os.readlink(f"{procview.at(proc)}/{pid}/ns/net")
         except OSError:
             ns = f"pid:{pid}"
         if ns not in listening:
@@ -135,7 +135,7 @@ def _exchange(ep: Endpoint, request: dict, deadline: float, proc: str) -> Reply:
         os.close(fd)
 
 
-def call(endpoints: list[Endpoint], event: str, timeout_s: float, *, proc: str = procview.PROC,
+def call(endpoints: list[Endpoint], event: str, timeout_s: float, *, proc: str | None = None,
          waits: dict[Endpoint, float] | None = None, **fields) -> dict[Endpoint, Reply]:
     """Send `event` to every endpoint at once; each answer within timeout_s (or its own waits[ep])."""
     if not endpoints:
@@ -155,7 +155,7 @@ class Notified:
     endpoints: list[Endpoint]
     op_id: str
     timeout_s: float
-    proc: str = procview.PROC
+    proc: str | None = None
     seconds: float = 0.0
     replies: dict[Endpoint, Reply] = field(default_factory=dict)
 
@@ -178,7 +178,7 @@ def _problems(replies: dict[Endpoint, Reply]) -> list[str]:
 
 
 def before_checkpoint(pids: list[int], *, what: str, timeout_s: float = DEFAULT_TIMEOUT_S,
-                      proc: str = procview.PROC, endpoints: list[Endpoint] | None = None) -> Notified:
+                      proc: str | None = None, endpoints: list[Endpoint] | None = None) -> Notified:
     """pre-checkpoint to every registered process among pids; HookRefused unless all answer ok."""
     eps = find(pids, proc) if endpoints is None else endpoints
     note = Notified(endpoints=eps, op_id=uuid.uuid4().hex[:12], timeout_s=timeout_s, proc=proc)
@@ -200,7 +200,7 @@ def before_checkpoint(pids: list[int], *, what: str, timeout_s: float = DEFAULT_
 
 
 def after_restore(pids: list[int], *, what: str, reason: str = RESTORED, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  proc: str = procview.PROC) -> tuple[list[Endpoint], list[str]]:
+                  proc: str | None = None) -> tuple[list[Endpoint], list[str]]:
     """post-restore to the registered processes among pids (a restored container): (endpoints, problems)."""
     eps = find(pids, proc)
     return eps, _problems(call(eps, POST, timeout_s, proc=proc, id=uuid.uuid4().hex[:12], reason=reason,

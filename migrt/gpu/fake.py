@@ -8,7 +8,10 @@ import signal
 import threading
 
 from migrt.gpu import fakenode
-from migrt.gpu.backend import CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuBackend, GpuError, Remap, uuid_text
+from migrt.gpu.backend import (CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuBackend, GpuCannotRestore, GpuError, Remap,
+                                uuid_text)
+
+NOT_SUPPORTED = 801
 
 # call -> (state required, state after)
 TRANSITIONS = {
@@ -44,20 +47,21 @@ class FakeGpuBackend(GpuBackend):
             self.states[pid] = state
 
     def fail(self, call: str, pid: int | None = None, *, message: str = "injected failure", to_failed: bool = False,
-             times: int = 1) -> None:
+             times: int = 1, code: int = 999) -> None:
         """Make `call` (on `pid`, or on any pid) raise GpuError `times` times; to_failed also moves
-        the process to the driver's 'failed' state, as a transition that broke half-way does."""
+        the process to the driver's 'failed' state, as a transition that broke half-way does.
+        code 801 at restore raises GpuCannotRestore, as the CUDA backend does."""
         with self._mu:
-            self._failures.setdefault((call, pid), []).extend([(message, to_failed)] * times)
+            self._failures.setdefault((call, pid), []).extend([(message, to_failed, code)] * times)
 
     def _maybe_fail(self, call: str, pid: int) -> None:
         for key in ((call, pid), (call, None)):
             queue = self._failures.get(key)
             if queue:
-                message, to_failed = queue.pop(0)
+                message, to_failed, code = queue.pop(0)
                 if to_failed:
                     self.states[pid] = FAILED
-                raise GpuError(f"{call} (pid {pid}) failed: {message}", call=call, pid=pid, code=999)
+                raise _error(call, pid, message, code)
 
     def _known(self, call: str, pid: int) -> str:
         if pid not in self.states:
@@ -137,8 +141,7 @@ class FileFakeGpuBackend(GpuBackend):
                         os.kill(os.getpid(), signal.SIGKILL)
                     if f.get("to_failed"):
                         e["state"] = FAILED
-                    raise GpuError(f"{call} (pid {pid}) failed: {f.get('message', 'injected failure')}",
-                                   call=call, pid=pid, code=999)
+                    raise _error(call, pid, f.get("message", "injected failure"), int(f.get("code", 999)))
             if call == "state":
                 return e["state"]
             need, after = TRANSITIONS[call]
@@ -182,6 +185,11 @@ class FileFakeGpuBackend(GpuBackend):
 
     def restore_thread_id(self, pid: int) -> int:
         return pid
+
+
+def _error(call: str, pid: int, message: str, code: int) -> GpuError:
+    cls = GpuCannotRestore if (call, code) == ("restore", NOT_SUPPORTED) else GpuError
+    return cls(f"{call} (pid {pid}) failed: {message}", call=call, pid=pid, code=code)
 
 
 def _free_bytes(data: dict, uuid: str | None) -> int | None:

@@ -7,13 +7,15 @@ When it is set, three things come from the file instead of the driver: which pro
 processes (those whose environment holds the `marker`, FAKE_CUDA=1 by default: the marker travels
 with the process through CRIU as a real process's GPU state does), the driver's per-process state
 (FileFakeGpuBackend in migrt/gpu/fake.py) and the inventory (GPUs, and their free memory: a process
-that is not checkpointed holds `process_bytes` on its GPU). The file:
+that is not checkpointed holds `process_bytes` on its GPU: the first, or GPU <FAKE_CUDA_GPU> of its
+environment). The file:
 
     {"driver_version": "580.159", "gpus": [{"uuid", "name", "memory_total", "pci_bus_id", "minor"}],
      "marker": "FAKE_CUDA=1", "new_state": "running", "process_bytes": 1073741824,
      "ns_init_only": false,     # true: only a container's init (pid 1 in its pid namespace) counts
      "processes": {"<pid>": {"state", "gpu", "bytes", "start"}},       # kept by the fake itself
-     "fail": [{"call": "restore", "pid": null, "message": "..."}],     # each entry fails one call
+     "fail": [{"call": "restore", "pid": null, "message": "...", "code": 801}],  # each entry fails one call
+                                                  # (code 801 at restore: the driver's "cannot restore")
                                                   # ("crash": true: SIGKILLs the calling process instead)
      "calls": [["lock", pid], ...]}                                     # every driver call, in order
 
@@ -109,10 +111,23 @@ def entry(data: dict, pid: int) -> dict | None:
         return None
     gpus = data.get("gpus") or []
     state = data.get("new_state", "running")
-    known = {"state": state, "gpu": gpus[0]["uuid"] if gpus and state != "checkpointed" else None,
+    gpu = _own_gpu(pid, gpus)
+    known = {"state": state, "gpu": gpu if state != "checkpointed" else None,
              "bytes": int(data.get("process_bytes", 1 << 30)), "start": start}
     data["processes"][key] = known
     return known
+
+
+def _own_gpu(pid: int, gpus: list[dict]) -> str | None:
+    """The GPU a new process holds: GPU <FAKE_CUDA_GPU> of the file (its index) if its environment
+    says, else the first (one process per GPU, as a multi-GPU job runs)."""
+    if not gpus:
+        return None
+    for item in _read_environ(pid):
+        key, _, value = item.partition("=")
+        if key == "FAKE_CUDA_GPU" and value.isdigit() and int(value) < len(gpus):
+            return gpus[int(value)]["uuid"]
+    return gpus[0]["uuid"]
 
 
 def cuda_pids(pids: list[int], *, live: bool = True) -> list[int]:

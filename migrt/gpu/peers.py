@@ -130,7 +130,7 @@ def _conf(text: str | None) -> dict[str, str]:
     return out
 
 
-def nccl_settings(pid: int, env: dict[str, str], proc: str = procview.PROC) -> dict[str, str]:
+def nccl_settings(pid: int, env: dict[str, str], proc: str | None = None) -> dict[str, str]:
     """The NCCL_* settings pid runs with, in NCCL's own order: its environment wins, then the user's
     file (NCCL_CONF_FILE, else $HOME/.nccl.conf), then /etc/nccl.conf (read inside its root)."""
     out = {k: v for k, v in env.items() if k.startswith("NCCL_")}
@@ -149,7 +149,7 @@ def _minors(paths: list[str]) -> list[int]:
     return sorted({int(m.group(1)) for p in paths if (m := _GPU_NODE.fullmatch(p))})
 
 
-def look(pid: int, nccl_sockets: set[int], proc: str = procview.PROC) -> Process:
+def look(pid: int, nccl_sockets: set[int], proc: str | None = None) -> Process:
     env = procview.environ(pid, proc)
     maps = procview.mapped_files(pid, proc)
     return Process(
@@ -165,13 +165,14 @@ def _nccl_socket_inodes(pids: list[int], proc: str) -> set[int]:
     seen_ns: set[str] = set()
     for pid in pids:
         try:
-            ns = os.readlink(f"{proc}/{pid}/ns/net")
+            ns = os.readlink(f"{procview.at(proc)}/{pid}/ns/net")
         except OSError:
             ns = f"pid {pid}"
         if ns in seen_ns:
             continue
         seen_ns.add(ns)
-        out |= {inode for inode, path, _, _ in procview.unix_sockets(pid, proc) if path.startswith("@/tmp/nccl-socket-")}
+        out |= {inode for inode, path, _, _ in procview.unix_sockets(pid, proc)
+                if path.startswith("@/tmp/nccl-socket-")}
     return out
 
 
@@ -182,7 +183,7 @@ def driver_major(version: str | None) -> int | None:
 
 def assess(pids: list[int], *, driver_version: str | None, hooked: set[int] | frozenset = frozenset(),
            registered: set[int] | frozenset = frozenset(), declared_off: bool = False,
-           proc: str = procview.PROC) -> Verdict:
+           proc: str | None = None) -> Verdict:
     """The rule above over the CUDA processes of one container. hooked: the pids that acknowledged
     the application hook's pre-checkpoint; registered: those that listen for it (peers, too);
     declared_off: the container's annotation or the node's config turn the refusal off."""

@@ -15,10 +15,15 @@ import os
 import re
 import stat
 
-PROC = "/proc"
+PROC = "/proc"  # the tests point it (or the proc= arguments) at a tree of their own
 _DELETED = " (deleted)"
 SO_ACCEPTCON = 0x00010000  # /proc/net/unix Flags of a listening socket
 SOCK_STREAM, SOCK_DGRAM = 1, 2
+
+
+def at(proc: str | None) -> str:
+    """The proc root to read: the one given, else PROC (read at call time)."""
+    return proc or PROC
 
 
 def _read(path: str, limit: int = 1 << 24) -> str | None:
@@ -29,10 +34,10 @@ def _read(path: str, limit: int = 1 << 24) -> str | None:
         return None
 
 
-def mapped_files(pid: int, proc: str = PROC) -> list[str]:
+def mapped_files(pid: int, proc: str | None = None) -> list[str]:
     """The files pid maps (each once, in order of first mapping), ' (deleted)' stripped."""
     seen: dict[str, None] = {}
-    for line in (_read(f"{proc}/{pid}/maps") or "").splitlines():
+    for line in (_read(f"{at(proc)}/{pid}/maps") or "").splitlines():
         parts = line.split(None, 5)
         if len(parts) == 6 and parts[5].startswith("/"):
             path = parts[5]
@@ -40,22 +45,22 @@ def mapped_files(pid: int, proc: str = PROC) -> list[str]:
     return list(seen)
 
 
-def fd_targets(pid: int, proc: str = PROC) -> list[str]:
+def fd_targets(pid: int, proc: str | None = None) -> list[str]:
     """readlink of every open descriptor of pid ('socket:[123]', '/dev/nvidia0', ...)."""
     out = []
     try:
-        fds = os.listdir(f"{proc}/{pid}/fd")
+        fds = os.listdir(f"{at(proc)}/{pid}/fd")
     except OSError:
         return out
     for fd in fds:
         try:
-            out.append(os.readlink(f"{proc}/{pid}/fd/{fd}"))
+            out.append(os.readlink(f"{at(proc)}/{pid}/fd/{fd}"))
         except OSError:
             continue
     return out
 
 
-def socket_inodes(pid: int, proc: str = PROC) -> set[int]:
+def socket_inodes(pid: int, proc: str | None = None) -> set[int]:
     out = set()
     for target in fd_targets(pid, proc):
         m = re.fullmatch(r"socket:\[(\d+)\]", target)
@@ -64,10 +69,10 @@ def socket_inodes(pid: int, proc: str = PROC) -> set[int]:
     return out
 
 
-def environ(pid: int, proc: str = PROC) -> dict[str, str]:
+def environ(pid: int, proc: str | None = None) -> dict[str, str]:
     """The environment pid started with (what a process sets later with setenv is not there)."""
     try:
-        with open(f"{proc}/{pid}/environ", "rb") as fh:
+        with open(f"{at(proc)}/{pid}/environ", "rb") as fh:
             raw = fh.read(1 << 20)
     except OSError:
         return {}
@@ -79,11 +84,11 @@ def environ(pid: int, proc: str = PROC) -> dict[str, str]:
     return out
 
 
-def unix_sockets(pid: int, proc: str = PROC) -> list[tuple[int, str, int, bool]]:
+def unix_sockets(pid: int, proc: str | None = None) -> list[tuple[int, str, int, bool]]:
     """(inode, path, type, listening) of the bound unix sockets of pid's network namespace; an
     abstract name is given as '@name'."""
     out = []
-    lines = (_read(f"{proc}/{pid}/net/unix") or "").splitlines()
+    lines = (_read(f"{at(proc)}/{pid}/net/unix") or "").splitlines()
     for line in lines[1:]:
         f = line.split(None, 7)
         if len(f) < 8:
@@ -107,12 +112,12 @@ def safe_path(path: str) -> list[str]:
     return parts
 
 
-def open_in_root(pid: int, path: str, *, proc: str = PROC, want: str = "file") -> int:
+def open_in_root(pid: int, path: str, *, proc: str | None = None, want: str = "file") -> int:
     """An O_PATH descriptor of `path` inside pid's root, walked with O_NOFOLLOW: every directory a
     real directory, the last component a regular file (want='file') or a socket (want='socket').
     OSError or ValueError when it is anything else; the caller closes the descriptor."""
     parts = safe_path(path)
-    fd = os.open(f"{proc}/{pid}/root", os.O_PATH | os.O_DIRECTORY)
+    fd = os.open(f"{at(proc)}/{pid}/root", os.O_PATH | os.O_DIRECTORY)
     try:
         for part in parts[:-1]:
             nxt = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=fd)
@@ -128,7 +133,7 @@ def open_in_root(pid: int, path: str, *, proc: str = PROC, want: str = "file") -
     return last
 
 
-def read_in_root(pid: int, path: str, *, proc: str = PROC, limit: int = 1 << 16) -> str | None:
+def read_in_root(pid: int, path: str, *, proc: str | None = None, limit: int = 1 << 16) -> str | None:
     """A small regular file inside pid's root (None when it is missing or not a plain file)."""
     try:
         fd = open_in_root(pid, path, proc=proc)

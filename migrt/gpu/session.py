@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from migrt.errors import MigrtError
-from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuBackend, GpuError, Remap
+from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuBackend, GpuCannotRestore, GpuError, Remap
 
 DEFAULT_LOCK_TIMEOUT_MS = 30_000
 
@@ -43,6 +43,11 @@ def _each(pids: list[int], fn: Callable[[int], None], parallel: bool) -> dict[in
 
 def _first(errors: dict[int, BaseException], pids: list[int]) -> BaseException:
     return next(errors[p] for p in pids if p in errors)
+
+
+def _kind(cause: BaseException) -> type[GpuError]:
+    """The error class a wrapped failure keeps: a restore the driver refuses for good stays one."""
+    return GpuCannotRestore if isinstance(cause, GpuCannotRestore) else GpuError
 
 
 def _bring_back(backend: GpuBackend, pid: int, known: str) -> None:
@@ -90,7 +95,7 @@ def resume_all(pids: list[int], backend: GpuBackend, remap: Remap | None = None,
     failed.update(_each([p for p in pids if p not in failed], backend.unlock, parallel))
     if failed:
         cause = _first(failed, pids)
-        raise GpuError(
+        raise _kind(cause)(
             f"GPU restore of {len(failed)} of {len(pids)} process(es) failed "
             f"(pids {', '.join(str(p) for p in pids if p in failed)}): {cause}",
             call=getattr(cause, "call", ""), pid=getattr(cause, "pid", None), code=getattr(cause, "code", None),
@@ -155,7 +160,7 @@ def resume_as_ready(pids: list[int], backend: GpuBackend, remap: Remap | None,
         raise GpuError(f"GPU restore of {len(pids)} process(es) stopped: {memory_error!r}",
                        details=details) from memory_error
     cause = failed[cause_pid]
-    raise GpuError(
+    raise _kind(cause)(
         f"GPU restore of {len(failed)} of {len(pids)} process(es) failed "
         f"(pids {', '.join(str(p) for p in pids if p in failed)}): {cause}",
         call=getattr(cause, "call", ""), pid=getattr(cause, "pid", None), code=getattr(cause, "code", None),
@@ -169,5 +174,6 @@ def resume_if_needed(pids: list[int], backend: GpuBackend, *, parallel: bool = T
     pids = list(dict.fromkeys(pids))
     failed = _each(pids, lambda p: _bring_back(backend, p, CHECKPOINTED), parallel)
     if failed:
-        raise GpuError(f"could not resume GPU processes {', '.join(map(str, failed))}: {_first(failed, pids)}",
-                       details=[f"pid {p}: {e}" for p, e in failed.items()])
+        cause = _first(failed, pids)
+        raise _kind(cause)(f"could not resume GPU processes {', '.join(map(str, failed))}: {cause}",
+                           details=[f"pid {p}: {e}" for p, e in failed.items()])

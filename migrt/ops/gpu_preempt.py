@@ -2,11 +2,13 @@
 its processes stay alive (`migrt gpu suspend|resume|status`, and migrt-runc's `pause`/`resume` of
 containers that ask for it).
 
-    suspend: record "suspending" -> lock + checkpoint every CUDA process (the driver copies its GPU
-             memory into the process's host memory and releases the GPU) -> record "suspended"
+    suspend: the gate (peer state the driver cannot restore, the application hook's
+             pre-checkpoint: gpu/gate.py; a refusal touches nothing) -> record "suspending" -> lock +
+             checkpoint every CUDA process (the driver copies its GPU memory into the process's host
+             memory and releases the GPU) -> record "suspended"
     resume:  preflight (the GPUs exist, are as many and of the same model, have the free memory)
              -> record "resuming" -> restore (with the UUID remap when other GPUs are named) +
-             unlock -> record removed
+             unlock -> record removed -> "post-restore" (resumed) to the hook's processes
 
 The state itself is the driver's; migrt records what it did in `<runc root>/<id>/migrt-gpu-suspended.json`
 (written atomically before every step), so that `resume` works from a new process and after a crash
@@ -14,6 +16,9 @@ of migrt in the middle of either step: resume brings every recorded process back
 driver says it stands. The record lives in runc's state directory, which `runc delete` removes with
 the container. A failure never leaves a container half-resumed: a suspend that fails brings every
 process back to running; a resume that fails puts every process back to checkpointed (suspended).
+Other operations that could not bring a container's GPU processes back after a complete dump
+(`migrt checkpoint --leave-running`, migrt-runc's checkpoint of a container that keeps running, a
+migration's source) leave the same record (`keep_suspended`), so `migrt gpu resume` retries there too.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from dataclasses import dataclass
 
 from migrt import log as log_mod
 from migrt.errors import Conflict, MigrtError, NotFound, PreconditionFailed
-from migrt.gpu import inventory, preflight, procs, records, select, visible
-from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuBackend, GpuError
+from migrt.gpu import apphooks, gate, inventory, preflight, procs, records, select, visible
+from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuBackend, GpuCannotRestore, GpuError
 from migrt.gpu.session import DEFAULT_LOCK_TIMEOUT_MS, suspend_all
 from migrt.oci.bundle import Bundle
 from migrt.progress import Progress, null_progress
@@ -83,6 +88,10 @@ def _backend(cfg, what: str) -> GpuBackend:
     return backend
 
 
+def _hook_timeout(cfg) -> float:
+    return float(getattr(cfg, "gpu_hook_timeout_s", apphooks.DEFAULT_TIMEOUT_S))
+
+
 def _container(root: str, cid: str) -> tuple[dict, int]:
     state = procs.runc_state(root, cid)
     pid = (state or {}).get("init_process_pid")
@@ -126,6 +135,10 @@ def suspend(cfg, cid: str, root: str, *, by: str = "migrt gpu suspend", progress
         config_gpus = None
     section = records.describe(pids, inv, records.visible_at_checkpoint(
         config_gpus, visible.from_devnodes(init, inv), pids, inv))
+    opened = gate.before_lock(pids, what=f"container {cid}", driver_version=inv.driver_version, config=config,
+                              peer_check=getattr(cfg, "gpu_peer_check", "refuse"),
+                              timeout_s=_hook_timeout(cfg))
+    section.update(opened.record())
     rss_before = sum(_rss(p) or 0 for p in pids)
     rec = {"schema": 1, "container_id": cid, "root": root, "status": SUSPENDING, "by": by,
            "processes": [{"pid": p, "start": procs.start_time(p), "comm": procs.comm(p)} for p in pids],
@@ -146,6 +159,7 @@ def suspend(cfg, cid: str, root: str, *, by: str = "migrt gpu suspend", progress
         else:
             _remove(rec)
             hint = ""
+        opened.after(apphooks.ABORTED, f"container {cid}")
         raise GpuError(f"GPU suspend of container {cid} failed: {exc}{hint}", call=exc.call, pid=exc.pid,
                        code=exc.code) from exc
     seconds = round(time.monotonic() - t0, 3)
@@ -265,17 +279,46 @@ def resume(cfg, cid: str, root: str, *, gpus: list[str] | None = None, progress:
         left = _resuspend(backend, pids)
         rec["status"] = SUSPENDED if not left else prior
         _write(rec)
-        tail = ("; every process stays suspended (run 'migrt gpu resume' again once the cause is fixed)" if not left
-                else f"; and {len(left)} process(es) could not be put back: {'; '.join(left)}")
+        if isinstance(cause, GpuCannotRestore):
+            again = ("; every process stays suspended with its GPU state in host memory, but this driver will not "
+                     "restore it: 'migrt gpu resume' cannot succeed here (see docs/gpu.md, Multi-GPU jobs)")
+        else:
+            again = "; every process stays suspended (run 'migrt gpu resume' again once the cause is fixed)"
+        tail = again if not left else f"; and {len(left)} process(es) could not be put back: {'; '.join(left)}"
         raise GpuError(f"GPU resume of container {cid} failed: {cause}{tail}", call=cause.call, pid=cause.pid,
                        code=cause.code, details=[f"pid {p}: {e}" for p, e in errors.items() if e is not cause])
     seconds = round(time.monotonic() - t0, 3)
     _remove(rec)
     progress("done", name="gpu-resume", seconds=seconds)
+    told, problems = apphooks.after_restore(pids, what=f"container {cid}", reason=apphooks.RESUMED,
+                                            timeout_s=_hook_timeout(cfg))
+    if problems:
+        log_mod.get().warning("app_hook_unanswered", container=cid, event=apphooks.POST, problems=problems)
     log_mod.get().info("gpu_resumed_in_place", container=cid, pids=pids, pairs=placement.to_dict(), seconds=seconds)
     return {"container_id": cid, "root": root, "processes": pids, "exited": gone, "gpus": [n for _, n in placement.pairs],
             "pairs": placement.to_dict(), "moved": placement.moved,
-            "timings": {**rec.get("timings", {}), "resume_s": seconds}}
+            "timings": {**rec.get("timings", {}), "resume_s": seconds},
+            **({"app_hook": {"processes": sorted({p for ep in told for p in ep.holders}), "unanswered": problems}}
+               if told else {})}
+
+
+def keep_suspended(cid: str, root: str, pids: list[int], section: dict, *, by: str, error: str) -> str:
+    """After a complete dump whose container keeps running, its GPU processes could not be brought
+    back (the restore failed): record them as suspended, as `migrt gpu suspend` would, so that
+    `migrt gpu resume` retries from wherever each stands and `migrt gpu status` shows them. Returns
+    the sentence for the caller's error."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    rec = {"schema": 1, "container_id": cid, "root": root, "status": SUSPENDED, "by": by,
+           "processes": [{"pid": p, "start": procs.start_time(p), "comm": procs.comm(p)} for p in pids],
+           "gpus": [g["uuid"] for g in section.get("gpus") or []], "section": section,
+           "gpu_memory_bytes": sum(preflight.memory_per_gpu(section).values()) or None,
+           "started_at": now, "suspended_at": now, "timings": {}, "error": error}
+    try:
+        _write(rec)
+    except OSError as exc:
+        return f"; its GPU processes stay suspended, and the record for 'migrt gpu resume' could not be written ({exc})"
+    return (f"; its {len(pids)} CUDA process(es) stay suspended with their GPU state in host memory: "
+            f"'migrt gpu resume {cid}' retries, 'migrt gpu status {cid}' shows them")
 
 
 # -- status ------------------------------------------------------------------------------------------

@@ -6,8 +6,10 @@ and comes here only when there is GPU work; otherwise it execs the lower runtime
 Here the lower runtime runs as a child, with MIGRT_GPU_HANDLED=1 so that a CRIU action script
 stands aside, between the GPU steps:
 
-  checkpoint: suspend all CUDA processes -> `<runtime> checkpoint ...` -> resume them if the
-              container keeps running (--leave-running, --pre-dump) or the dump failed.
+  checkpoint: suspend all CUDA processes (after the gate: peer state, the application hook) ->
+              `<runtime> checkpoint ...` -> resume them if the container keeps running
+              (--leave-running, --pre-dump) or the dump failed; a resume that fails leaves them
+              recorded as suspended for `migrt gpu resume`.
   restore:    preflight (nothing touched on a mismatch) -> `<runtime> restore ...` -> GPU restore
               with the UUID remap and unlock; on failure `delete --force` of the half-restored
               container (the image is left as it was).
@@ -117,8 +119,12 @@ def _checkpoint(parsed, lower: str, cfg, log, cid: str, init_pid, state, pids: l
             gpu.resume()
         except MigrtError as exc:
             log.error("gpu_resume_failed", container=cid, error=str(exc))
+            from migrt.ops import gpu_preempt  # the container runs on: 'migrt gpu resume' can retry
+
+            kept = gpu_preempt.keep_suspended(cid, root, gpu.pids, gpu.section, by="migrt-runc checkpoint",
+                                              error=str(exc))
             runclog.append(parsed.log_path, "error",
-                           f"migrt: container {cid}: the GPU processes could not be resumed: {exc}",
+                           f"migrt: container {cid}: the GPU processes could not be resumed: {exc}{kept}",
                            log_format=parsed.log_format)
             return rc or exc.exit_code
     log.info("gpu_checkpoint", container=cid, rc=rc, pids=pids, timings=gpu.timings)

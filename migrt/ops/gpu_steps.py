@@ -1,13 +1,16 @@
 """The GPU steps of checkpoint and restore, called from a few lines of ops/checkpoint.py,
 ops/restore.py and ops/gpu_runc.py (migrt-runc's own checkpoint/restore).
 
-Checkpoint:  suspend(...) finds the container's live CUDA processes; if any, locks and checkpoints
-             them all (undoing on failure). The returned GpuSuspension resumes them when the
+Checkpoint:  suspend(...) finds the container's live CUDA processes; if any, asks the gate (peer
+             state the driver cannot restore, the application hook's pre-checkpoint: gpu/gate.py;
+             a refusal touches nothing), then locks and checkpoints them all (undoing on failure).
+             The returned GpuSuspension resumes them (and tells the hook "post-restore") when the
              container must keep running (--leave-running) or the dump failed.
 Restore:     plan_restore(...) is the preflight (before anything is touched); GpuRestore.resume(pid)
              after the lower runtime's restore: finds the restored CUDA processes, fixes the
              container's /dev/nvidia* nodes, restores (with the UUID remap) and unlocks them. After a
-             lazy restore each process's GPU restore starts as soon as its own memory is in.
+             lazy restore each process's GPU restore starts as soon as its own memory is in; then
+             the restored processes that registered the application hook are told "post-restore".
 Whenever migrt drives the GPU it sets MIGRT_GPU_HANDLED=1 in the lower runtime's environment, which
 CRIU passes on to action scripts: the hooks/cuda-criu-action then stands aside.
 A container without CUDA processes, or a checkpoint without GPU state, needs neither libcuda nor NVML.
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 
 from migrt import log as log_mod
 from migrt.errors import MigrtError, PreconditionFailed
-from migrt.gpu import devnodes, inventory, preflight, procs, records, select, session, visible
+from migrt.gpu import apphooks, devnodes, gate, inventory, preflight, procs, records, select, session, visible
 from migrt.gpu.backend import CHECKPOINTED, GpuBackend, GpuError
 from migrt.progress import Progress, null_progress
 
@@ -36,6 +39,16 @@ def backend_choice(cfg) -> str:
 
 def lock_timeout_ms(cfg) -> int:
     return int(getattr(cfg, "gpu_lock_timeout_ms", session.DEFAULT_LOCK_TIMEOUT_MS))
+
+
+def hook_timeout_s(cfg) -> float:
+    return float(getattr(cfg, "gpu_hook_timeout_s", apphooks.DEFAULT_TIMEOUT_S))
+
+
+def open_gate(cfg, what: str, pids: list[int], driver_version: str | None, config: dict | None) -> gate.Gate:
+    """Peer state and the application hook, before any lock (gpu/gate.py); PreconditionFailed refuses."""
+    return gate.before_lock(pids, what=what, driver_version=driver_version, config=config,
+                            peer_check=getattr(cfg, "gpu_peer_check", "refuse"), timeout_s=hook_timeout_s(cfg))
 
 
 def _usable_backend(cfg, what: str) -> GpuBackend:
@@ -65,12 +78,21 @@ class GpuSuspension:
     backend: GpuBackend
     section: dict
     timings: dict[str, float] = field(default_factory=dict)
+    gate: gate.Gate | None = None
+    what: str = ""
 
     def resume(self) -> None:
-        """Back to running from wherever each process stands (a dump that failed, --leave-running)."""
+        """Back to running from wherever each process stands (a dump that failed, --leave-running),
+        then "post-restore" (resumed) to the processes told "pre-checkpoint" (a missing answer is logged)."""
         t0 = time.monotonic()
         session.resume_if_needed(self.pids, self.backend)
         self.timings["gpu_resume_s"] = round(time.monotonic() - t0, 3)
+        if self.gate:
+            problems = self.gate.after(apphooks.RESUMED, self.what)
+            if problems:
+                log_mod.get().warning("app_hook_unanswered", container=self.what, event=apphooks.POST,
+                                      problems=problems)
+            self.gate = None
 
 
 def _config_gpus(config: dict | None, inv, what: str) -> list[str] | None:
@@ -98,16 +120,23 @@ def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
     vis = records.visible_at_checkpoint(_config_gpus(config, inv, container_id),
                                         visible.from_devnodes(init_pid, inv) if init_pid else None, pids, inv)
     section = records.describe(pids, inv, vis)
-    if before_lock:
-        before_lock(pids)
+    opened = open_gate(cfg, f"container {container_id}", pids, inv.driver_version, config)
+    section.update(opened.record())
     progress("phase", name="gpu-checkpoint", processes=len(pids))
-    t0 = time.monotonic()
-    session.suspend_all(pids, backend, lock_timeout_ms(cfg))
+    try:
+        if before_lock:
+            before_lock(pids)
+        t0 = time.monotonic()
+        session.suspend_all(pids, backend, lock_timeout_ms(cfg))
+    except BaseException:  # every process was brought back by suspend_all: the hook's processes may rebuild
+        opened.after(apphooks.ABORTED, f"container {container_id}")
+        raise
     seconds = round(time.monotonic() - t0, 3)
     section["timings"]["gpu_checkpoint_s"] = seconds
     progress("done", name="gpu-checkpoint", seconds=seconds)
-    log_mod.get().info("gpu_suspended", container=container_id, pids=pids, seconds=seconds)
-    return GpuSuspension(pids=pids, backend=backend, section=section, timings={"gpu_checkpoint_s": seconds})
+    log_mod.get().info("gpu_suspended", container=container_id, pids=pids, seconds=seconds, **opened.record())
+    return GpuSuspension(pids=pids, backend=backend, section=section, timings={"gpu_checkpoint_s": seconds},
+                         gate=opened, what=f"container {container_id}")
 
 
 @contextlib.contextmanager
@@ -144,6 +173,7 @@ class GpuRestore:
     placement: preflight.Placement
     inv: inventory.Inventory
     what: str
+    hook_timeout_s: float = apphooks.DEFAULT_TIMEOUT_S
 
     def resume(self, init_pid: int, progress: Progress = null_progress, memory=None) -> dict:
         """After the lower runtime restored the container (init_pid): GPU restore + unlock.
@@ -181,7 +211,19 @@ class GpuRestore:
         seconds = round(time.monotonic() - t0, 3)
         progress("done", name="gpu-restore", seconds=seconds)
         log_mod.get().info("gpu_restored", pids=pids, pairs=self.placement.to_dict(), devnodes=changes, seconds=seconds)
+        timings.update(self.tell_restored(procs.container_pids(init_pid)))
         return {"gpu_restore_s": seconds, **timings}
+
+    def tell_restored(self, pids: list[int]) -> dict:
+        """post-restore (restored) to the restored processes that registered the application hook."""
+        t0 = time.monotonic()
+        endpoints, problems = apphooks.after_restore(pids, what=self.what, reason=apphooks.RESTORED,
+                                                     timeout_s=self.hook_timeout_s)
+        if not endpoints:
+            return {}
+        if problems:
+            log_mod.get().warning("app_hook_unanswered", container=self.what, event=apphooks.POST, problems=problems)
+        return {"app_hook_s": round(time.monotonic() - t0, 3), "app_hook_processes": len(endpoints)}
 
 
 def plan_restore(cfg, section: dict | None, config: dict, what: str, *,
@@ -193,6 +235,7 @@ def plan_restore(cfg, section: dict | None, config: dict, what: str, *,
         return None
     gpu = restore_preflight(section, config, what)
     gpu.backend = restore_driver(cfg, what) if load_driver else _restore_backend(cfg)
+    gpu.hook_timeout_s = hook_timeout_s(cfg)
     return gpu
 
 
@@ -204,8 +247,31 @@ def restore_preflight(section: dict, config: dict, what: str) -> GpuRestore:
         targets = visible.from_config(config, inv) if inv.available else None
     except visible.VisibleError as exc:
         raise PreconditionFailed(f"{what}: {exc}") from exc
-    placement = preflight.check(section, inv, targets, what=what)
+    chosen = restore_gpus(config, targets, what)
+    if chosen:  # the person chose the pairing (e.g. two GPUs swapped): keep their order
+        placement = preflight.check(section, inv, chosen, what=what, keep_order=True)
+    else:
+        placement = preflight.check(section, inv, targets, what=what)
     return GpuRestore(section=section, backend=None, placement=placement, inv=inv, what=what)
+
+
+RESTORE_GPUS_ANNOTATION = "migrt.io/restore-gpus"
+
+
+def restore_gpus(config: dict | None, given: list[str] | None, what: str) -> list[str] | None:
+    """The annotation migrt.io/restore-gpus="GPU-a,GPU-b" of the new container: its GPUs, paired in
+    this order with the checkpoint's GPUs in their recorded order ('migrt inspect'), as `migrt gpu
+    resume --gpus` pairs them; None without it. They must be the GPUs the container is given."""
+    raw = ((config or {}).get("annotations") or {}).get(RESTORE_GPUS_ANNOTATION)
+    if not raw:
+        return None
+    chosen = [t.strip() for t in str(raw).split(",") if t.strip()]
+    if len({c.lower() for c in chosen}) != len(chosen):
+        raise PreconditionFailed(f"{what}: {RESTORE_GPUS_ANNOTATION} names a GPU twice: {raw}")
+    if given is not None and sorted(c.lower() for c in chosen) != sorted(g.lower() for g in given):
+        raise PreconditionFailed(f"{what}: {RESTORE_GPUS_ANNOTATION} names {', '.join(chosen)}, but the new "
+                                 f"container is given {', '.join(given) or 'no GPU'}; name exactly its GPUs")
+    return chosen
 
 
 def _restore_backend(cfg) -> GpuBackend:

@@ -1,0 +1,326 @@
+"""Multi-GPU jobs (docs/gpu.md, "Multi-GPU jobs"), wired into every path: the peer-state refusal
+before the GPU lock, the application hook, processes each on its own GPU moved onto swapped GPUs,
+and what a GPU resume that fails after a complete dump leaves to retry.
+
+Two rigs: the GPU steps with the fake backend and a stand-in lower runtime (tests/unit/test_gpu_ops.py's
+Node, with a proc tree laid out by hand for what the rule reads), and the simulated GPU node
+(MIGRT_FAKE_GPU) with real processes and the real CLI (tests/unit/test_gpu_preempt.py's rig)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from migrt.errors import PreconditionFailed, RuntimeFailed
+from migrt.gpu import apphooks, fakenode, peers, procview, records
+from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuCannotRestore, uuid_bytes
+from migrt.gpu.fake import FileFakeGpuBackend
+from migrt.gpu.session import suspend_all
+from migrt.ops import checkpoint as ops_checkpoint
+from migrt.ops import gpu_preempt
+from migrt.store import Store
+from tests.unit.support import REPO
+from migrt.oci.bundle import Bundle
+from migrt.ops import restore as ops_restore
+from tests.unit.support import write_bundle
+from tests.unit.test_gpu_ops import (CHILD, INIT, NEW_CHILD, NEW_INIT, U0, U1, FakeLower, cfg, node,  # noqa: F401
+                                     take_checkpoint)
+from tests.unit.test_gpu_peers import ProcTree, nccl_rank
+from tests.unit.test_gpu_preempt import CLI, gpu_node  # noqa: F401 - the simulated node's fixture
+
+
+# -- the GPU steps (fake backend, stand-in runc) ------------------------------------------------------------
+def restore_into(cfg, tmp_path, env: list[str], *, annotations: dict | None = None, cid: str = "c2"):
+    bundle = write_bundle(tmp_path / f"bundle-{cid}", env=env, annotations=annotations)
+    target = ops_restore.RestoreTarget(container_id=cid, bundle=Bundle.load(str(bundle)), root=str(tmp_path / "rr"))
+    return ops_restore.restore_checkpoint(cfg, "ck1", target)
+
+
+@pytest.fixture
+def two_ranks(node, tmp_path, monkeypatch):
+    """INIT and CHILD are a torch.distributed job's ranks, each on its own GPU, NCCL initialised."""
+    tree = ProcTree(tmp_path / "proc")
+    monkeypatch.setattr(procview, "PROC", str(tree.root))
+    node.inv.processes = {INIT: [(U0, 6 << 30)], CHILD: [(U1, 6 << 30)]}
+    return tree
+
+
+def test_checkpoint_of_nccl_peers_is_refused_before_anything_is_touched(cfg, node, two_ranks):
+    nccl_rank(two_ranks, INIT, 0)
+    nccl_rank(two_ranks, CHILD, 1)
+    with pytest.raises(peers.PeerStateRefused) as info:
+        take_checkpoint(cfg)
+    assert info.value.exit_code == 8
+    assert str(info.value).startswith(f"container c1: CUDA process(es) {INIT}, {CHILD} hold peer-to-peer")
+    assert FakeLower.calls == [] and node.backend.calls_of("lock") == []  # not frozen, not locked
+    assert node.states(INIT, CHILD) == [RUNNING, RUNNING]
+    assert not Store(cfg.store).exists("ck1")
+
+
+def test_checkpoint_with_p2p_and_shm_off_goes_ahead_on_both_gpus_and_restores_swapped(cfg, node, two_ranks,
+                                                                                      tmp_path):
+    off = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    nccl_rank(two_ranks, INIT, 0, env=off)
+    nccl_rank(two_ranks, CHILD, 1, env=off)
+    data = take_checkpoint(cfg)
+    gpu = data["gpu"]
+    assert [g["uuid"] for g in gpu["gpus"]] == [U0, U1]  # the container's GPUs, as its processes use them
+    assert {p["pid"]: p["gpus"] for p in gpu["processes"]} == {INIT: [U0], CHILD: [U1]}
+    assert "peer_findings" not in gpu
+    # a new container given both GPUs, asking for them swapped: every process gets both pairs
+    result = restore_into(cfg, tmp_path, [f"NVIDIA_VISIBLE_DEVICES={U0},{U1}"])
+    assert result["pid"] == NEW_INIT
+    swapped = [(uuid_bytes(U0), uuid_bytes(U1)), (uuid_bytes(U1), uuid_bytes(U0))]
+    assert node.backend.remaps == {NEW_INIT: None, NEW_CHILD: None}  # PCI order pairs them unchanged
+    node.backend.remaps.clear()
+    result = restore_into(cfg, tmp_path, [f"NVIDIA_VISIBLE_DEVICES={U0},{U1}"], annotations={
+        "migrt.io/restore-gpus": f"{U1},{U0}"}, cid="c3")
+    assert node.backend.remaps == {NEW_INIT: swapped, NEW_CHILD: swapped}
+    assert node.states(NEW_INIT, NEW_CHILD) == [RUNNING, RUNNING]
+
+
+def test_restore_gpus_must_be_the_containers_own(cfg, node, tmp_path, two_ranks):
+    take_checkpoint(cfg)
+    with pytest.raises(PreconditionFailed, match="restore-gpus names .* but the new container is given"):
+        restore_into(cfg, tmp_path, [f"NVIDIA_VISIBLE_DEVICES={U1}"], annotations={"migrt.io/restore-gpus": U0})
+
+
+def test_a_declaration_lets_the_job_through_and_is_recorded(cfg, node, two_ranks):
+    nccl_rank(two_ranks, INIT, 0, env={peers.OFF_ENV: "off"})
+    nccl_rank(two_ranks, CHILD, 1, env={peers.OFF_ENV: "off"})
+    data = take_checkpoint(cfg)
+    assert {f["allowed_by"] for f in data["gpu"]["peer_findings"]} == {"declared"}
+
+
+def test_leave_running_whose_gpu_resume_fails_keeps_the_dump_and_records_the_processes(cfg, node, tmp_path,
+                                                                                     two_ranks):
+    """The dump is complete; the driver will not restore the source (peer state it did not see).
+    The checkpoint is committed, and the processes are recorded for 'migrt gpu resume'."""
+    root = tmp_path / "runc"
+    (root / "c1").mkdir(parents=True)
+    node.backend.fail("restore", INIT, message="CUDA_ERROR_NOT_SUPPORTED", code=801, times=2)
+    with pytest.raises(RuntimeFailed) as info:
+        ops_checkpoint.checkpoint(cfg, ops_checkpoint.CheckpointRequest(
+            container_id="c1", root=str(root), name="ck1", leave_running=True))
+    msg = str(info.value)
+    assert msg.startswith("checkpoint ck1 is committed, but the CUDA processes of container c1 could not be resumed")
+    assert "'migrt gpu resume c1' retries" in msg and "or restore ck1 into a new container" in msg
+    assert Store(cfg.store).exists("ck1")
+    rec = gpu_preempt.read_record(str(root), "c1")
+    assert rec["status"] == gpu_preempt.SUSPENDED and rec["by"] == "migrt checkpoint --leave-running"
+    assert [p["pid"] for p in rec["processes"]] == [INIT, CHILD] and "NOT_SUPPORTED" in rec["error"]
+    assert node.states(INIT, CHILD) == [CHECKPOINTED, RUNNING]  # as the driver left them
+    assert ("resume", "c1", [CHECKPOINTED, CHECKPOINTED]) in FakeLower.calls  # thawed first
+
+
+def test_the_restored_processes_hear_post_restore(cfg, node, tmp_path, monkeypatch):
+    told = []
+    monkeypatch.setattr(apphooks, "after_restore",
+                        lambda pids, **kw: told.append((sorted(pids), kw["reason"])) or ([], []))
+    take_checkpoint(cfg)
+    restore_into(cfg, tmp_path, [])
+    assert told == [([NEW_INIT, NEW_CHILD, 2002], apphooks.RESTORED)]
+
+
+def test_a_failed_lock_tells_the_hooks_processes_aborted(cfg, node, two_ranks, monkeypatch):
+    sent = []
+    monkeypatch.setattr(apphooks, "find", lambda pids, proc=None: [apphooks.Endpoint(INIT, "/run/migrt/hooks/r.sock",
+                                                                                      7, (INIT,))])
+    monkeypatch.setattr(apphooks, "call", lambda eps, event, timeout, **kw: sent.append((event, kw.get("reason"))) or
+                        {e: apphooks.Reply(True) for e in eps})
+    node.backend.fail("lock", CHILD)
+    with pytest.raises(Exception, match="GPU lock of 2 process"):
+        take_checkpoint(cfg)
+    assert sent == [(apphooks.PRE, None), (apphooks.POST, apphooks.ABORTED)]
+
+
+# -- the simulated GPU node: real processes, the CLI --------------------------------------------------------
+WORKER = r"""
+import json, mmap, os, sys, time
+rank, mode, log = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+if mode.get("nccl"):  # what a live NCCL communicator maps (legacy SHM/proxy pool), unlinked as NCCL does
+    path = f"/dev/shm/nccl-{mode['tag']}{rank}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    shm = mmap.mmap(fd, 4096)
+    os.unlink(path)
+if mode.get("hook"):
+    from migrt.apphook import AppHook
+    def note(what):
+        def fn(request):
+            time.sleep(mode.get("slow", 0))
+            with open(log, "a") as fh:
+                fh.write(json.dumps([rank, what, request.get("reason")]) + "\n")
+        return fn
+    AppHook(f"rank{rank}", on_checkpoint=note("down"), on_restore=note("up")).start()
+print("ready", flush=True)
+time.sleep(1000)
+"""
+
+
+class Job:
+    """A container running a 2-rank job: a supervisor without CUDA and one CUDA process per GPU."""
+
+    def __init__(self, node, tmp_path: Path, cid: str = "job-7", **mode) -> None:
+        marker = json.loads(node.file.read_text())["marker"]
+        self.tag, self.log, self.node = uuid.uuid4().hex[:8], tmp_path / f"{cid}-hook.log", node
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "MIGRT_HOOK_DIR": str(tmp_path / "hooks"),
+               **mode.pop("env", {})}
+        mode["tag"] = self.tag
+        ranks = " ".join(f"{marker} FAKE_CUDA_GPU={r} {sys.executable} -c \"$W\" {r} '{json.dumps(mode)}' {self.log} &"
+                         for r in (0, 1))
+        self.proc = subprocess.Popen(["sh", "-c", f"{ranks} wait"], env={**env, "W": WORKER},
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert [self.proc.stdout.readline().strip() for _ in (0, 1)] == ["ready", "ready"]
+        self.cid = cid
+        root = node.runc_root
+        (root / cid).mkdir(parents=True, exist_ok=True)
+        (root / cid / "state.json").write_text(json.dumps({"id": cid, "init_process_pid": self.proc.pid,
+                                                           "cgroup_paths": {}, "config": {"labels": []}}))
+        from migrt.gpu import procs
+
+        self.ranks = [p for p in procs.process_tree(self.proc.pid) if p != self.proc.pid]
+        assert len(self.ranks) == 2
+
+    def events(self) -> list[list]:
+        return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+
+    def gpus(self) -> dict[int, str | None]:
+        with fakenode.locked(str(self.node.file)) as data:
+            fakenode.discover(data)  # the driver knows every CUDA process
+            return {p: data["processes"][str(p)]["gpu"] for p in self.ranks}
+
+    def stop(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+@pytest.fixture
+def job(gpu_node, tmp_path):
+    jobs: list[Job] = []
+
+    def start(**mode) -> Job:
+        j = Job(gpu_node, tmp_path, cid=f"job-{len(jobs)}", **mode)
+        jobs.append(j)
+        return j
+
+    yield start
+    for j in jobs:
+        j.stop()
+
+
+def calls(node, name: str) -> list[int]:
+    return [pid for call, pid in node.data()["calls"] if call == name]
+
+
+def test_gpu_suspend_of_nccl_peers_is_refused_and_the_job_runs_on(gpu_node, job):
+    j = job(nccl=True)
+    r = gpu_node.cli("gpu", "suspend", j.cid, "--root", str(gpu_node.runc_root), check=False)
+    assert r.returncode == 8, r.stderr
+    assert "hold peer-to-peer or IPC state" in r.stderr and "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1" in r.stderr
+    assert calls(gpu_node, "lock") == []
+    assert gpu_preempt.read_record(str(gpu_node.runc_root), j.cid) is None
+    assert gpu_node.states(j.ranks) == [RUNNING, RUNNING]
+
+
+def test_p2p_and_shm_off_suspend_and_resume_onto_the_swapped_gpus(gpu_node, job):
+    j = job(nccl=True, env={"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})
+    assert j.gpus() == dict(zip(j.ranks, (U0, U1)))  # one process per GPU
+    gpu_node.cli("gpu", "suspend", j.cid, "--root", str(gpu_node.runc_root))
+    assert gpu_node.states(j.ranks) == [CHECKPOINTED, CHECKPOINTED]
+    out = json.loads(gpu_node.cli("gpu", "resume", j.cid, "--root", str(gpu_node.runc_root), "--gpus", f"{U1},{U0}",
+                                  "--json").stdout)
+    assert out["pairs"] == [{"old": U0, "new": U1}, {"old": U1, "new": U0}] and out["moved"]
+    assert gpu_node.states(j.ranks) == [RUNNING, RUNNING]
+    assert j.gpus() == dict(zip(j.ranks, (U1, U0)))
+
+
+def test_the_hook_lets_nccl_defaults_through_and_hears_both_ends(gpu_node, job):
+    j = job(nccl=True, hook=True)
+    gpu_node.cli("gpu", "suspend", j.cid, "--root", str(gpu_node.runc_root))
+    assert sorted(j.events()) == [[0, "down", None], [1, "down", None]]
+    gpu_node.cli("gpu", "resume", j.cid, "--root", str(gpu_node.runc_root))
+    assert sorted(e for e in j.events() if e[1] == "up") == [[0, "up", "resumed"], [1, "up", "resumed"]]
+    assert gpu_node.states(j.ranks) == [RUNNING, RUNNING]
+
+
+def test_a_hook_that_does_not_answer_refuses_and_nothing_is_locked(gpu_node, job):
+    gpu_node.env.config.write_text(gpu_node.env.config.read_text() + "gpu_hook_timeout_s: 1\n")
+    j = job(nccl=True, hook=True, slow=3)
+    t0 = time.monotonic()
+    r = gpu_node.cli("gpu", "suspend", j.cid, "--root", str(gpu_node.runc_root), check=False)
+    assert r.returncode == 8 and "did not answer 'pre-checkpoint' in time" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 10
+    assert calls(gpu_node, "lock") == [] and gpu_node.states(j.ranks) == [RUNNING, RUNNING]
+
+
+def test_a_resume_the_driver_refuses_stays_suspended_and_says_retrying_will_not_help(gpu_node, job):
+    j = job(nccl=True, env={"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})
+    gpu_node.cli("gpu", "suspend", j.cid, "--root", str(gpu_node.runc_root))
+    gpu_node.fail("restore", j.ranks[0], message="CUDA_ERROR_NOT_SUPPORTED: operation not supported", code=801)
+    r = gpu_node.cli("gpu", "resume", j.cid, "--root", str(gpu_node.runc_root), check=False)
+    assert r.returncode == 5, r.stderr
+    assert "this driver will not restore it" in r.stderr and "cannot succeed here" in r.stderr
+    assert gpu_preempt.read_record(str(gpu_node.runc_root), j.cid)["status"] == gpu_preempt.SUSPENDED
+    assert gpu_node.states(j.ranks) == [CHECKPOINTED, CHECKPOINTED]  # put back: nothing half-resumed
+
+
+def test_processes_kept_suspended_after_a_dump_are_resumed_by_gpu_resume(gpu_node, job):
+    """What checkpoint --leave-running, migrt-runc's checkpoint and migrate leave when the GPU resume
+    after a complete dump fails: a record `migrt gpu resume` finishes from."""
+    j = job()
+    backend = FileFakeGpuBackend(str(gpu_node.file))
+    from migrt.gpu import inventory
+
+    inv = inventory.take()
+    section = records.describe(j.ranks, inv, [U0, U1])
+    suspend_all(j.ranks, backend)
+    backend.restore(j.ranks[1])  # one came back half-way (locked), the other is still checkpointed
+    said = gpu_preempt.keep_suspended(j.cid, str(gpu_node.runc_root), j.ranks, section, by="migrt checkpoint "
+                                      "--leave-running", error="restore failed")
+    assert f"'migrt gpu resume {j.cid}' retries" in said
+    assert gpu_node.states(j.ranks) == [CHECKPOINTED, LOCKED]
+    status = json.loads(gpu_node.cli("gpu", "status", j.cid, "--root", str(gpu_node.runc_root), "--json").stdout)
+    assert status[0]["by"] == "migrt checkpoint --leave-running"
+    gpu_node.cli("gpu", "resume", j.cid, "--root", str(gpu_node.runc_root))
+    assert gpu_node.states(j.ranks) == [RUNNING, RUNNING]
+    assert j.gpus() == dict(zip(j.ranks, (U0, U1)))
+
+
+def test_fake_restore_not_supported_is_the_backends_cannot_restore(gpu_node, job):
+    j = job()
+    backend = FileFakeGpuBackend(str(gpu_node.file))
+    suspend_all(j.ranks, backend)
+    gpu_node.fail("restore", j.ranks[0], code=801)
+    with pytest.raises(GpuCannotRestore):
+        backend.restore(j.ranks[0])
+    assert fakenode.read(str(gpu_node.file))["processes"][str(j.ranks[0])]["state"] == CHECKPOINTED
+
+
+@pytest.mark.parametrize("text, match", [
+    ("gpu_hook_timeout_s: 0\n", "'gpu_hook_timeout_s' must be a number of seconds from 1 to 3600"),
+    ("gpu_peer_check: off\n", "'gpu_peer_check' must be one of"),
+])
+def test_the_new_config_keys_are_checked(tmp_path, text, match):
+    from migrt import config as config_mod
+    from migrt.errors import ConfigError
+
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        config_mod.load(str(path))
+    path.write_text("gpu_hook_timeout_s: 5\ngpu_peer_check: warn\n")
+    cfg = config_mod.load(str(path))
+    assert (cfg.gpu_hook_timeout_s, cfg.gpu_peer_check) == (5.0, "warn")
