@@ -19,6 +19,14 @@ it as migrt.apphook where migrt is installed.
 
 With inline=False the callbacks run in the hook's own thread as soon as migrt asks.
 
+Ranks that run collectives must reach their safe point at the same step, or one waits in a
+collective for a peer that already stopped. Agree on it each step, e.g.
+
+    flag = torch.tensor([int(hook.pending())], device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        hook.safe_point(timeout=60)                # the request reaches every rank within moments
+
 The protocol (version 1), for applications in other languages:
   - The process listens on a unix stream socket <dir>/<name>.sock inside its container: <dir> is
     $MIGRT_HOOK_DIR if set when the process started, else /run/migrt/hooks; <name> matches
@@ -140,6 +148,10 @@ class AppHook:
                 self._pending.put((conn, request))
             else:
                 self._handle(conn, request)
+
+    def pending(self) -> bool:
+        """Inline mode: migrt has asked and the request waits for safe_point()."""
+        return not self._pending.empty()
 
     def safe_point(self, timeout: float | None = 0) -> bool:
         """Inline mode: run what migrt asked for, here. After on_checkpoint ran this waits for the

@@ -202,3 +202,31 @@ def test_the_application_side_refuses_a_name_in_use(tmp_path, apps):
     hook = AppHook("gone", directory=str(tmp_path / "hooks")).start()
     hook.close()
     assert not (tmp_path / "hooks" / "gone.sock").exists()
+
+
+def test_pending_lets_the_main_loop_agree_on_a_step_before_the_safe_point(tmp_path):
+    import threading
+
+    from migrt.apphook import AppHook
+
+    seen = []
+    hook = AppHook("me", inline=True, directory=str(tmp_path / "h"), on_checkpoint=lambda r: seen.append("down"),
+                   on_restore=lambda r: seen.append(r["reason"])).start()
+    try:
+        ep = apphooks.Endpoint(os.getpid(), hook.path, 0, (os.getpid(),))
+        replies = []
+        ask = threading.Thread(target=lambda: replies.append(apphooks.call([ep], apphooks.PRE, 5)[ep]))
+        ask.start()
+        end = time.monotonic() + 5
+        while not hook.pending() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert hook.pending() and seen == []  # asked, nothing done yet: the loop decides when
+        back = threading.Timer(0.3, lambda: replies.append(
+            apphooks.call([ep], apphooks.POST, 5, reason=apphooks.RESUMED)[ep]))
+        back.start()
+        assert hook.safe_point()  # tears down, answers, waits for the post-restore, rebuilds
+        ask.join()
+        back.join()
+        assert seen == ["down", "resumed"] and all(r.ok for r in replies) and not hook.pending()
+    finally:
+        hook.close()
