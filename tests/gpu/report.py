@@ -15,6 +15,9 @@ COLUMNS = [
     ("verify_s", "verify s"), ("restore_s", "runc restore s"), ("gpu_restore_s", "GPU restore s"),
     ("restore_wall_s", "restore wall s"), ("counting_again_after_s", "counting again after s"),
     ("leave_running_resumed_after_s", "resumed after s"), ("image_bytes", "image GiB"),
+    ("checkpoint_total_s", "checkpoint total s"), ("restore_total_s", "restore total s"),
+    ("app_hook_s", "hook post-restore s"), ("hook_down_s", "app teardown s"), ("hook_up_s", "app rebuild s"),
+    ("refused", "refused"),
 ]
 
 

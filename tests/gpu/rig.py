@@ -112,7 +112,8 @@ def nvidia_devices(minors: list[int]) -> list[dict]:
 
 
 def make_bundle(path: str, *, args: list[str], data_dir: str, needed: list[str], gpu_minors: list[int] | None,
-                env: list[str] | None = None, annotations: dict | None = None, runc: str = "runc") -> str:
+                env: list[str] | None = None, annotations: dict | None = None, runc: str = "runc",
+                mounts: list[dict] | None = None) -> str:
     """A bundle at `path` whose rootfs is made of binds of the host's directories."""
     rootfs = os.path.join(path, "rootfs")
     os.makedirs(rootfs, exist_ok=True)
@@ -137,6 +138,9 @@ def make_bundle(path: str, *, args: list[str], data_dir: str, needed: list[str],
     cfg["hostname"] = "migrt-gpu-test"
     cfg["mounts"] += [{"destination": b, "type": "bind", "source": b, "options": ["bind", "ro"]} for b in binds]
     cfg["mounts"].append({"destination": "/data", "type": "bind", "source": data_dir, "options": ["bind", "rw"]})
+    for m in mounts or []:  # e.g. a tmpfs (CRIU dumps its contents: what is in it comes back with a restore)
+        os.makedirs(os.path.join(rootfs, m["destination"].lstrip("/")), exist_ok=True)
+        cfg["mounts"].append(m)
     devices = nvidia_devices(gpu_minors) if gpu_minors is not None else []
     linux = cfg.setdefault("linux", {})
     # The host's network namespace: CRIU locks a container's own netns with iptables, and the GPU
