@@ -100,6 +100,16 @@ def unsafe_root(root: str) -> str | None:
         return f"{root} is owned by uid {st.st_uid}, not {me}"
     if st.st_mode & 0o022:
         return f"{root} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    for d in (*HIDDEN, ".pulls"):  # migrt's own directories: never links (locks, journal, views would go there)
+        try:
+            dst = os.lstat(os.path.join(root, d))
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(dst.st_mode):
+            return f"{os.path.join(root, d)} is a symbolic link (to {_readlink(os.path.join(root, d))!r})"
+        if not stat.S_ISDIR(dst.st_mode) or dst.st_uid != me or dst.st_mode & 0o022:
+            return (f"{os.path.join(root, d)} is not a directory of uid {me} that only it can write (uid "
+                    f"{dst.st_uid}, mode {stat.S_IMODE(dst.st_mode):o})")
     for path in {os.path.abspath(root), os.path.realpath(root)}:
         parent = os.path.dirname(path)
         while True:
@@ -226,10 +236,10 @@ class Store:
             return
         why = unsafe_root(self.root)
         if why:
-            raise StoreError(f"store {self.root}: {why}; refusing to use a store another user could change (links "
-                             "planted in it would make migrt write elsewhere as root). Fix its owner and mode "
-                             f"(install -d -m 0700 -o root -g root {self.root}) or point 'store:' in the migrt config "
-                             "at a directory only root can write")
+            raise StoreError(f"store {self.root}: {why}; refusing to use it: in a store another user could change, "
+                             "or with links inside, migrt would read and write elsewhere as root. Remove the links, "
+                             f"fix owner and mode (install -d -m 0700 -o root -g root {self.root}) or point 'store:' "
+                             "in the migrt config at a directory only root can write")
         self._checked = os.path.isdir(self.root)
 
     def ensure(self) -> None:

@@ -398,3 +398,43 @@ def test_gpu_record_becomes_the_manifest_gpu_section(cfg, tmp_path):
     bad = base_entries() + [_entry("checkpoint/migrt-gpu.json", b'{"schema": 99}')]
     with pytest.raises(CheckpointInvalid, match="schema 99"):
         import_cri.import_archive(cfg, write_archive(tmp_path / "b.tar", bad), name="gpu-bad")
+
+
+# -- hostile metadata (issue 22, weak items) -------------------------------------------------------
+
+def _with(name: str, data: bytes) -> list:
+    return [e for e in base_entries() if e[0].name != name] + [_entry(name, data)]
+
+
+@pytest.mark.parametrize("member", ["spec.dump", "config.dump", "status"])
+def test_deeply_nested_json_is_refused_without_a_traceback(migrt_env, tmp_path, member):
+    nested = b"[" * 200_000 + b"]" * 200_000
+    res = invoke(write_archive(tmp_path / "a.tar", _with(member, nested)), "--name", "deep")
+    if member == "status":  # informational: ignored when unreadable
+        assert res.exit_code == 0, res.output
+        return
+    assert res.exit_code == 4, res.output
+    assert f"{member} is not valid JSON (nested too deeply)" in res.stderr and "Traceback" not in res.output
+    _nothing_left(migrt_env.store)
+
+
+@pytest.mark.parametrize("when", ["2026-13-45T99:99:99Z", "9999-12-31T23:59:59-23:59", "2026-02-30T00:00:00+01:00"])
+def test_an_impossible_checkpointed_time_is_unknown_not_a_traceback(cfg, tmp_path, when):
+    entries = _with("config.dump", json.dumps({**CONFIG_DUMP, "checkpointedTime": when}).encode())
+    data = import_cri.import_archive(cfg, write_archive(tmp_path / "a.tar", entries), name="when")
+    assert data["created"] != when and data["created"].endswith("Z")  # the import's own time
+
+
+@pytest.mark.parametrize("mount, msg", [
+    ({"destination": 5, "type": "bind", "source": "/x"}, "destination 5 is not an absolute path"),
+    ({"destination": ["/etc"], "type": "bind"}, "destination ['/etc'] is not an absolute path"),
+    ({"destination": "etc", "type": "bind"}, "destination 'etc' is not an absolute path"),
+    ({"destination": "/d", "type": {"x": 1}}, "/d): type {'x': 1} is not a string"),
+    ({"destination": "/d", "options": "rbind"}, "/d): options must be a list of strings"),
+    ("not-an-object", "mount 1 is not an object"),
+])
+def test_a_malformed_mount_in_spec_dump_is_refused(migrt_env, tmp_path, mount, msg):
+    spec = {**SPEC, "mounts": [SPEC["mounts"][0], mount]}
+    res = invoke(write_archive(tmp_path / "a.tar", _with("spec.dump", json.dumps(spec).encode())), "--name", "m")
+    assert res.exit_code == 4 and msg in res.stderr and "spec.dump" in res.stderr, res.output
+    _nothing_left(migrt_env.store)
