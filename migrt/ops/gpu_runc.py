@@ -71,7 +71,7 @@ def checkpoint(parsed, lower: str, pids: list[int]) -> int:
     init_pid = (state or {}).get("init_process_pid")
     entry = _journal(cfg, log, cid, root, image_dir, pids)
     try:
-        rc = _checkpoint(parsed, lower, cfg, log, cid, init_pid, state, pids, image_dir, keeps_running)
+        rc = _checkpoint(parsed, lower, cfg, log, cid, root, init_pid, state, pids, image_dir, keeps_running)
     except BaseException:
         if entry:
             entry.release()  # an exception we did not expect: leave the record for recovery
@@ -96,7 +96,7 @@ def _journal(cfg, log, cid: str, root: str, image_dir: str, pids: list[int]):
         return None
 
 
-def _checkpoint(parsed, lower: str, cfg, log, cid: str, init_pid, state, pids: list[int], image_dir: str,
+def _checkpoint(parsed, lower: str, cfg, log, cid: str, root: str, init_pid, state, pids: list[int], image_dir: str,
                 keeps_running: bool) -> int:
     try:
         gpu = gpu_steps.suspend(cfg, cid, init_pid, _bundle_config(state), pids=pids)

@@ -324,3 +324,74 @@ def test_the_new_config_keys_are_checked(tmp_path, text, match):
     path.write_text("gpu_hook_timeout_s: 5\ngpu_peer_check: warn\n")
     cfg = config_mod.load(str(path))
     assert (cfg.gpu_hook_timeout_s, cfg.gpu_peer_check) == (5.0, "warn")
+
+
+# -- the CRIU action script and migrt-runc's checkpoint ------------------------------------------------------
+def test_criu_hook_pre_dump_refuses_nccl_peers_before_any_lock_or_watchdog(tmp_path, monkeypatch):
+    from tests.unit.test_gpu_hook import CHILD as HCHILD
+    from tests.unit.test_gpu_hook import ROOT as HROOT
+    from tests.unit.test_gpu_hook import crtools, hook, run
+
+    from migrt.gpu import procs
+    from migrt.gpu.fake import FakeGpuBackend
+
+    tree = ProcTree(tmp_path / "proc")
+    monkeypatch.setattr(procview, "PROC", str(tree.root))
+    nccl_rank(tree, HROOT, 0)
+    nccl_rank(tree, HCHILD, 1)
+    backend = FakeGpuBackend({HROOT: RUNNING, HCHILD: RUNNING})
+    monkeypatch.setattr(procs, "process_tree", lambda root: [root, root + 1])
+    monkeypatch.setattr(procs, "cuda_pids", lambda pids, live=True: [p for p in pids if p in backend.states])
+    monkeypatch.setattr(hook, "LOG", str(tmp_path / "hook.log"))
+    rc, h = run(crtools("pre-dump", tmp_path), backend)
+    assert rc == 1 and h.watchdog_args is None and backend.calls_of("lock") == []
+    assert "hold peer-to-peer or IPC state" in (tmp_path / "hook.log").read_text()
+    rc, h = run(crtools("pre-dump", tmp_path, MIGRT_GPU_PEER_CHECK="warn"), backend)  # the node's say-so
+    assert rc == 0 and sorted(backend.calls_of("lock")) == [HROOT, HCHILD]
+
+
+def test_criu_hook_tells_the_restored_and_the_resumed(tmp_path, monkeypatch):
+    from tests.unit.test_gpu_hook import crtools, hook, run, sleeper
+
+    from migrt.gpu import procs, session
+    from migrt.gpu.fake import FakeGpuBackend
+
+    told = []
+    monkeypatch.setattr(apphooks, "after_restore",
+                        lambda pids, **kw: told.append((list(pids), kw["reason"])) or ([], []))
+    monkeypatch.setattr(hook, "LOG", str(tmp_path / "hook.log"))
+    criu, task = sleeper(0.05), sleeper()
+    try:
+        backend = FakeGpuBackend({task.pid: CHECKPOINTED})
+        hook.watch((criu.pid, procs.start_time(criu.pid)), [(task.pid, procs.start_time(task.pid))],
+                   lambda: backend, procs, session)
+    finally:
+        task.kill()
+        criu.wait()
+        task.wait()
+    assert told == [([task.pid], "resumed")]
+    told.clear()
+    backend = FakeGpuBackend({4000: CHECKPOINTED})
+    monkeypatch.setattr(procs, "process_tree", lambda root: [root, root + 1])
+    monkeypatch.setattr(procs, "cuda_pids", lambda pids, live=True: [p for p in pids if p in backend.states])
+    rc, _ = run(crtools("post-resume", tmp_path), backend)
+    assert rc == 0 and told == [([4000, 4001], "restored")]
+
+
+def test_migrt_runc_checkpoint_that_cannot_resume_leaves_a_record_for_gpu_resume(migrt_env, node, tmp_path,
+                                                                                monkeypatch):
+    from migrt.gpu import procs
+    from migrt.ops import gpu_runc
+    from tests.unit.test_gpu_ops import runc_args
+
+    bundle = write_bundle(tmp_path / "bundle", env=[f"NVIDIA_VISIBLE_DEVICES={U0}"])
+    monkeypatch.setattr(procs, "runc_state", lambda root, cid: {"init_process_pid": INIT,
+                                                                "config": {"labels": [f"bundle={bundle}"]}})
+    (tmp_path / "root" / "c1").mkdir(parents=True)
+    node.backend.fail("restore", CHILD, message="CUDA_ERROR_NOT_SUPPORTED", code=801, times=2)
+    parsed = runc_args(tmp_path, "checkpoint", "--image-path", str(tmp_path / "img"), "--leave-running", "c1")
+    assert gpu_runc.checkpoint(parsed, str(migrt_env.fake.path), [INIT, CHILD]) == 5
+    last = json.loads((tmp_path / "log.json").read_text().splitlines()[-1])
+    assert "could not be resumed" in last["msg"] and "'migrt gpu resume c1' retries" in last["msg"]
+    rec = gpu_preempt.read_record(str(tmp_path / "root"), "c1")
+    assert rec["by"] == "migrt-runc checkpoint" and rec["status"] == gpu_preempt.SUSPENDED
