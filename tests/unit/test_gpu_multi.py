@@ -395,3 +395,27 @@ def test_migrt_runc_checkpoint_that_cannot_resume_leaves_a_record_for_gpu_resume
     assert "could not be resumed" in last["msg"] and "'migrt gpu resume c1' retries" in last["msg"]
     rec = gpu_preempt.read_record(str(tmp_path / "root"), "c1")
     assert rec["by"] == "migrt-runc checkpoint" and rec["status"] == gpu_preempt.SUSPENDED
+
+
+def test_a_migration_offer_is_refused_for_nccl_peers_and_a_failed_source_resume_is_recorded(cfg, node, two_ranks,
+                                                                                         tmp_path, monkeypatch):
+    from migrt.migration.gpu import GpuSource
+
+    nccl_rank(two_ranks, INIT, 0)
+    nccl_rank(two_ranks, CHILD, 1)
+    with pytest.raises(peers.PeerStateRefused):
+        GpuSource(cfg, "c1", INIT, None).probe(paused=False)  # before any offer goes out
+    assert node.backend.calls_of("lock") == []
+    off = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    two_ranks.root.joinpath(str(INIT), "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in off.items()))
+    two_ranks.root.joinpath(str(CHILD), "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in off.items()))
+    src = GpuSource(cfg, "c1", INIT, None)
+    assert src.probe(paused=False)["processes"]
+    src.suspend()
+    root = tmp_path / "runc"
+    (root / "c1").mkdir(parents=True)
+    monkeypatch.setattr(gpu_preempt, "find_root", lambda cid, extra=None: str(root))
+    node.backend.fail("restore", INIT, code=801, times=2)
+    said = src.resume()  # the migration failed before the target ran: back onto its own GPU, which fails
+    assert "could NOT be resumed" in said and "'migrt gpu resume c1' retries" in said
+    assert gpu_preempt.read_record(str(root), "c1")["by"] == "migrt migrate"
