@@ -135,17 +135,20 @@ def suspend(cfg, cid: str, root: str, *, by: str = "migrt gpu suspend", progress
         config_gpus = None
     section = records.describe(pids, inv, records.visible_at_checkpoint(
         config_gpus, visible.from_devnodes(init, inv), pids, inv))
-    opened = gate.before_lock(pids, what=f"container {cid}", driver_version=inv.driver_version, config=config,
-                              peer_check=getattr(cfg, "gpu_peer_check", "refuse"),
-                              timeout_s=_hook_timeout(cfg))
-    section.update(opened.record())
     rss_before = sum(_rss(p) or 0 for p in pids)
     rec = {"schema": 1, "container_id": cid, "root": root, "status": SUSPENDING, "by": by,
            "processes": [{"pid": p, "start": procs.start_time(p), "comm": procs.comm(p)} for p in pids],
            "gpus": [g["uuid"] for g in section["gpus"]], "section": section,
            "gpu_memory_bytes": sum(preflight.memory_per_gpu(section).values()) or None,
            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timings": {}}
-    _write(rec)
+    _write(rec)  # before the hook is asked: a migrt killed from here on leaves what `resume` finishes
+    try:
+        opened = gate.before_lock(pids, what=f"container {cid}", driver_version=inv.driver_version, config=config,
+                                  peer_check=getattr(cfg, "gpu_peer_check", "refuse"), timeout_s=_hook_timeout(cfg))
+    except BaseException:
+        _remove(rec)
+        raise
+    section.update(opened.record())
     progress("phase", name="gpu-suspend", processes=len(pids))
     t0 = time.monotonic()
     try:

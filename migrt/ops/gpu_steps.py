@@ -109,7 +109,7 @@ def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
             progress: Progress = null_progress, *, pids: list[int] | None = None,
             before_lock: Callable[[list[int]], None] | None = None) -> GpuSuspension | None:
     """Suspend the container's CUDA processes; None when it has none (nothing GPU-related happens).
-    before_lock(pids) runs right before the first driver call (the journal records them there)."""
+    before_lock(pids) runs before the gate and the first driver call (the journal records them there)."""
     if pids is None:
         pids = procs.cuda_pids(procs.container_pids(init_pid)) if init_pid else []
     if not pids:
@@ -120,12 +120,12 @@ def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
     vis = records.visible_at_checkpoint(_config_gpus(config, inv, container_id),
                                         visible.from_devnodes(init_pid, inv) if init_pid else None, pids, inv)
     section = records.describe(pids, inv, vis)
+    if before_lock:  # journaled before the hook is asked: a migrt killed from here on is recovered, and
+        before_lock(pids)  # the recovery tells the hook's processes "post-restore" (ops/recover.py)
     opened = open_gate(cfg, f"container {container_id}", pids, inv.driver_version, config)
     section.update(opened.record())
     progress("phase", name="gpu-checkpoint", processes=len(pids))
     try:
-        if before_lock:
-            before_lock(pids)
         t0 = time.monotonic()
         session.suspend_all(pids, backend, lock_timeout_ms(cfg))
     except BaseException:  # every process was brought back by suspend_all: the hook's processes may rebuild

@@ -419,3 +419,38 @@ def test_a_migration_offer_is_refused_for_nccl_peers_and_a_failed_source_resume_
     said = src.resume()  # the migration failed before the target ran: back onto its own GPU, which fails
     assert "could NOT be resumed" in said and "'migrt gpu resume c1' retries" in said
     assert gpu_preempt.read_record(str(root), "c1")["by"] == "migrt migrate"
+
+
+def test_a_migrt_killed_after_asking_the_hook_is_recovered_and_the_processes_told(cfg, node, tmp_path, monkeypatch):
+    """Killed between "pre-checkpoint" and the lock: the journal already names the processes, so the
+    next command's recovery resumes them (nothing to do on the GPU) and tells them "post-restore"."""
+    from migrt.ops import recover
+    from migrt.store import Staging, journal
+    from tests.unit.test_gpu_ops import Killed
+
+    root = tmp_path / "runc-root"
+    (root / "c1").mkdir(parents=True)
+    (root / "c1" / "state.json").write_text("{}")
+    sent = []
+    ep = apphooks.Endpoint(INIT, "/run/migrt/hooks/rank0.sock", 7, (INIT,))
+
+    def call(eps, event, timeout, **kw):
+        sent.append((event, kw.get("reason")))
+        if event == apphooks.PRE:
+            raise Killed("SIGKILL while the ranks tear down")
+        return {e: apphooks.Reply(True) for e in eps}
+
+    monkeypatch.setattr(apphooks, "find", lambda pids, proc=None: [ep] if INIT in pids else [])
+    monkeypatch.setattr(apphooks, "call", call)
+    with monkeypatch.context() as m:  # what SIGKILL skips
+        m.setattr(ops_checkpoint._Undo, "__exit__", lambda self, *a: False)
+        m.setattr(Staging, "discard", lambda self: None)
+        m.setattr(journal.Entry, "end", journal.Entry.release)
+        with pytest.raises(Killed):
+            ops_checkpoint.checkpoint(cfg, ops_checkpoint.CheckpointRequest(container_id="c1", root=str(root),
+                                                                            name="ck1"))
+    assert node.backend.calls_of("lock") == []
+    monkeypatch.setattr(recover, "LowerRuntime", FakeLower)
+    [outcome] = recover.recover(cfg)
+    assert outcome.status == "recovered" and "told 1 application hook(s) 'post-restore'" in outcome.actions
+    assert sent == [(apphooks.PRE, None), (apphooks.POST, apphooks.RESUMED)]
