@@ -257,9 +257,10 @@ def _recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket, peer: str) -> tuple[int, bytes]:
+def _recv_frame(sock: socket.socket, peer: str, limit: int = p.MAX_JSON) -> tuple[int, bytes]:
+    """One frame; its length is checked against `limit` before anything is allocated for it."""
     kind, length = p.HEADER.unpack(_recv_exact(sock, p.HEADER.size, peer))
-    if kind not in (p.PLAIN, p.SEALED) or length > p.MAX_JSON:
+    if kind not in (p.PLAIN, p.SEALED) or length > limit:
         raise TransferError(f"{peer} does not speak the migrt protocol (frame type {kind}, length {length})")
     return kind, _recv_exact(sock, length, peer)
 
@@ -271,7 +272,7 @@ def _send_plain(sock: socket.socket, msg: dict, peer: str) -> None:
 
 
 def _recv_plain(sock: socket.socket, peer: str, expected: str) -> dict:
-    kind, payload = _recv_frame(sock, peer)
+    kind, payload = _recv_frame(sock, peer, p.MAX_HANDSHAKE)  # nobody is authenticated yet: small frames only
     if kind != p.PLAIN:
         raise TransferError(f"{peer} sent a sealed message during the handshake")
     msg = p.decode(payload)

@@ -38,6 +38,7 @@ PROTOCOL = 2
 HEADER = struct.Struct("!BI")
 PLAIN, SEALED = 1, 2
 MAX_JSON = 8 << 20  # a manifest of many files stays far below this
+MAX_HANDSHAKE = 4096  # frames before authentication (hi, hello, auth, welcome, a refusal): a few hundred bytes
 MAC_LEN = 32
 MIN_KEY = 16
 
@@ -95,6 +96,8 @@ def decode(raw: bytes) -> dict:
         obj = json.loads(raw)
     except ValueError as exc:
         raise TransferError(f"peer sent malformed JSON: {exc}") from exc
+    except RecursionError as exc:  # '[[[[...' past the interpreter's stack (ours nest a few levels at most)
+        raise TransferError("peer sent JSON nested too deeply") from exc
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
         raise TransferError("peer sent a message without a type")
     return obj

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import socket
 import subprocess
 import threading
@@ -44,6 +45,7 @@ from migrt.store import Store
 from migrt.store import manifest as mf
 from migrt.store.importer import importing
 from migrt.migration import handover, watchdog
+from migrt.migration.admission import Admission
 from migrt.migration.guard import Guard, wait_for_guards
 from migrt.migration.gpu import target_preflight
 from migrt.migration.wire import Channel, TransferError, accept, load_key, parse_address
@@ -88,6 +90,8 @@ class Receiver:
         self.stall = cfg.migration_stall_timeout
         self._deciding: dict[str, threading.Event] = {}  # checkpoint name -> set once its fate is known
         self._queries_only = False
+        self._claimed = threading.Lock()  # --once: held by the one migration it receives
+        self.admission = Admission(deadline=self.stall)  # before authentication: few, and not for long
         if opts.restore_bundle:
             Bundle.load(os.path.abspath(opts.restore_bundle))  # fail now, not at the first migration
             # Imports a restore needs (pycriu alone takes ~0.4 s here) are paid now, not in a downtime.
@@ -99,38 +103,48 @@ class Receiver:
         host, port = parse_address(self.opts.listen)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            return socket.create_server((host, port), family=family, backlog=16)
+            return socket.create_server((host, port), family=family, backlog=128)
         except OSError as exc:
             raise TransferError(f"cannot listen on {self.opts.listen}: {exc.strerror or exc}") from exc
 
     def serve(self, server: socket.socket) -> dict | None:
-        """Accept forever (or one migration with --once; then return its result)."""
+        """Accept forever, each connection in its own thread, those not yet authenticated held to
+        self.admission's limits. With --once, return the result of the one authenticated migration
+        (connections that do not authenticate, or only ask a question, do not count); if the sender's
+        connection broke while we restored, first answer its queries (it asks on a new connection
+        whether the container runs here) for a while."""
+        ended: queue.SimpleQueue[dict] = queue.SimpleQueue()
+        result: dict | None = None
+        linger_until = 0.0
+        if self.opts.once:
+            server.settimeout(0.2)
         while True:
+            while self.opts.once and not ended.empty():
+                res = ended.get()
+                if result is None and res.get("request") == "offer":
+                    result = res
+                    if not res.get("unsettled"):
+                        return result
+                    self._queries_only = True
+                    linger_until = time.monotonic() + 3 * self.stall
+                elif result is not None and res.get("answer"):
+                    return result
+            if linger_until and time.monotonic() > linger_until:
+                return result
             try:
                 conn, _ = server.accept()
+            except socket.timeout:
+                continue
             except OSError as exc:
                 raise TransferError(f"accept on {self.opts.listen}: {exc.strerror or exc}") from exc
-            if self.opts.once:
-                res = self.handle(conn)
-                if res.get("unsettled"):
-                    self._linger(server)
-                return res
-            threading.Thread(target=self.handle, args=(conn,), daemon=True, name="migrt-receive").start()
-
-    def _linger(self, server: socket.socket) -> None:
-        """--once, and the sender's connection broke while we restored: it will ask on a new connection
-        whether the container runs here. Answer such queries (and nothing else) for a while."""
-        self._queries_only = True
-        deadline = time.monotonic() + 3 * self.stall
-        while (left := deadline - time.monotonic()) > 0:
-            server.settimeout(left)
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
             conn.settimeout(None)
-            if self.handle(conn).get("answer"):
-                return
+
+            def run(conn: socket.socket = conn) -> None:
+                res = self.handle(conn)
+                if res.get("authenticated"):
+                    ended.put(res)
+
+            threading.Thread(target=run, daemon=True, name="migrt-receive").start()
 
     # -- one migration ---------------------------------------------------------------------------
     def handle(self, conn: socket.socket) -> dict:
@@ -142,8 +156,13 @@ class Receiver:
         out: dict = {"peer": peer, "name": None, "mode": None, "committed": False, "restored": False,
                      "bytes": 0, "timings": {}, "error": None}
         ch: Channel | None = None
+        ticket = self.admission.admit(conn)
         try:
-            ch = accept(conn, self.key, tls=self.tls, stall=self.stall)
+            try:
+                ch = accept(conn, self.key, tls=self.tls, stall=self.stall)
+            finally:
+                self.admission.done(ticket)
+            out["authenticated"] = True
             self._migration(ch, out)
         except AuthError as exc:
             out.update(error=str(exc), exit_code=exc.exit_code, refused=True)
@@ -167,11 +186,14 @@ class Receiver:
 
     def _migration(self, ch: Channel, out: dict) -> None:
         offer = ch.recv("offer", "query")
+        out["request"] = offer["type"]
         if offer["type"] == "query":
             self._answer(ch, offer, out)
             return
         if self._queries_only:
             raise Conflict("this receiver (--once) has handled its migration; it only answers queries now")
+        if self.opts.once and not self._claimed.acquire(blocking=False):
+            raise Conflict("this receiver (--once) is receiving another migration; it takes one")
         name = names.validate(offer.get("name"))
         mode = offer.get("mode")
         out.update(name=name, mode=mode)

@@ -237,10 +237,17 @@ def test_receive_json_is_one_line_per_migration(receiver_env):
     cfg = config.load()
     address, box = _serve_once(cfg)
     ch = connect(address, KEY.encode())
+    ch.close()  # authenticated, then gone without asking anything: reported, but no migration (--once goes on)
+    ch = connect(address, KEY.encode())
+    ch.send({"type": "offer", "name": "x", "mode": "teleport", "container_id": "c", "schema": 1})
+    with pytest.raises(TransferError, match="unknown migration mode"):
+        ch.recv("ready")
     ch.close()
     result = _finish(box)
-    line = json.dumps(result, sort_keys=True, default=str)
-    assert "\n" not in line and json.loads(line)["error"]
+    assert result["mode"] == "teleport" and len(box["reports"]) == 2
+    for report in box["reports"]:
+        line = json.dumps(report, sort_keys=True, default=str)
+        assert "\n" not in line and json.loads(line)["error"]
 
 
 def test_lazy_dump_descriptors_are_checked_before_anything_is_frozen(monkeypatch):
