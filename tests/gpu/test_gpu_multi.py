@@ -88,11 +88,13 @@ class Job:
             r.past(3)
 
     def pids(self, container: Container | None = None) -> list[int]:
-        """Host pids of the ranks (the init is the supervisor, without CUDA)."""
+        """Host pids of ranks 0 and 1 (the init is the supervisor, without CUDA), by their pid in the
+        container (what they wrote in ready.json; a restore keeps it)."""
         from migrt.gpu import procs
 
         init = (container or self.container).state()["pid"]
-        return [p for p in procs.process_tree(init) if p != init]
+        by_ns = {procs.ns_pid(p): p for p in procs.process_tree(init) if p != init}
+        return [by_ns[r["pid"]] for r in self.ready]
 
     def evidence(self, container: Container | None = None) -> dict:
         from migrt.gpu import inventory, peers
@@ -165,6 +167,9 @@ def suspend_resume_swapped(node, job: Job) -> dict:
 
 def checkpoint_restore_swapped(node, job: Job, name: str, *flags: str) -> dict:
     """migrt checkpoint (the source stops), restore into a new container onto the swapped GPUs."""
+    g = node.gpus
+    swap = {g[0].uuid: g[1].uuid, g[1].uuid: g[0].uuid}
+    before = gpus_of(job.pids())
     t0 = time.monotonic()
     node.cli("checkpoint", job.container.cid, "--root", str(node.runc_root), "--name", name, "--json", *flags)
     ck_wall = time.monotonic() - t0
@@ -173,9 +178,7 @@ def checkpoint_restore_swapped(node, job: Job, name: str, *flags: str) -> dict:
     dst = job.restore(name, swapped=True)
     after = job.going_on(stopped)
     job.same_tensors()
-    pids = job.pids(dst)
-    g = node.gpus
-    moved = gpus_of(pids)
+    moved = gpus_of(job.pids(dst))
     restored = node.migrt_events("restored")[-1].get("timings", {})
     t = manifest.get("timings", {})
     return {"dst": dst, "gpu_checkpoint_s": t.get("gpu_checkpoint_s"), "dump_s": t.get("dump_s"),
@@ -183,8 +186,8 @@ def checkpoint_restore_swapped(node, job: Job, name: str, *flags: str) -> dict:
             "image_bytes": manifest.get("size_bytes"), "restore_s": restored.get("restore_s"),
             "gpu_restore_s": restored.get("gpu_restore_s"), "app_hook_s": restored.get("app_hook_s"),
             "restore_total_s": restored.get("total_s"), "restore_wall_s": round(dst.seconds, 3),
-            "going_on_after_s": after, "gpus_after": moved,
-            "swapped": moved == [[g[1].uuid], [g[0].uuid]]}
+            "going_on_after_s": after, "gpus_before": before, "gpus_after": moved,
+            "swapped": [sorted(u) for u in moved] == [sorted(swap[u] for u in b) for b in before]}
 
 
 def two_gpus(node) -> None:
