@@ -118,6 +118,15 @@ def member_parts(name: str) -> tuple[str, ...]:
     return parts
 
 
+BLOCK = 4096
+
+
+def on_disk(nbytes: int, new_dirs: int = 0) -> int:
+    """What a file of nbytes takes once written (whole blocks, one at least), with the directories its
+    path may create: a compressed archive of many tiny, deeply nested members must not pass as ~0 bytes."""
+    return max(1, -(-nbytes // BLOCK)) * BLOCK + new_dirs * BLOCK
+
+
 class _Space:
     """What the import writes into the store, reserved (store/reserve.py) before each write at the
     size it takes once written: a compressed archive's members decompressed, the members of a
@@ -265,7 +274,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                         raise CheckpointInvalid(f"archive member {member.name!r}: a file without a name")
                     top = parts[0]
                     if top == CHECKPOINT_DIR and len(parts) > 1:
-                        space.take(member.size, f"member {member.name!r}")
+                        space.take(on_disk(member.size, len(parts) - 2), f"member {member.name!r}")
                         n = _write_member(tar, member, os.path.join(images_dir, *parts[1:]), raw_fd)
                         out.images += 1
                         out.image_bytes += n
@@ -277,7 +286,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                             raise CheckpointInvalid(f"archive member {member.name!r} appears twice")
                         out.meta[top] = _read_small(tar, member, MAX_META_BYTES)
                     elif top in (DIFF, engines.DEVSHM_SRC):
-                        space.take(member.size, f"member {member.name!r}")  # the conversion takes its own
+                        space.take(on_disk(member.size), f"member {member.name!r}")  # the conversion takes its own
                         dest = os.path.join(work_dir, "src-" + top)
                         if top == DIFF:
                             out.diff = dest
@@ -289,7 +298,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                         if member.size > MAX_LOG_BYTES:
                             out.ignored.append(top)
                             continue
-                        space.take(member.size, f"member {member.name!r}")
+                        space.take(on_disk(member.size), f"member {member.name!r}")
                         dest = os.path.join(work_dir, DUMP_LOG) if top == DUMP_LOG else os.path.join(images_dir, STATS)
                         out.written += _write_member(tar, member, dest, raw_fd)
                         if top == DUMP_LOG:
@@ -382,13 +391,22 @@ def convert_rootfs_diff(src: str | None, deleted_files: list | None, dest_dir: s
     excl = {e.strip("/") for e in exclude if e.strip("/")}
     deleted: list[str] = []
     opaque: list[str] = []
+    listed = [0]  # bytes of the deleted and opaque paths (a compressed inner tar can hold a million)
+
+    def removal(paths: list[str], rel: str) -> None:
+        listed[0] += len(rel) + 4
+        if listed[0] > MAX_META_BYTES:
+            raise CheckpointInvalid(f"{DIFF}: its deletions and opaque directories list more than {MAX_META_BYTES} "
+                                    "bytes of paths; not a container's writable layer")
+        paths.append(rel)
+
     count = size = skipped = 0
     for path in deleted_files or []:
         if not isinstance(path, str):
             raise CheckpointInvalid("deleted.files: a list of paths is expected")
         rel = _rel(path.lstrip("/"), "deleted.files")
         if rel and not _excluded(rel, excl):
-            deleted.append(rel)
+            removal(deleted, rel)
     with tarfile.open(os.path.join(dest_dir, rootfs.DIFF_TAR), "w", format=tarfile.PAX_FORMAT) as out:
         if src is not None:
             try:
@@ -405,11 +423,11 @@ def convert_rootfs_diff(src: str | None, deleted_files: list | None, dest_dir: s
                         if base.startswith(WHITEOUT):
                             if base == OPAQUE:
                                 if parent and not _excluded(parent, excl):
-                                    opaque.append(parent)
+                                    removal(opaque, parent)
                             elif not base.startswith(WHITEOUT + WHITEOUT):  # .wh..wh.*: aufs metadata
                                 target = os.path.join(parent, base[len(WHITEOUT):])
                                 if not _excluded(target, excl):
-                                    deleted.append(target)
+                                    removal(deleted, target)
                             continue
                         if _excluded(rel, excl):
                             skipped += 1
@@ -432,8 +450,10 @@ def convert_rootfs_diff(src: str | None, deleted_files: list | None, dest_dir: s
                         count += 1
             except _stream_errors() as exc:
                 raise CheckpointInvalid(f"{DIFF} in the archive is unreadable ({exc})") from exc
+    text = json.dumps({"deleted": deleted, "opaque": opaque})
+    take(on_disk(len(text)), rootfs.DIFF_META)
     with open(os.path.join(dest_dir, rootfs.DIFF_META), "w") as fh:
-        json.dump({"deleted": deleted, "opaque": opaque}, fh)
+        fh.write(text)
     return {"captured": True, "entries": count, "bytes": size, "deleted": len(deleted), "opaque": len(opaque),
             "skipped": skipped, "converted_from": "whiteouts" if not deleted_files else "deleted.files"}
 
@@ -577,6 +597,7 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
     spec = Bundle("", spec_data)
 
     cri_dir = os.path.join(staging.path, "cri")
+    space.take(sum(on_disk(len(raw)) for raw in ext.meta.values()), "the metadata files (cri/)")
     os.makedirs(cri_dir, mode=0o700, exist_ok=True)
     for key, raw in sorted(ext.meta.items()):
         with open(os.path.join(cri_dir, key), "wb") as fh:

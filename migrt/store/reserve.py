@@ -75,7 +75,9 @@ class Reservation:
         self.what = what
         self.margin = margin
         self.outstanding = 0  # reserved and not yet written
-        self.granted = 0      # what the file says for us (>= outstanding)
+        self.slack = 0        # reserved ahead of requests not made yet (at most GRANT)
+        self._filed = 0       # the bytes the list says for us (>= outstanding + slack: written since, or
+        #                       granted ahead; rewritten once it overstates by more than 2 * GRANT)
         with _ids_lock:
             n = next(_ids)
         self.id = f"{os.getpid()}.{n}.{os.urandom(3).hex()}"
@@ -119,9 +121,12 @@ class Reservation:
             json.dump(entries, fh)
         os.replace(tmp, path)
 
-    def _mine(self, granted: int, outstanding: int) -> dict:
-        return {"pid": os.getpid(), "start": self._start, "bytes": granted, "slack": granted - outstanding,
-                "what": self.what}
+    def _file(self, entries: dict) -> None:
+        """Our entry as we stand now, written with the others' (under the list's flock)."""
+        self._filed = self.outstanding + self.slack
+        entries[self.id] = {"pid": os.getpid(), "start": self._start, "bytes": self._filed, "slack": self.slack,
+                            "what": self.what}
+        self._write(entries)
 
     # -- the writer's side ---------------------------------------------------------------------
     def reserve(self, nbytes: int, *, check: bool = True) -> None:
@@ -129,32 +134,28 @@ class Reservation:
         fit (check=False records them without asking: a writer whose check the config turned off)."""
         nbytes = max(0, int(nbytes))
         with self._lock:
-            want = self.outstanding + nbytes
-            if want <= self.granted:
-                self.outstanding = want
+            if nbytes <= self.slack:  # reserved ahead already
+                self.slack -= nbytes
+                self.outstanding += nbytes
                 return
+            want = self.outstanding + nbytes
             with self._locked() as entries:
                 entries.pop(self.id, None)
-                others = dict(entries)
                 free = free_bytes(self.root)
-                room = free - sum(e["bytes"] - e["slack"] for e in others.values()) - self.margin
+                room = free - sum(e["bytes"] - e["slack"] for e in entries.values()) - self.margin
                 if check and want > room:
-                    raise self._refusal(nbytes, free, others)
-                granted = want + max(0, min(GRANT, room - want))
-                entries[self.id] = self._mine(granted, want)
-                self._write(entries)
-            self.outstanding, self.granted = want, granted
+                    raise self._refusal(nbytes, free, entries)
+                self.outstanding, self.slack = want, max(0, min(GRANT, room - want))
+                self._file(entries)
 
     def wrote(self, nbytes: int) -> None:
         """`nbytes` of what was reserved are on disk now (they show in the free space)."""
         with self._lock:
-            self.outstanding = max(0, self.outstanding - max(0, int(nbytes)))
-            if self.granted - self.outstanding <= 2 * GRANT:
-                return
+            self.outstanding -= min(self.outstanding, max(0, int(nbytes)))
+            if self._filed - (self.outstanding + self.slack) <= 2 * GRANT:
+                return  # the list overstates us a little (conservative for the others)
             with self._locked() as entries:
-                self.granted = self.outstanding + GRANT
-                entries[self.id] = self._mine(self.granted, self.outstanding)
-                self._write(entries)
+                self._file(entries)
 
     def settle(self) -> None:
         """Everything reserved so far is on disk (e.g. after a dump that wrote it outside our view)."""
@@ -162,12 +163,12 @@ class Reservation:
 
     def release(self) -> None:
         with self._lock:
-            if not self.granted:
+            if not self._filed and not self.outstanding:
                 return
             with contextlib.suppress(OSError), self._locked() as entries:
                 entries.pop(self.id, None)
                 self._write(entries)
-            self.outstanding = self.granted = 0
+            self.outstanding = self.slack = self._filed = 0
 
     def _refusal(self, nbytes: int, free: int, others: dict) -> StoreFull:
         exc = StoreFull(f"{self.what}: the store {self.root} has {human(free)} free{held_text(others)}, and "

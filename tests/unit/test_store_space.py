@@ -29,12 +29,12 @@ from click.testing import CliRunner
 import migrt.cli.import_cmd  # noqa: F401 - registers `migrt import`
 from migrt import config as config_mod
 from migrt.cli.main import cli
-from migrt.errors import PreconditionFailed
+from migrt.errors import CheckpointInvalid, PreconditionFailed
 from migrt.ops import space
 from migrt.pods import import_cri, rootfs
 from migrt.registry import image, pull
 from migrt.store import Store, reserve
-from tests.unit.test_import_cri import base_entries, write_archive
+from tests.unit.test_import_cri import _entry, base_entries, diff_tar, write_archive
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -126,6 +126,16 @@ def used(root: str) -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
+def disk_usage(top: str) -> int:
+    """What a tree takes on a disk file system (ext4: a directory is a 4 KiB block too); the free-space
+    seam of a store smaller than the test machine's disk."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(top):
+        total += 4096
+        total += sum(os.lstat(os.path.join(dirpath, f)).st_blocks * 512 for f in files)
+    return total
+
+
 def assert_nothing_kept(root: str) -> None:
     assert Store(root).list() == []
     for d in (".staging", ".tmp", ".incomplete"):
@@ -168,6 +178,33 @@ def test_a_sparse_member_within_the_budget_is_written_out_whole(migrt_env, tmp_p
         assert not any(k.startswith("GNU.sparse") for k in member.pax_headers)
         body = tar.extractfile(member).read()
     assert body == bytes(2 * MiB - 4096) + data
+
+
+def test_many_tiny_nested_members_count_their_blocks_and_directories(migrt_env, tmp_path, monkeypatch):
+    """2000 one-byte images 14 directories deep: ~2 KB of data, over 100 MiB of blocks and directories
+    once written (a gzip archive of a few hundred KiB)."""
+    cfg = config_mod.load(str(migrt_env.config))
+    Store(cfg.store).ensure()
+    monkeypatch.setattr(import_cri, "SPACE_MARGIN", MARGIN)
+    monkeypatch.setattr(reserve, "free_bytes", lambda _path: MARGIN + 20 * MiB - disk_usage(cfg.store))
+    deep = [_entry("checkpoint/" + "/".join(f"d{i}x{j}" for j in range(13)) + "/f.img", b"x") for i in range(2000)]
+    archive = write_archive(tmp_path / "deep.tar.gz", base_entries() + deep, gz=True)
+    with pytest.raises(PreconditionFailed, match=r"refused at member 'checkpoint/d\d+x0/"):
+        import_cri.import_archive(cfg, archive, name="deep")
+    assert Store(cfg.store).list() == [] and os.listdir(os.path.join(cfg.store, ".staging")) == []
+
+
+def test_a_whiteout_bomb_is_refused(migrt_env, tmp_path, monkeypatch):
+    """An xz inner tar of whiteouts with long names: the deletions list (kept in memory, then written
+    as rootfs-diff.json) is capped like a deleted.files list."""
+    cfg = config_mod.load(str(migrt_env.config))
+    monkeypatch.setattr(import_cri, "MAX_META_BYTES", 64 << 10)
+    long = "/".join(["n" * 200] * 5)
+    inner = diff_tar([_entry(f"{long}/{i}/.wh.gone", b"") for i in range(400)])
+    archive = bomb_archive(tmp_path / "wh.tar", lzma.compress(inner, preset=0))
+    with pytest.raises(CheckpointInvalid, match=r"deletions and opaque directories list more than 65536 bytes"):
+        import_cri.import_archive(cfg, archive, name="wh")
+    assert Store(cfg.store).list() == []
 
 
 # -- item 4: reservations -------------------------------------------------------------------------------
