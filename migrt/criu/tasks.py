@@ -54,7 +54,7 @@ class Thread:
     groups: tuple[int, ...] = ()
     caps: dict[str, int] = field(default_factory=dict)  # CAP_SETS -> bit mask
     secbits: int = 0
-    no_new_privs: int | None = None  # None: the images do not record it (CRIU older than 3.19)
+    no_new_privs: int = 0            # CRIU writes it only when set (and CRIU that predates it never restores it)
     lsm_profile: str | None = None
     seccomp_mode: int = SECCOMP_DISABLED
     seccomp_filter: int | None = None  # index of the last filter of its chain in seccomp.img
@@ -149,8 +149,7 @@ def _creds(thread: Thread, f: list) -> None:
     thread.groups = tuple(_ints(f, 14))
     thread.caps = {name: _mask(_ints(f, num)) for num, name in _CRED_CAPS.items()}
     thread.secbits = int(_one(f, 13, 0))
-    nnp = _one(f, 18)
-    thread.no_new_privs = None if nnp is None else int(nnp)
+    thread.no_new_privs = int(_one(f, 18, 0))
     profile = _one(f, 15)
     thread.lsm_profile = _text(profile) if profile is not None else None
 

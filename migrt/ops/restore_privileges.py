@@ -55,7 +55,6 @@ from migrt.criu.protobuf import ImageError, fields, read_entries
 
 _ID_ROLES = ("runs as", "runs with effective", "keeps saved", "has filesystem")
 LSM_NONE, LSM_SELINUX, LSM_APPARMOR = 0, 1, 2
-MAX_DETAILS = 8
 
 
 @dataclass
@@ -108,17 +107,23 @@ def check(images: str, bundle: Bundle, name: str, *, rootfs_changes: Callable[[]
     if g.seccomp and not problems:
         verdict.notes.append("seccomp: filter mode checked; the filters' rules are the checkpoint's own")
     if problems:
-        first, rest = problems[0], _dedupe(problems[1:])
-        more = [f"and {len(rest) - MAX_DETAILS} more"] if len(rest) > MAX_DETAILS else []
+        lines = _by_setting(problems)
         raise PreconditionFailed(
-            f"checkpoint {name}: {first}; a restore never grants more than the new container's config.json: "
-            "restore it into a container whose security settings allow this, or checkpoint a container that "
-            "runs with the new one's settings", details=rest[:MAX_DETAILS] + more)
+            f"checkpoint {name}: {lines[0]}; a restore never grants more than the new container's config.json "
+            "(restore it into a container whose security settings allow this, or checkpoint a container that "
+            "runs with the new one's settings)", details=lines[1:])
     return verdict
 
 
-def _dedupe(items: list[str]) -> list[str]:
-    return list(dict.fromkeys(items))
+def _by_setting(problems: list[str]) -> list[str]:
+    """One line per setting (the "(process.user.uid)" a problem ends with): its first occurrence and
+    how many more tasks, devices or paths it concerns."""
+    groups: dict[str, list[str]] = {}
+    for text in problems:
+        same = groups.setdefault(text[text.rfind("("):] if text.endswith(")") else text, [])
+        if text not in same:
+            same.append(text)
+    return [same[0] + (f" (and {len(same) - 1} more like it)" if len(same) > 1 else "") for same in groups.values()]
 
 
 def _identity(th: Thread, g: Grants) -> list[str]:
@@ -154,11 +159,8 @@ def _caps(th: Thread, g: Grants) -> list[str]:
 
 
 def _nnp(th: Thread, g: Grants) -> list[str]:
-    if not g.no_new_privs or th.no_new_privs == 1:
+    if not g.no_new_privs or th.no_new_privs:
         return []
-    if th.no_new_privs is None:
-        return [f"the images do not record whether {th.what} has no_new_privs (made by a CRIU older than 3.19?) "
-                "but the container asks for it (process.noNewPrivileges)"]
     return [f"{th.what} runs without no_new_privs but the container asks for it (process.noNewPrivileges)"]
 
 

@@ -188,7 +188,7 @@ def test_reader_reads_what_pycriu_wrote(tmp_path):
     assert main.caps["effective"] == (1 << len(CAPS)) - 1 and main.caps["ambient"] == 0
     assert (main.no_new_privs, main.lsm_profile, main.seccomp_mode, main.seccomp_filter) == \
         (1, "cri-containerd.apparmor.d", 2, 1)
-    assert (worker.tid, worker.uids, worker.gids, worker.no_new_privs) == (7, (33, 33, 33, 33), (44, 44, 44, 44), None)
+    assert (worker.tid, worker.uids, worker.gids, worker.no_new_privs) == (7, (33, 33, 33, 33), (44, 44, 44, 44), 0)
     assert worker.caps["permitted"] == 1 << CAPS.index("KILL") and worker.what == "thread 7 of process 1 (nginx)"
     assert [(f.fd, f.path, f.writes, f.mnt_id, criu_tasks.is_device(f)) for f in t.files] == \
         [(0, "/dev/null", True, ROOT_MNT, True), (4, "/var/log/x", True, ROOT_MNT, False)]
@@ -288,9 +288,10 @@ def test_root_without_no_new_privs_holds_what_exec_gives_root(tmp_path):
     assert "(process.capabilities.permitted)" in str(refused(im_nnp, b))
 
 
-def test_no_new_privs_not_recorded_is_refused_when_asked(tmp_path):
+def test_no_new_privs_absent_from_the_images_counts_as_unset(tmp_path):
+    # CRIU writes no_new_privs only when it is set (a CRIU that predates the field never restores it)
     im = Images(tmp_path / "images").proc(1, {1: creds(1000, 1000, [0, 0], nnp=None)})
-    assert "do not record whether process 1 (app) has no_new_privs" in str(refused(im.write(), restricted(tmp_path)))
+    assert "process 1 (app) runs without no_new_privs" in str(refused(im.write(), restricted(tmp_path)))
 
 
 # -- seccomp -----------------------------------------------------------------------------------------
