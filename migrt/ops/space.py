@@ -123,8 +123,9 @@ def reserve(store_root: str, est: Estimate, what: str, *, check: bool = True) ->
         res.reserve(est.needed, check=check)
     except StoreFull as exc:
         parts = f"memory {_mib(est.memory)}, tmpfs {_mib(est.tmpfs)}" + (f", GPU {_mib(est.gpu)}" if est.gpu else "")
+        held = reserve_mod.held_text(exc.others, _mib)
         raise PreconditionFailed(
-            f"{what}: the store {store_root} has {_mib(exc.free)} free{exc.holders}, the checkpoint needs about "
+            f"{what}: the store {store_root} has {_mib(exc.free)} free{held}, the checkpoint needs about "
             f"{_mib(est.needed)} ({parts}, +{int(MARGIN * 100)}% and {_mib(SLACK)} margin); nothing was frozen. Free "
             "space in the store or point 'store:' in the migrt config at a larger file system") from None
     return res

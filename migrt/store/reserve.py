@@ -174,19 +174,18 @@ class Reservation:
         exc = StoreFull(f"{self.what}: the store {self.root} has {human(free)} free{held_text(others)}, and "
                         f"{human(self.margin)} are kept free; {human(self.outstanding + nbytes)} more would not fit. "
                         "Free space in the store or point 'store:' in the migrt config at a larger file system")
-        exc.free, exc.reserved, exc.holders = free, sum(e["bytes"] - e["slack"] for e in others.values()), \
-            held_text(others)
+        exc.free, exc.reserved, exc.others = free, sum(e["bytes"] - e["slack"] for e in others.values()), others
         return exc
 
 
-def held_text(others: dict) -> str:
+def held_text(others: dict, size=human) -> str:
     """', N MiB of it reserved by other writers (what (pid P) M MiB; ...)', or '' when none."""
     if not others:
         return ""
     held = {k: e["bytes"] - e.get("slack", 0) for k, e in others.items()}
-    who = "; ".join(f"{others[k].get('what') or '?'} (pid {others[k]['pid']}) {human(n)}"
+    who = "; ".join(f"{others[k].get('what') or '?'} (pid {others[k]['pid']}) {size(n)}"
                     for k, n in sorted(held.items(), key=lambda kv: -kv[1])[:3])
-    return f", {human(sum(held.values()))} of it reserved by other writers ({who})"
+    return f", {size(sum(held.values()))} of it reserved by other writers ({who})"
 
 
 @contextlib.contextmanager

@@ -409,3 +409,32 @@ def test_a_full_store_during_an_archive_pull_is_not_retried(small_store, migrt_e
         pull.pull(cfg, ref, name="full")
     assert _Registry.gets == [_digest(layer)]
     assert_nothing_kept(root)
+
+
+# -- `migrt checkpoint` holds its estimate from before the freeze to the end --------------------------
+
+def test_a_checkpoint_is_refused_before_freezing_when_other_writers_hold_the_space(tmp_path, monkeypatch):
+    """On the GPU ops harness (fake lower runtime and GPU backend; the estimate is the CUDA
+    processes' 8 GiB): an import holding most of a 10 GiB store refuses the checkpoint before
+    anything is frozen; once it ends, the checkpoint runs and leaves no reservation behind."""
+    from tests.unit import test_gpu_ops as harness
+    from tests.unit.support import make_fake_runtime
+
+    node = harness.Node(monkeypatch)
+    harness.FakeLower.calls, harness.FakeLower.fail, harness.FakeLower.node = [], set(), node
+    harness.FakeLower.status = "running"
+    monkeypatch.setattr(harness.ops_checkpoint, "LowerRuntime", harness.FakeLower)
+    cfg = harness.Config(path=str(tmp_path / "none.yaml"), runtime=str(make_fake_runtime(tmp_path / "bin").path),
+                         store=str(tmp_path / "store"), log_file=str(tmp_path / "migrt.log"))
+    Store(cfg.store).ensure()
+    monkeypatch.setattr(reserve, "free_bytes", lambda _path: 10 * GiB)
+    importing = reserve.Reservation(cfg.store, "importing big.tar")
+    importing.reserve(3 * GiB)
+    with pytest.raises(PreconditionFailed, match=r"checkpoint of container c1: the store .* has 10240 MiB free, "
+                                                 r"3072 MiB of it reserved by other writers \(importing big\.tar .*"
+                                                 r"GPU 8192 MiB.*nothing was frozen"):
+        harness.take_checkpoint(cfg)
+    assert harness.FakeLower.calls == []  # neither paused nor dumped
+    importing.release()
+    assert harness.take_checkpoint(cfg)["name"] == "ck1"
+    assert reserve.Reservation._read(os.path.join(cfg.store, ".locks", reserve.DATA)) == {}
