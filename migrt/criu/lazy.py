@@ -24,7 +24,7 @@ from __future__ import annotations
 import resource
 import subprocess
 
-from migrt.criu.version import criu_binary
+from migrt.criu.version import criu_binary, run_query
 from migrt.errors import PreconditionFailed
 
 
@@ -33,7 +33,7 @@ def criu_feature(feature: str) -> bool:
     if not crit:
         return False
     try:
-        return subprocess.run([crit, "check", "--feature", feature], capture_output=True, timeout=30).returncode == 0
+        return run_query([crit, "check", "--feature", feature], 30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
 
 from migrt.criu.binary import criu_binary  # noqa: F401 - one rule for which CRIU (migrt.criu.binary)
 
@@ -15,9 +16,18 @@ MIN_RUNC = (1, 1)
 MIN_CONTAINERD = (1, 6)
 
 
+def run_query(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """A CRIU query (`criu check`, `--version`...), run from an empty private directory removed
+    afterwards: CRIU reads the node's config files (/etc/criu/default.conf, CRIU_CONFIG_FILE), and a
+    relative `log-file` there (runc's test suite leaves `log-file=runc-criu-log-XXXXXX.log`) would be
+    written into the caller's current directory. OSError, TimeoutExpired as subprocess.run raises them."""
+    with tempfile.TemporaryDirectory(prefix="migrt-criu-query.") as cwd:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, cwd=cwd)
+
+
 def _first_line(argv: list[str]) -> str | None:
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+        out = run_query(argv, 20)
     except (OSError, subprocess.TimeoutExpired):
         return None
     text = (out.stdout or out.stderr).strip()

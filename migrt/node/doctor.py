@@ -9,7 +9,8 @@ import stat
 import subprocess
 
 from migrt.criu.binary import chosen as criu_choice
-from migrt.criu.version import MIN_CONTAINERD, MIN_CRIU, MIN_RUNC, criu_version, kernel_version, parse_version, runtime_version
+from migrt.criu.version import (MIN_CONTAINERD, MIN_CRIU, MIN_RUNC, criu_version, kernel_version, parse_version,
+                                run_query, runtime_version)
 from migrt import trust
 from migrt.errors import MigrtError
 from migrt.runtime.lower import configured_value
@@ -25,7 +26,7 @@ def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
 
 def _criu_feature(crit: str, feature: str) -> bool:
     try:
-        return subprocess.run([crit, "check", "--feature", feature], capture_output=True, timeout=30).returncode == 0
+        return run_query([crit, "check", "--feature", feature], 30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -70,7 +71,7 @@ def run_checks() -> list[dict]:
         out.append(_check("criu", "ok" if ok else "fail", f"{crit} version {v} ({why})",
                           "" if ok else f"CRIU >= {'.'.join(map(str, MIN_CRIU))} is needed on kernel {kernel_version()}; {setup}"))
         try:
-            res = subprocess.run([crit, "check"], capture_output=True, text=True, timeout=60)
+            res = run_query([crit, "check"], 60)  # from a private directory: a relative log-file in CRIU's config
             text = (res.stdout + res.stderr).strip().splitlines()
             out.append(_check("criu check", "ok" if res.returncode == 0 else "fail",
                               text[-1] if text else f"exit {res.returncode}",
