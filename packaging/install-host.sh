@@ -2,14 +2,18 @@
 # Puts a self-contained migrt on a Kubernetes node (what packaging/daemonset.yaml runs, from a
 # container that has the host's / mounted at --root). Idempotent. Restarts nothing unless told to.
 #
-#   install-host.sh [--root DIR] [--source DIR] [--containerd-config PATH] [--no-containerd]
-#                   [--restart-containerd]
+#   install-host.sh [--root DIR] [--source DIR] [--prefix DIR] [--bindir DIR]
+#                   [--containerd-config PATH] [--no-containerd] [--restart-containerd]
 #
 #   --root DIR       where the host's / is mounted (default /; the DaemonSet uses /host)
-#   --source DIR     the self-contained migrt to copy (default /opt/migrt, the image's): python/ (a
-#                    relocatable CPython), venv/ (migrt installed, built for the prefix /opt/migrt),
-#                    bin/migrt-runc and bin/migrt (launchers bound to that venv's python: `migrt
-#                    install runtime`), libexec/cuda-criu-action (the CRIU GPU hook), share/config.yaml
+#   --source DIR     the payload to copy (default /opt/migrt, the image's; packaging/build-payload.sh):
+#                    python/ (Debian 12's CPython with its libraries), venv/ (migrt), criu/ (migrt's
+#                    CRIU 4.2 with its libraries), bin/migrt and bin/migrt-runc (launchers bound to the
+#                    venv's python), libexec/cuda-criu-action (the CRIU GPU hook), share/config.yaml
+#   --prefix DIR     where migrt goes, as a host path (default /opt/migrt). The payload is built for
+#                    /opt/migrt; another prefix gets the copy's absolute paths rewritten (the venv's
+#                    pyvenv.cfg, links and script headers, the launchers, `interpreter`)
+#   --bindir DIR     where the links migrt and migrt-runc go, as a host path (default /usr/local/bin)
 #   --containerd-config PATH   containerd's main config as a host path (default /etc/containerd/config.toml)
 #   --no-containerd  leave containerd's configuration alone
 #   --restart-containerd, or env MIGRT_RESTART_CONTAINERD=1: restart containerd if its config changed
@@ -17,16 +21,21 @@
 #                    systemctl restart containerd`, i.e. in the host's namespaces; needs hostPID)
 #
 # On the host (paths below are host paths, all under --root):
-#   /opt/migrt/                  the copy of --source (replaced as a whole when it differs)
-#   /usr/local/bin/migrt         -> /opt/migrt/bin/migrt
-#   /usr/local/bin/migrt-runc    -> /opt/migrt/bin/migrt-runc
+#   PREFIX/                      the copy of --source (replaced as a whole when it differs), checked
+#                                first on the host itself: its python and its CRIU must run there
+#   BINDIR/migrt                 -> PREFIX/bin/migrt
+#   BINDIR/migrt-runc            -> PREFIX/bin/migrt-runc
 #   /etc/migrt/config.yaml       only if absent
-#   /var/lib/migrt (0700)        the checkpoint store
-#   containerd's config          `migrt install containerd` (a drop-in; backups of changed files)
-# Not installed here: CRIU (>= 4.2) and runc, which must come from the host's own packages.
+#   /var/lib/migrt (0700)        the checkpoint store; /var/log/migrt
+#   containerd's config          `migrt install containerd` (a drop-in naming BINDIR/migrt-runc;
+#                                backups of changed files)
+# The node needs nothing else from its distribution but a C library at least as new as the payload's
+# build (glibc 2.36: Debian 12/13, Ubuntu 24.04), runc >= 1.1 and containerd >= 1.6, and iptables
+# (CRIU's network lock). Its own criu and python3, if any, are not used.
 set -eu
 
 prefix=/opt/migrt
+bindir=/usr/local/bin
 root=/
 source=/opt/migrt
 ctd_config=/etc/containerd/config.toml
@@ -42,51 +51,104 @@ while [ $# -gt 0 ]; do
     --root=*) root=${1#*=}; shift ;;
     --source) source=$2; shift 2 ;;
     --source=*) source=${1#*=}; shift ;;
+    --prefix) prefix=$2; shift 2 ;;
+    --prefix=*) prefix=${1#*=}; shift ;;
+    --bindir) bindir=$2; shift 2 ;;
+    --bindir=*) bindir=${1#*=}; shift ;;
     --containerd-config) ctd_config=$2; shift 2 ;;
     --containerd-config=*) ctd_config=${1#*=}; shift ;;
     --no-containerd) do_containerd=0; shift ;;
     --restart-containerd) restart=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     *) die "unknown argument: $1" ;;
     esac
 done
 
+# Paths go into sed expressions and sh-quoted launcher lines: plain characters only.
+for v in prefix bindir; do
+    eval "val=\$$v"
+    case $val in
+    /*) ;;
+    *) die "--$v $val: give an absolute (host) path" ;;
+    esac
+    case $val in
+    *[!A-Za-z0-9._/+-]*) die "--$v $val: only letters, digits and . _ / + - please" ;;
+    esac
+done
+prefix=${prefix%/}
+bindir=${bindir%/}
 root=${root%/}
 dest=$root$prefix
 [ -d "$root/" ] || die "--root $root is not a directory"
-for f in venv/bin/migrt venv/bin/python bin/migrt bin/migrt-runc venv/pyvenv.cfg; do
-    [ -e "$source/$f" ] || [ -L "$source/$f" ] || die "$source is not a migrt payload: $f missing"
+for f in venv/bin/python venv/pyvenv.cfg python/bin/python3 criu/sbin/criu bin/migrt bin/migrt-runc interpreter share/config.yaml; do
+    [ -e "$source/$f" ] || [ -L "$source/$f" ] || die "$source is not a migrt payload: $f missing (packaging/build-payload.sh builds one)"
 done
-# The venv's paths are absolute: it only works at the prefix it was built for.
+# The prefix the payload was built for: its venv's home is <built>/python/bin.
 home=$(sed -n 's/^home *= *//p' "$source/venv/pyvenv.cfg")
-case $home in
-"$prefix"/*) ;;
-*) die "$source/venv was built for another location (home = $home); build it under $prefix" ;;
-esac
+built=${home%/python/bin}
+case $built in /*[!A-Za-z0-9._/+-]*|[!/]*) die "$source/venv/pyvenv.cfg: home = $home is no plain absolute path" ;; esac
+[ "$built/python/bin" = "$home" ] && [ -n "$built" ] ||
+    die "$source/venv was not made by the payload's own python (home = $home): rebuild it with packaging/build-payload.sh"
 
-# 1. /opt/migrt: copy the payload as a whole, swapping directories so that no half-copied tree is
-#    ever in use (a node's containerd may run migrt-runc at any moment).
-if [ -d "$dest" ] && diff -r -q --no-dereference "$source" "$dest" >/dev/null 2>&1; then
+# relocate DIR: rewrite the absolute paths of a copy of the payload from $built to $prefix. Every
+# pattern is anchored where the path starts (a new prefix may end with the old one: /tmp/x/opt/migrt).
+relocate() {
+    d=$1
+    o=$(printf '%s' "$built" | sed 's/[.[\*^$]/\\&/g')
+    sed -i "s#\\([ =]\\)$o/#\\1$prefix/#g" "$d/venv/pyvenv.cfg"             # home, executable, command
+    sed -i "s#^$o/#$prefix/#" "$d/interpreter"
+    for f in "$d"/venv/bin/*; do
+        if [ -L "$f" ]; then
+            t=$(readlink "$f")
+            case $t in "$built"/*) ln -sfn "$prefix/${t#"$built"/}" "$f" ;; esac
+        elif [ -f "$f" ]; then                                                 # script headers, activate*
+            sed -i "1s#^\\#!$o/venv/#\\#!$prefix/venv/#; s#\"$o/venv\"#\"$prefix/venv\"#g" "$f"
+        fi
+    done
+    for f in "$d/bin/migrt" "$d/bin/migrt-runc" "$d/libexec/cuda-criu-action"; do   # the launchers
+        [ ! -f "$f" ] || sed -i "s#^PYTHON='$o/#PYTHON='$prefix/#; s#^HOOK='$o/#HOOK='$prefix/#" "$f"
+    done
+    left=$({ grep -l -e "[ =]$o/" "$d/venv/pyvenv.cfg"; grep -l -e "^$o/" "$d/interpreter"
+             grep -lI -e "^#!$o/" -e "\"$o/venv\"" "$d"/venv/bin/*
+             grep -l -e "^PYTHON='$o/" -e "^HOOK='$o/" "$d/bin/migrt" "$d/bin/migrt-runc" "$d/libexec/cuda-criu-action"
+           } 2>/dev/null || true)
+    [ -z "$left" ] || die "could not move the payload from $built to $prefix: $(echo $left) still name $built"
+}
+
+# 1. PREFIX: the payload copied beside it, relocated, checked on the host, then swapped in whole, so
+#    that no half-copied tree is ever in use (a node's containerd may run migrt-runc at any moment).
+mkdir -p "$(dirname "$dest")"
+new="$(dirname "$dest")/.migrt.new.$$"
+old="$(dirname "$dest")/.migrt.old.$$"
+trap 'rm -rf "$new"' EXIT
+rm -rf "$new"
+cp -a "$source" "$new"
+[ "$built" = "$prefix" ] || relocate "$new"
+if [ -d "$dest" ] && diff -r -q --no-dereference "$new" "$dest" >/dev/null 2>&1; then
     log "$prefix is up to date"
 else
-    mkdir -p "$(dirname "$dest")"
-    new="$(dirname "$dest")/.migrt.new.$$"
-    old="$(dirname "$dest")/.migrt.old.$$"
-    rm -rf "$new"
-    cp -a "$source" "$new"
+    # The payload's python and CRIU run from any directory (found by their own location): try them on
+    # the host, in its root, before anything is replaced.
+    at=${new#"$root"}
+    run_host() { if [ -z "$root" ]; then "$@"; else chroot "$root" "$@"; fi; }
+    out=$(run_host "$at/python/bin/python3" -P -c 'import ssl, ctypes, sqlite3, sys; print(sys.version.split()[0])' 2>&1) ||
+        die "the payload's python does not run on this node ($(printf '%s' "$out" | tail -1)); it needs" \
+            "$(sed -n 's/.*(nodes need \(.*\))$/\1/p' "$source/PAYLOAD" 2>/dev/null || echo 'glibc >= 2.36'); nothing changed"
+    out=$(run_host "$at/criu/sbin/criu" --version 2>&1) ||
+        die "the payload's CRIU does not run on this node ($(printf '%s' "$out" | tail -1)); nothing changed"
     if [ -e "$dest" ]; then mv "$dest" "$old"; fi
     mv "$new" "$dest"
     rm -rf "$old"
-    log "installed $prefix"
+    log "installed $prefix (from a payload built for $built)"
 fi
 
-# 2. links in /usr/local/bin
-mkdir -p "$root/usr/local/bin"
+# 2. links in BINDIR
+mkdir -p "$root$bindir"
 link() {  # link TARGET NAME
-    if [ "$(readlink "$root/usr/local/bin/$2" 2>/dev/null || true)" != "$1" ]; then
-        ln -sfn "$1" "$root/usr/local/bin/.$2.new.$$"
-        mv -f "$root/usr/local/bin/.$2.new.$$" "$root/usr/local/bin/$2"
-        log "linked /usr/local/bin/$2 -> $1"
+    if [ "$(readlink "$root$bindir/$2" 2>/dev/null || true)" != "$1" ]; then
+        ln -sfn "$1" "$root$bindir/.$2.new.$$"
+        mv -f "$root$bindir/.$2.new.$$" "$root$bindir/$2"
+        log "linked $bindir/$2 -> $1"
     fi
 }
 link "$prefix/bin/migrt" migrt
@@ -101,10 +163,18 @@ fi
 install -d -m 0700 "$root/var/lib/migrt"
 install -d -m 0755 "$root/var/log/migrt"
 
-# 4. containerd: runtime handler `migrt`
+# 4. containerd: runtime handler `migrt`, run by the payload's migrt where it runs (the image's, at the
+#    prefix it was built for), else by the installed one when this is the host itself.
 changed=0
 if [ "$do_containerd" = 1 ]; then
-    out=$("$source/venv/bin/migrt" install containerd --root "$root/" --config "$ctd_config" --json) ||
+    if "$source/venv/bin/python" -P -c 'import migrt' >/dev/null 2>&1; then
+        migrt=$source/venv/bin/migrt
+    elif [ -z "$root" ]; then
+        migrt=$prefix/venv/bin/migrt
+    else
+        die "cannot run migrt to configure containerd ($source is not at the prefix it was built for, $built, and --root is not /): run this from the migrt-installer image, or pass --no-containerd"
+    fi
+    out=$("$migrt" install containerd --root "$root/" --config "$ctd_config" --binary "$bindir/migrt-runc" --json) ||
         die "migrt install containerd failed (see above); nothing restarted"
     case $out in *'"changed": true'*) changed=1 ;; esac
 fi
@@ -117,7 +187,10 @@ if [ "$changed" = 1 ]; then
             "(not done: set MIGRT_RESTART_CONTAINERD=1 to let the installer do it)"
     fi
 fi
-command -v "$root/usr/bin/criu" >/dev/null 2>&1 || command -v "$root/usr/sbin/criu" >/dev/null 2>&1 ||
-    command -v "$root/usr/local/sbin/criu" >/dev/null 2>&1 ||
-    log "warning: no criu found on the host; install CRIU >= 4.2 there (checkpoints need it)"
-log "done"
+found=
+for d in /usr/sbin /sbin /usr/bin /bin; do
+    [ -x "$root$d/iptables-restore" ] && found=1 && break
+done
+[ -n "$found" ] || log "warning: no iptables-restore on the host: CRIU locks a container's network with iptables; install iptables there"
+log "done: migrt in $prefix (its own Python $(sed -n 's/^python: [^ ]* \([^ ]*\).*/\1/p' "$source/PAYLOAD" 2>/dev/null)," \
+    "CRIU $(sed -n 's/^criu: \([^ ]*\).*/\1/p' "$source/PAYLOAD" 2>/dev/null) in $prefix/criu), $bindir/migrt, $bindir/migrt-runc"
