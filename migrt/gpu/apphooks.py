@@ -99,7 +99,7 @@ def find(pids: list[int], proc: str | None = None) -> list[Endpoint]:
     return sorted(found.values(), key=lambda e: (e.pid, e.path))
 
 
-def _exchange(ep: Endpoint, request: dict, deadline: float, proc: str) -> Reply:
+def _exchange(ep: Endpoint, request: dict, deadline: float, proc: str | None) -> Reply:
     t0 = time.monotonic()
     try:
         fd = procview.open_in_root(ep.pid, ep.path, proc=proc, want="socket")

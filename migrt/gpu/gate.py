@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from migrt.gpu import apphooks, peers, procview
+from migrt.gpu import apphooks, peers
 
 
 @dataclass
