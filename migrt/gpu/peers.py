@@ -159,7 +159,7 @@ def look(pid: int, nccl_sockets: set[int], proc: str | None = None) -> Process:
         nccl=nccl_settings(pid, env, proc), declared_off=env.get(OFF_ENV, "").strip().lower() == "off")
 
 
-def _nccl_socket_inodes(pids: list[int], proc: str) -> set[int]:
+def _nccl_socket_inodes(pids: list[int], proc: str | None) -> set[int]:
     """Inodes of NCCL's proxy sockets (abstract '@/tmp/nccl-socket-<rank>-<hash>') in the pids' network namespaces."""
     out: set[int] = set()
     seen_ns: set[str] = set()
