@@ -55,12 +55,61 @@ def _raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def loopback_page_server() -> tuple[str, int]:
+class PagePort(tuple):
+    """(host, port) for CRIU's lazy page server, reserved for it until release(): a socket of ours
+    stays bound there with SO_REUSEADDR and never listens. The kernel then hands that port to no other
+    socket (no bind to port 0, no connect()'s local port, no plain bind), while CRIU's own socket,
+    SO_REUSEADDR too, can bind and listen on it. A port merely found free and let go was sometimes
+    taken by the time CRIU bound it, after the whole dump ("Can't bind page server: Address already
+    in use" in 1 lazy migration of 6)."""
+
+    def __new__(cls, sock: socket.socket) -> "PagePort":
+        host, port = sock.getsockname()[:2]
+        self = super().__new__(cls, (host, port))
+        self._sock = sock
+        return self
+
+    def release(self) -> None:
+        """CRIU listens there now (or never will): the reservation has done its work."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def loopback_page_server() -> PagePort:
     """An address for CRIU's lazy page server that migrt only ends, never asks for a page: loopback, a
-    port free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    port reserved for it (PagePort; LazyCheckpoint releases it once CRIU listens)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
-        return "127.0.0.1", s.getsockname()[1]
+    except OSError:
+        s.close()
+        raise
+    return PagePort(s)
+
+
+def criu_address_env(env: dict | None, host: str, work_path: str) -> dict:
+    """The environment for runc and its CRIU, with CRIU_CONFIG_FILE saying `address HOST`. CRIU's RPC
+    service takes only the port of a lazy dump's page server (cr-service.c ignores the address when
+    lazy_pages is set), so its page server listened on every address of the node. CRIU reads the file
+    CRIU_CONFIG_FILE names after its global config and before the RPC options; a file the environment
+    already named is carried over, its lines first."""
+    base = dict(os.environ if env is None else env)
+    text = ""
+    if base.get("CRIU_CONFIG_FILE"):
+        try:
+            with open(base["CRIU_CONFIG_FILE"], encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError:
+            text = ""
+        if text and not text.endswith("\n"):
+            text += "\n"
+    path = os.path.join(work_path, "criu-page-server.conf")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(f"{text}address {host}\n")
+    return {**base, "CRIU_CONFIG_FILE": path}
 
 
 def end_page_server(address: tuple[str, int], timeout: float) -> None:
@@ -90,6 +139,7 @@ class LazyCheckpoint:
         host, port = page_server
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.page_server = (host, port)
+        self._reserved = page_server if isinstance(page_server, PagePort) else None
         r, w = os.pipe()
         self._status = r
         self._ready = False
@@ -99,11 +149,13 @@ class LazyCheckpoint:
         _raise_nofile()
         self.stderr_path = os.path.join(work_path, "runc.stderr")
         try:
+            env = criu_address_env(env, host, work_path)
             with open(self.stderr_path, "wb") as err:
                 self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                              stderr=err, pass_fds=(w,), env=env)
         except OSError as exc:
             os.close(r)
+            self._release()
             raise RuntimeFailed(f"cannot run {runtime}: {exc}") from exc
         finally:
             os.close(w)
@@ -129,6 +181,7 @@ class LazyCheckpoint:
         finally:
             os.close(self._status)
             self._status = -1
+            self._release()  # CRIU listens on the port now, or has given up
 
     def finish(self, timeout: float) -> None:
         """Ask CRIU's page server for nothing: a PS_IOV_CLOSE right away ends the lazy dump with the
@@ -159,6 +212,7 @@ class LazyCheckpoint:
         While it serves pages, the clean way is a bogus request on the page-server socket: CRIU
         fails the transfer and unwinds (a connection closed without a request would count as a
         finished transfer). Signals are the last resort."""
+        self._release()
         if self.proc.poll() is not None:
             return
         if self._ready:
@@ -175,6 +229,11 @@ class LazyCheckpoint:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def _release(self) -> None:
+        if self._reserved is not None:
+            self._reserved.release()
+            self._reserved = None
 
     def _failure(self, what: str) -> RuntimeFailed:
         try:
