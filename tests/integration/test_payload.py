@@ -7,7 +7,8 @@ way packaging/daemonset.yaml runs its init container (privileged, the host's / a
    where the README says, and the installed migrt, python and CRIU run there (chroot);
 2. into a private prefix and bindir on this very host (the system's /opt/migrt and /usr/local/bin are
    left as they were), whose migrt then checkpoints a container and restores it through containerd,
-   with its own CRIU.
+   with its own CRIU;
+3. from the payload unpacked elsewhere, straight on this host (--root /, no container).
 
 The build (minutes: CRIU and a Debian root) is cached under $MIGRT_DEPS/payload by the hash of its
 inputs; later runs reuse it in seconds.
@@ -22,6 +23,7 @@ import os
 import shutil
 import stat
 import subprocess
+import tarfile
 import time
 import uuid
 from pathlib import Path
@@ -81,6 +83,7 @@ def ctd(image_tar, tmp_path_factory):
         yield c
     finally:
         c.stop()
+        shutil.rmtree(os.path.join(c.base, "root"), ignore_errors=True)  # the image's 200 MB, twice
 
 
 def run_installer(ctd, host: str, *args: str) -> subprocess.CompletedProcess:
@@ -261,3 +264,35 @@ def test_init_container_installs_into_a_private_prefix_on_this_host_and_that_mig
     assert all(t[1] == last[1] == t[2] for t in after), out  # its memory came back intact
     r = subprocess.run([cli, "inspect", name, "--verify"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
+
+
+def test_install_host_run_on_this_host_from_an_unpacked_payload(image_tar, tmp_path):
+    """install-host.sh --root / straight from the payload unpacked elsewhere (no container): the copy is
+    relocated and checked here, and containerd's drop-in is written by the installed migrt (the
+    unpacked one cannot run away from the prefix it was built for)."""
+    with tarfile.open(image_tar) as oci:
+        index = json.load(oci.extractfile("index.json"))
+        manifest = json.load(oci.extractfile(f"blobs/sha256/{index['manifests'][0]['digest'].split(':')[1]}"))
+        layer = f"blobs/sha256/{manifest['layers'][0]['digest'].split(':')[1]}"
+        oci.extract(layer, tmp_path)
+    unpacked = tmp_path / "image"
+    unpacked.mkdir()
+    subprocess.run(["tar", "-xf", str(tmp_path / layer), "-C", str(unpacked), "./opt/migrt"], check=True, timeout=300)
+    (tmp_path / layer).unlink()
+    source = unpacked / "opt" / "migrt"
+    prefix, bindir, ctd_config = tmp_path / "p" / "migrt", tmp_path / "bin", tmp_path / "containerd.toml"
+    ctd_config.write_text("version = 3\n")
+    argv = ["sh", str(source / "share" / "install-host.sh"), "--root", "/", "--source", str(source),
+            "--prefix", str(prefix), "--bindir", str(bindir), "--containerd-config", str(ctd_config)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"installed {prefix}" in r.stderr, r.stderr
+    assert f"{bindir}/migrt-runc" in "".join(p.read_text() for p in tmp_path.rglob("*.toml"))
+    r = subprocess.run([str(bindir / "migrt"), "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "migrt, version" in r.stdout, r.stderr
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"{prefix} is up to date" in r.stderr, r.stderr
+
+    # a prefix the launchers could not carry is refused before anything is written
+    r = subprocess.run([*argv[:-6], "--prefix", str(tmp_path / "it's"), "--no-containerd"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and "only letters, digits" in r.stderr and not (tmp_path / "it's").exists(), r.stderr
