@@ -31,7 +31,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 
-from migrt import names
+from migrt import names, trust
 from migrt.errors import CheckpointInvalid, Conflict, MigrtError, NotFound
 from migrt.store import journal
 from migrt.store import manifest as mf
@@ -86,14 +86,34 @@ def secure_tree(path: str) -> None:
 
 
 def unsafe_root(root: str) -> str | None:
-    """Why another user could change what is under `root`, or None: the store directory must be owned
-    by us (root) and writable by nobody else, and so must every directory above it (on the path as
-    given and once links are resolved), except sticky ones (/tmp: others cannot rename our entries)."""
-    me = os.geteuid()
+    """Why migrt must not use the store at `root` (the tail of a message), or None. The rule is the
+    node's one for everything it acts on (migrt/trust.py): the store directory and every directory
+    above it, on the path as given and once links are resolved, owned by root and writable by nobody
+    else (sticky directories such as /tmp excepted above it). In addition migrt's own directories in
+    it are plain directories of root, never links (locks, journal entries, staging and restore views
+    would be written wherever they point)."""
     try:
-        st = os.stat(root)
-    except FileNotFoundError:
+        if not stat.S_ISDIR(os.stat(root).st_mode):
+            return None  # not a store at all (or none yet): whoever reads or writes it says so
+    except OSError:
         return None
+    why = trust.problem(root)
+    if why:
+        return why
+    me = os.geteuid()
+    for d in (*HIDDEN, ".pulls"):
+        path = os.path.join(root, d)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            return (f"{path} is a symbolic link (to {_readlink(path)!r}); migrt never follows links inside its "
+                    "store: remove it")
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != me or st.st_mode & 0o022:
+            return (f"{path} is not a directory of uid {me} that only it can write (uid {st.st_uid}, mode "
+                    f"{stat.S_IMODE(st.st_mode):o}); remove it, or chown and 'chmod 700' it if you trust its content")
+    return None
     if not stat.S_ISDIR(st.st_mode):
         return None  # not a store at all: whoever reads or writes it says so
     if st.st_uid != me:
@@ -236,10 +256,8 @@ class Store:
             return
         why = unsafe_root(self.root)
         if why:
-            raise StoreError(f"store {self.root}: {why}; refusing to use it: in a store another user could change, "
-                             "or with links inside, migrt would read and write elsewhere as root. Remove the links, "
-                             f"fix owner and mode (install -d -m 0700 -o root -g root {self.root}) or point 'store:' "
-                             "in the migrt config at a directory only root can write")
+            raise StoreError(f"store {self.root}: {why} (or point 'store:' in the migrt config at a directory only "
+                             "root can write: install -d -m 0700 -o root -g root DIR)")
         self._checked = os.path.isdir(self.root)
 
     def ensure(self) -> None:
