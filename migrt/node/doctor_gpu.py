@@ -11,6 +11,7 @@ from migrt import trust
 from migrt.gpu import inventory
 from migrt.gpu.cuda import LIBCUDA, CudaDriverBackend
 from migrt.node.doctor_install import SETUP, script_problem
+from migrt.node.launchers import read_installed
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 CRIU_CONFIGS = ("/etc/criu/runc.conf", "/etc/criu/default.conf")
@@ -129,7 +130,8 @@ def _hook_check() -> dict:
         return _check(name, "ok", "not installed: migrt drives the GPU on its own paths (migrt, migrt-runc)",
                       "")
     conf, script = found
-    untrusted = trust.problem(conf) or trust.problem(script)
+    wrapped = (read_installed(script) or {}).get("hook")  # migrt's wrapper runs this script with its Python
+    untrusted = trust.problem(conf) or trust.problem(script) or (trust.problem(wrapped) if wrapped else None)
     if untrusted:  # CRIU runs it as root at every dump and restore (and this check would run it too)
         return _check(name, "fail", f"{script} (from {conf}): {untrusted}",
                       "CRIU runs the action script as root: only root may be able to change it and its config")

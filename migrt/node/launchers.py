@@ -148,7 +148,7 @@ def render(name: str, python: str, repair: str, hook: str | None = None) -> str:
     return template
 
 
-_ASSIGN = re.compile(r"^(PYTHON|REPAIR)='((?:[^']|'\\'')*)'$", re.M)
+_ASSIGN = re.compile(r"^(PYTHON|REPAIR|HOOK)='((?:[^']|'\\'')*)'$", re.M)
 
 
 def read_installed(path: str) -> dict | None:

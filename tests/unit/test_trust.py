@@ -262,3 +262,16 @@ def test_doctor_does_not_run_a_criu_hook_others_could_change(tmp_path, monkeypat
     hook.chmod(0o755)
     assert doctor_gpu._hook_check()["status"] == "ok" and ran.exists()
 
+
+def test_doctor_checks_the_script_migrts_hook_wrapper_runs(tmp_path, monkeypatch):
+    from migrt.node import launchers
+
+    script = _file(tmp_path / "checkout" / "cuda-criu-action", "print('hook')\n", 0o664)
+    wrapper = tmp_path / "cuda-criu-action"
+    wrapper.write_text(launchers.render("cuda-criu-action", "/nonexistent/python", "repair", hook=str(script)))
+    wrapper.chmod(0o755)
+    conf = _file(tmp_path / "runc.conf", f"action-script {wrapper}\n", 0o644)
+    monkeypatch.setattr(doctor_gpu, "CRIU_CONFIGS", (str(conf),))
+    check = doctor_gpu._hook_check()
+    assert check["status"] == "fail" and f"{script} is writable by group or others" in check["detail"]
+
