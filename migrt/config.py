@@ -30,6 +30,9 @@ Keys (all optional):
                                      none by default. `migrt pull` is not limited (docs/registry.md)
   migration_stall_timeout: 10        seconds without progress (bytes, messages, CRIU I/O) after which a
                                      migration gives up on the peer or kills a stuck CRIU (docs/migration.md)
+  migration_streams: 0               connections a stop-and-copy migration's files travel over at once, as
+                                     sender (`migrate --streams` overrides) and the most a receiver takes
+                                     (`receive --streams`); 0: half the CPUs, 1 to 8 (docs/migration.md)
   restore_pages: auto                auto | lazy | eager: how a restore fills memory (docs/restore-pages.md);
                                      MIGRT_RESTORE_PAGES in the environment overrides it per call
   fill_threads: 0                    copy threads of the page filler (0: min(8, CPUs))
@@ -78,6 +81,7 @@ class Config:
     migration_key_file: str | None = None
     migration_tls: dict[str, str] | None = None
     migration_stall_timeout: float = 10.0
+    migration_streams: int = 0
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
     gpu_hook_timeout_s: float = 30.0
@@ -192,7 +196,7 @@ def load(path: str | None = None) -> Config:
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
              "allow_cross_namespace_restore", "allow_unbound_checkpoints", "migration_key_file", "migration_tls", "store_space_check",
-             "migration_stall_timeout"}
+             "migration_stall_timeout", "migration_streams"}
     known |= set(REGISTRY_KEYS)
     known |= set(GPU_KEYS) | set(PAGE_KEYS) | set(DUMP_KEYS)
     unknown = sorted(set(data) - known)
@@ -250,6 +254,10 @@ def load(path: str | None = None) -> Config:
     if not isinstance(stall, (int, float)) or isinstance(stall, bool) or not 1 <= stall <= 3600:
         raise ConfigError(f"config {path}: 'migration_stall_timeout' must be a number of seconds from 1 to 3600")
     cfg.migration_stall_timeout = float(stall)
+    streams = data.get("migration_streams", cfg.migration_streams)
+    if not isinstance(streams, int) or isinstance(streams, bool) or not 0 <= streams <= 64:
+        raise ConfigError(f"config {path}: 'migration_streams' must be an integer from 0 (auto) to 64")
+    cfg.migration_streams = streams
     return cfg
 
 

@@ -1,4 +1,5 @@
-"""`migrt migrate` (source node) and `migrt receive` (target node). The work is in migrt.migration.migrate
+"""`migrt migrate` (source node), `migrt receive` (target node) and `migrt serve` (the node agent that
+hands containers over to pods pulling them). The work is in migrt.migration.migrate
 and migrt.migration.receive; this file parses options and renders progress and results."""
 
 from __future__ import annotations
@@ -98,32 +99,9 @@ def receive(listen, once, restore_bundle, root, container_id, output, as_json):
     from migrt.migration.receive import ReceiveOptions, Receiver
 
     cfg = load_config()
-
-    def report(r: dict) -> None:
-        if as_json:
-            click.echo(json.dumps(r, sort_keys=True, default=str))
-            sys.stdout.flush()
-        if r.get("error"):
-            click.echo(f"migrt receive: from {r['peer']}: {'refused' if r.get('refused') else 'failed'}: "
-                       f"{r['error']}", err=True)
-            return
-        t = r["timings"]
-        if r.get("mode") == "query":
-            click.echo(f"migrt receive: {r['peer']} asked about {r['name']}: a container restored from it is "
-                       f"{'running' if r.get('answer') == 'running' else 'not running'} here", err=True)
-            return
-        what = (f"restored as {r['container_id']} (pid {r['pid']})" if r.get("restored")
-                else f"committed as checkpoint {r['name']}")
-        click.echo(f"migrt receive: {r['name']} from {r['peer']} ({r['mode']}): {human_size(r['bytes'])} "
-                   f"received in {t.get('receive_s', 0):.3f} s; {what}; total {t.get('total_s', 0):.3f} s", err=True)
-        if r.get("gpu"):
-            restored = (t.get("restore") or {}).get("gpu_restore_s")
-            click.echo(f"  GPU: {_gpu_line(r['gpu'])}" + (f"; GPU restore {restored:.3f} s" if restored else ""),
-                       err=True)
-
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     receiver = Receiver(cfg, ReceiveOptions(listen=listen, once=once, restore_bundle=restore_bundle, root=root,
-                                            container_id=container_id, output=output), report)
+                                            container_id=container_id, output=output), _reporter("receive", as_json))
     server = receiver.bind()
     click.echo(f"migrt receive: listening on {listen} (store {cfg.store})", err=True)
     try:
@@ -132,3 +110,61 @@ def receive(listen, once, restore_bundle, root, container_id, output, as_json):
         server.close()
     if res and res.get("error"):
         sys.exit(res.get("exit_code") or 1)
+
+
+@cli.command()
+@click.option("--listen", metavar="ADDR:PORT", help="Address to serve on (default: the config's agent_listen, "
+                                                    "0.0.0.0:7070).")
+@JSON
+@handle_errors
+def serve(listen, as_json):
+    """The node agent: hands this node's containers over to pods on other nodes that pull them.
+
+    A pod created elsewhere with the annotation migrt.io/migrate-from=<this node>/<namespace>/<pod>/<container>
+    pulls that container live (docs/migration.md); the source pod must opt in (migrt.io/migratable=true)
+    unless the config says 'migrate_any_container: true'. Also answers other nodes' questions about
+    migrations that ended here. Peers need the same migration key (and TLS, when configured).
+    """
+    from migrt.migration.agent import Agent
+
+    cfg = load_config()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    agent = Agent(cfg, _reporter("serve", as_json), listen)
+    server = agent.bind()
+    click.echo(f"migrt serve: listening on {agent.listen} (store {cfg.store})", err=True)
+    try:
+        agent.serve(server)
+    finally:
+        server.close()
+
+
+def _reporter(command: str, as_json: bool):
+    """One line per connection on stderr (and its JSON on stdout with --json)."""
+    def report(r: dict) -> None:
+        if as_json:
+            click.echo(json.dumps(r, sort_keys=True, default=str))
+            sys.stdout.flush()
+        if r.get("error"):
+            click.echo(f"migrt {command}: from {r['peer']}: {'refused' if r.get('refused') else 'failed'}: "
+                       f"{r['error']}", err=True)
+            return
+        t = r["timings"]
+        if r.get("mode") == "query":
+            click.echo(f"migrt {command}: {r['peer']} asked about {r['name']}: a container restored from it is "
+                       f"{'running' if r.get('answer') == 'running' else 'not running'} here", err=True)
+            return
+        if r.get("mode") == "pull":
+            down = f"downtime {r['downtime_s']:.3f} s" if r.get("downtime_s") is not None else "downtime unknown"
+            click.echo(f"migrt {command}: handed container {r.get('container_id')} over to {r['peer']} (pulled into "
+                       f"{(r.get('target') or {}).get('container_id')}); {down}; total {t.get('total_s', 0):.3f} s",
+                       err=True)
+            return
+        what = (f"restored as {r['container_id']} (pid {r['pid']})" if r.get("restored")
+                else f"committed as checkpoint {r['name']}")
+        click.echo(f"migrt {command}: {r['name']} from {r['peer']} ({r['mode']}): {human_size(r['bytes'])} "
+                   f"received in {t.get('receive_s', 0):.3f} s; {what}; total {t.get('total_s', 0):.3f} s", err=True)
+        if r.get("gpu"):
+            restored = (t.get("restore") or {}).get("gpu_restore_s")
+            click.echo(f"  GPU: {_gpu_line(r['gpu'])}" + (f"; GPU restore {restored:.3f} s" if restored else ""),
+                       err=True)
+    return report

@@ -41,7 +41,7 @@ from migrt.runtime import control, lazy_memory, markers
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
-from migrt.migration import handover
+from migrt.migration import bulk, handover
 from migrt.migration.channel import RemoteError
 from migrt.migration.gpu import GpuSource
 from migrt.migration.guard import Guard
@@ -64,6 +64,7 @@ class MigrateRequest:
     pre_dump: str = "auto"  # "auto", "0" (off) or a number of rounds
     lazy: bool = False
     free_source_early: bool = False  # destroy the source before the target restores (one-machine tests)
+    streams: int | None = None  # stop-and-copy: connections the files travel over (None: migration_streams)
 
 
 class MigrationFailed(MigrtError):
@@ -291,17 +292,34 @@ class _Run:
                                                [m.get("destination", "") for m in self.bundle.mounts])
         self.phases["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
 
-    def _send_all(self, *, release: bool) -> dict:
+    def _send_all(self, *, release: bool, streams: int | None = None) -> dict:
         files = _payload(self.staging.path)
         total = sum(os.path.getsize(full) for _, full in files)
         self.progress("phase", name="transfer", total_bytes=total)
         t0 = time.monotonic()
-        meta = {rel: self.ch.send_file(full, rel, release=release,
-                                       progress=lambda n: self.progress("bytes", name="transfer", bytes=n))
-                for rel, full in files}
+        sent = lambda n: self.progress("bytes", name="transfer", bytes=n)  # noqa: E731
+        offer = self.ready.get("bulk")
+        if isinstance(offer, dict) and offer.get("protocol") == bulk.PROTOCOL:
+            meta = self._send_bulk(files, offer, release, streams, sent)
+        else:  # a receiver without it (an older migrt): one file after the other on this connection
+            meta = {rel: self.ch.send_file(full, rel, release=release, progress=sent) for rel, full in files}
         self.result.update(bytes=total, files=len(files))
         self._timed("transfer", t0, bytes=total)
         return meta
+
+    def _send_bulk(self, files: list[tuple[str, str]], offer: dict, release: bool, streams: int | None,
+                   sent) -> dict:
+        """Every file over `streams` connections at once, each chunk checked on arrival (bulk.py)."""
+        want = streams or self.req.streams or self.cfg.migration_streams or bulk.auto_streams()
+        n = max(1, min(want, offer.get("streams") if isinstance(offer.get("streams"), int) else 1))
+        tls = TLSFiles(**self.cfg.migration_tls) if self.cfg.migration_tls else None
+        extra = bulk.open_streams(self.ch, offer, n - 1, tls=tls, stall=self.cfg.migration_stall_timeout)
+        self.result["streams"] = n
+        try:
+            return bulk.send([self.ch, *extra], files, release=release, progress=sent)
+        finally:
+            for c in extra:
+                c.close()
 
     def _failed(self, exc: MigrtError, what: str, *, target_kept: bool = False) -> MigrationFailed:
         return MigrationFailed(f"{what}: {exc}; {self.source.rollback(target_kept)}", exc)
@@ -450,7 +468,7 @@ class _Run:
                 self.result["lazy_dump"] = detail
                 source.gpu.write(self.staging.images, self.fields, self.phases)
                 self._dump_extras()
-            files = self._send_all(release=False)
+            files = self._send_all(release=False, streams=1)  # a few hundred KB: no more connections
         except MigrtError as exc:
             ch.error(f"source aborted: {exc}", exc.exit_code)
             _stop(dump, server)

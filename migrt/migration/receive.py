@@ -44,7 +44,7 @@ from migrt.runtime.lower import default_root
 from migrt.store import Store
 from migrt.store import manifest as mf
 from migrt.store.importer import importing
-from migrt.migration import handover, watchdog
+from migrt.migration import bulk, handover, watchdog
 from migrt.migration.admission import Admission
 from migrt.migration.guard import Guard, wait_for_guards
 from migrt.migration.gpu import target_preflight
@@ -69,6 +69,7 @@ class ReceiveOptions:
     root: str | None = None            # runc root for those restores (default: the runtime's)
     container_id: str | None = None    # id of the restored container (default: the source's id)
     output: str = os.devnull           # restored container's stdout and stderr
+    streams: int | None = None         # most data streams a stop-and-copy sender may use (migration/bulk.py)
 
 
 def _utc(ts: float) -> str:
@@ -88,6 +89,7 @@ class Receiver:
         self.runtime = cfg.runtime_path()
         self.root = opts.root or default_root(self.runtime)
         self.stall = cfg.migration_stall_timeout
+        self.streams = opts.streams or cfg.migration_streams or bulk.auto_streams()
         self._deciding: dict[str, threading.Event] = {}  # checkpoint name -> set once its fate is known
         self._queries_only = False
         self._claimed = threading.Lock()  # --once: held by the one migration it receives
@@ -232,13 +234,18 @@ class Receiver:
         t0 = time.monotonic()
         with importing(self.store, name) as imp:
             guard.arm({"do": "remove", "remove": [imp.path]})
+            streams = bulk.Listener(ch, self.streams, tls=self.tls, stall=self.stall)  # lives as long as ch
             ch.send({"type": "ready", "restore": bool(self.opts.restore_bundle), "container_id": restore_id,
-                     "pages": [PAGES_PROTOCOL],
+                     "pages": [PAGES_PROTOCOL], "bulk": streams.offer(),
                      **({"gpu": out["gpu"]} if out.get("gpu") is not None else {})})
             while True:
-                msg = ch.recv("file", "commit")
+                msg = ch.recv("file", "commit", "bulk")
                 if msg["type"] == "commit":
                     break
+                if msg["type"] == "bulk":  # every file at once, over several streams (migration/bulk.py)
+                    out["bytes"] += bulk.receive_import(ch, msg, imp, streams)
+                    out["streams"] = msg.get("streams")
+                    continue
                 rel, size = msg.get("path"), msg.get("size")
                 if not isinstance(size, int) or size < 0:
                     raise UsageError(f"file {rel!r} announced with an invalid size")

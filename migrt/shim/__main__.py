@@ -2,12 +2,15 @@
 
 Everything not intercepted is handed to the lower runtime with os.execv, argv byte-identical
 (`checkpoint` runs it as a child, argv byte-identical too: see _child).
-Intercepted: `create` whose bundle asks for a restore (becomes `runc restore --detach`), `start`
+Intercepted: `create` whose bundle asks for a restore (becomes `runc restore --detach`) or for a
+live migration from another node (a pull: migration/pull.py), `create` of a pod container that was
+migrated away from this node (refused: runtime/moved.py), `start`
 of a container migrt restored (a no-op: it already runs), `checkpoint` of a container with CUDA
 processes and `restore` of an image with GPU state (migrt drives the GPU around the lower runtime),
 `create` of a bundle asking for GPU release on pause (marker for pause/resume), and `pause`/`resume`
 of a container carrying that marker (GPU suspend before the freeze, GPU resume after the thaw).
-Standard library only until that decision.
+A `restore` (the lower runtime's own checkpoints) is refused when its tasks hold more than the
+bundle grants (ops/restore_privileges.py). Standard library only until that decision.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from migrt.trust import Untrusted
 from migrt.runtime.markers import GPU_RELEASE_MARKER as RELEASE_MARKER
 from migrt.runtime.markers import gpu_suspended, gpu_suspended_message, is_restored
 from migrt.runtime import lower as _lower
+from migrt.runtime import moved
 from migrt.runtime import runclog
 from migrt.shim.argv import RuncArgv
 
@@ -68,6 +72,14 @@ def _create(parsed: RuncArgv, lower: str, warning: str | None) -> int | None:
         bundle = Bundle.load(bundle_dir)
     except BundleError:
         return None  # runc reports its own error about the bundle
+    refused = _moved_away(parsed, lower, bundle)
+    if refused is not None:
+        return refused
+    pull = bundle.migrate_request()
+    if pull is not None:
+        from migrt.migration.pull import pull_on_create  # heavy imports only from here on
+
+        return pull_on_create(parsed, cmd, bundle, pull, lower=lower, lower_warning=warning)
     request = bundle.restore_request()
     if request is None:
         if not bundle.gpu_release_on_pause:
@@ -83,6 +95,20 @@ def _create(parsed: RuncArgv, lower: str, warning: str | None) -> int | None:
 
         gpu_pause.mark(parsed.root or _lower.default_root(lower), cmd.container_id or "")
     return rc
+
+
+def _moved_away(parsed: RuncArgv, lower: str, bundle) -> int | None:
+    """A container of a pod whose container was pulled to another node: its restart here is refused
+    (runtime/moved.py); records of pods that are gone are removed on the way."""
+    if not bundle.is_application_container:
+        return None
+    root = parsed.root or _lower.default_root(lower)
+    rec = moved.find(root, bundle.annotations)
+    if rec is None:
+        moved.sweep(root)
+        return None
+    runclog.append(parsed.log_path, "error", f"migrt: {moved.refusal(rec)}", log_format=parsed.log_format)
+    return 6  # errors.Conflict
 
 
 def _pause(parsed: RuncArgv, lower: str) -> int | None:
@@ -110,6 +136,31 @@ def _memory_arriving(parsed: RuncArgv, lower: str) -> int | None:
     except MigrtError as exc:
         runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
         return exc.exit_code
+    return None
+
+
+def _restore_privileges(parsed: RuncArgv) -> int | None:
+    """`restore` of the lower runtime's own checkpoint (containerd's task restore, its CRI restore of a
+    checkpoint image): its tasks may hold no more than the bundle grants, as in migrt's own restores
+    (ops/restore_privileges.py). An exit code when refused; None to go on, with the bundle's LSM
+    label added as --lsm-profile where the tasks recorded another."""
+    from migrt.errors import MigrtError
+    from migrt.oci.bundle import Bundle, BundleError
+    from migrt.ops import restore_privileges
+
+    cmd = parsed.command_args()
+    try:
+        bundle = Bundle.load(cmd.value("bundle", "b") or os.getcwd())
+    except BundleError:
+        return None  # runc reports its own error about the bundle
+    images = cmd.value("image-path") or os.path.join(os.getcwd(), "checkpoint")
+    try:
+        verdict = restore_privileges.check(images, bundle, images)
+    except MigrtError as exc:
+        runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
+        return exc.exit_code
+    if verdict.runc_args and cmd.value("lsm-profile") is None:
+        parsed.rest = [*verdict.runc_args, *parsed.rest]
     return None
 
 
@@ -159,9 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         if rc is not None:
             return rc
     elif parsed.command in ("checkpoint", "restore"):
-        rc = _memory_arriving(parsed, lower) if parsed.command == "checkpoint" else None
+        rc = _memory_arriving(parsed, lower) if parsed.command == "checkpoint" else _restore_privileges(parsed)
         if rc is not None:
             return rc
+        if parsed.command == "restore":
+            args = parsed.render()  # byte-identical, or with the bundle's --lsm-profile added
         rc = _gpu(parsed, lower)
         if rc is not None:
             return rc

@@ -71,8 +71,9 @@ class Import:
         self.space.reserve(nbytes)
 
     @contextlib.contextmanager
-    def open(self, rel: str) -> Iterator[int]:
-        """A new file's descriptor (0600, exclusive create); closed on the way out (fsynced at commit)."""
+    def open(self, rel: str, *, readable: bool = False) -> Iterator[int]:
+        """A new file's descriptor (0600, exclusive create; read-write when `readable`); closed on the way
+        out (fsynced at commit)."""
         check_relpath(rel)
         if rel in self.received or len(self.received) >= MAX_FILES:
             raise CheckpointInvalid(f"received file {rel} twice (or too many files)")
@@ -80,11 +81,19 @@ class Import:
         parent = os.path.dirname(full)
         if not os.path.isdir(parent):
             os.makedirs(parent, mode=0o700)
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(full, (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC |
+                     os.O_NOFOLLOW, 0o600)
         try:
             yield fd
         finally:
             os.close(fd)
+
+    def create(self, rel: str, size: int) -> int:
+        """A new file of `size` bytes (sparse), opened read-write for a writer that fills it out of order
+        (migration/bulk.py maps it); the caller closes the descriptor, then calls record()."""
+        with self.open(rel, readable=True) as fd:
+            os.ftruncate(fd, size)
+            return os.dup(fd)
 
     def record(self, rel: str, size: int, sha256: str) -> None:
         actual = os.path.getsize(os.path.join(self.path, rel))

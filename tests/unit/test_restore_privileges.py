@@ -455,3 +455,46 @@ def test_grants_read_like_runc(tmp_path):
     assert g.caps["bounding"] == 1 << CAPS.index("KILL") | 1 << CAPS.index("NET_RAW") and g.caps["ambient"] == 0
     assert Grants.of(bundle(tmp_path, name="b2")).caps is None
     assert rp.unrestricted(Grants.of(Bundle.load(str(write_bundle(tmp_path / "plain")))))
+
+
+# -- migrt-runc restore: the lower runtime's own checkpoints (containerd's task or CRI restore) ---------
+class _Exec(Exception):
+    pass
+
+
+def _shim_restore(monkeypatch, tmp_path, images: str, b: Bundle) -> tuple[int | list[str], Path]:
+    """migrt-runc restore as containerd's runc shim calls it: the exit code, or the lower runtime's argv."""
+    from migrt.shim import __main__ as shim
+
+    def fake_execv(path, args):
+        raise _Exec(args[1:])
+
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # the shim puts migrt's CRIU first: undone after
+    monkeypatch.setattr(os, "execv", fake_execv)
+    log = tmp_path / "runc-log.json"
+    argv = ["--root", str(tmp_path / "root"), "--log", str(log), "--log-format", "json", "restore", "--detach",
+            "--image-path", images, "--work-path", str(tmp_path / "work"), "--bundle", b.path, "c1"]
+    try:
+        return shim.main(argv), log
+    except _Exec as exc:
+        return exc.args[0], log
+
+
+def test_migrt_runc_restore_is_refused_when_the_tasks_hold_more(migrt_env, monkeypatch, tmp_path):
+    images = root_all_caps(tmp_path)
+    rc, log = _shim_restore(monkeypatch, tmp_path, images, restricted(tmp_path))
+    assert rc == 8
+    msg = json.loads(log.read_text().splitlines()[-1])["msg"]
+    assert msg.startswith(f"migrt: checkpoint {images}: process 1 (sh) runs as uid 0 but the container asks for uid 1000")
+    argv, _ = _shim_restore(monkeypatch, tmp_path, images, bundle(tmp_path, caps=ALL, name="broad"))
+    assert argv[argv.index("restore"):] == ["restore", "--detach", "--image-path", images, "--work-path",
+                                            str(tmp_path / "work"), "--bundle", str(tmp_path / "broad"), "c1"]
+
+
+def test_migrt_runc_restore_applies_the_bundles_label(migrt_env, monkeypatch, tmp_path):
+    monkeypatch.setattr(rp, "host_lsm", lambda: rp.LSM_APPARMOR)
+    im = Images(tmp_path / "images").proc(1, {1: creds(lsm="unconfined-by-hand")})
+    im.lsmtype = rp.LSM_APPARMOR
+    b = bundle(tmp_path, caps=ALL, extra={"apparmorProfile": "cri-containerd.apparmor.d"})
+    argv, _ = _shim_restore(monkeypatch, tmp_path, im.write(), b)
+    assert argv[argv.index("restore"):][:3] == ["restore", "--lsm-profile", "apparmor:cri-containerd.apparmor.d"]

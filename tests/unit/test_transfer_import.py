@@ -143,6 +143,7 @@ def test_receiver_commits_what_a_sender_streams(receiver_env, tmp_path):
     ch = connect(address, KEY.encode())
     ch.send({"type": "offer", "name": "from-a", "mode": "stop-and-copy", "container_id": "c1", "schema": 1})
     ready = ch.recv("ready")
+    assert ready.pop("bulk")["protocol"] == "migrt-bulk/1"  # streams: tests/unit/test_transfer_bulk.py
     assert ready == {"type": "ready", "restore": False, "container_id": "c1", "pages": ["migrt-pages/1"]}
     files = {rel: ch.send_file(str(src / rel), rel) for rel in blobs}
     ch.send({"type": "commit", "manifest": {"created": "x", "source": {"container_id": "c1"}, "files": files}})

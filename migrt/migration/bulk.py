@@ -1,0 +1,663 @@
+"""A stop-and-copy transfer over several streams at once, every chunk checked as it arrives.
+
+One migration connection (a Channel) moves ~0.8 GiB/s at best: one thread sends, hashes and reads
+the file in turn, and the receiver receives, hashes and writes in turn. Here the files travel as
+64 MiB chunks (the store's tree-digest unit, store/fsutil.py TREE_CHUNK) over `streams` connections
+at once, each served by its own thread at both ends, and the sha256 of every chunk runs in a pool of
+hashing threads beside them:
+
+    sender                                          receiver (the migration connection's server)
+                                         <- ready   {"bulk": {"protocol", "port", "token", "streams"}}
+    open streams-1 data connections  -- TCP -->     port: a listener of this migration only
+       (TLS when configured), join handshake        (token; HMAC proofs both ways with a key derived
+                                                     from the migration's session key, which never travels)
+    bulk {"files": {rel: size}, "streams": n} -->   creates every file at its size, reserves the space
+    on every stream, any number of times:
+      chunk {"path", "offset", "size"} + raw bytes  -> straight into a shared mapping of the file
+      sum {"path", "offset", "sha256"}              -> compared with the sha256 the receiver computed of
+                                                       what it received; a mismatch ends the transfer
+    end                                             -> every chunk of every file arrived and matched
+
+The sender's sums are those of the bytes it sent: computed while the chunk goes out (a pool thread
+hashes the file's mapping while the kernel sends it: sendfile, no copy), or known before (the
+parallel dump hashes what it writes: pagedump, `known=`). A sum may follow its chunk late (the stream
+does not wait for the hash), but always before `end`. The receiver folds the chunk digests into each
+file's manifest digest; the sealed `commit` then compares them with the sender's manifest as before
+(importer.verify). Stream 0 is the migration connection itself.
+
+Chunks are taken by the streams from one queue (biggest files' chunks spread over every stream), so
+a stream never idles while another has work. A chunk is 64 MiB at most and aligned to TREE_CHUNK
+in its file; the receiver refuses any other offset or size, a chunk announced twice, a file not in
+the announcement, and a transfer that ends with a chunk missing or unmatched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hmac
+import mmap
+import os
+import queue
+import secrets
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from migrt.errors import CheckpointInvalid, MigrtError
+from migrt.migration import protocol as p
+from migrt.migration.channel import Channel, RemoteError, _io, _punch_hole, _sendall
+from migrt.migration.protocol import AuthError, TransferError
+from migrt.migration.tls import TLSFiles, wrap_client, wrap_server
+from migrt.store.fsutil import TREE_CHUNK, fold_chunks, make_entry
+
+PROTOCOL = "migrt-bulk/1"
+CHUNK = TREE_CHUNK
+MAGIC = b"MGBK1"
+NONCE = 32
+MAX_STREAMS = 64
+MAX_FILES = 100_000
+MAX_PENDING_SUMS = 4  # hashes a sending stream lets run behind it before it waits for the oldest
+JOIN_TIMEOUT = 15.0
+LISTEN_POLL = 1.0  # the listener notices within this long that its migration connection was closed
+REASON_WAIT = 3.0  # a sender whose stream broke waits this long for the receiver's reason
+_DIGEST = 32
+
+Progress = Callable[[int], None]
+
+
+def auto_streams(cpus: int | None = None) -> int:
+    """Streams when `migration_streams` is 0: half the CPUs (each stream keeps one core busy at each end,
+    the hashing the other half), from 1 to 8."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(8, cpus // 2))
+
+
+def streams_key(ch: Channel) -> bytes:
+    """The data connections' key: derived from the migration connection's session key (never sent)."""
+    return hmac.new(ch._out.key, b"migrt-bulk-key", "sha256").digest()
+
+
+# -- connecting the data streams ----------------------------------------------------------------
+
+class Listener:
+    """The receiving side's listener for one migration's data connections: it accepts, in a thread, up
+    to `streams - 1` connections from the migration peer's address, authenticates them (TLS when the
+    nodes have it, then the join proofs) and queues them for `take()`."""
+
+    def __init__(self, ch: Channel, streams: int, *, tls: TLSFiles | None, stall: float) -> None:
+        self.ch = ch
+        self.streams = max(1, min(MAX_STREAMS, streams))
+        self.tls = tls
+        self.stall = stall
+        self.key = streams_key(ch)
+        self.token = secrets.token_hex(16)
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self.sock: socket.socket | None = None
+        self.port = None
+        if self.streams == 1:  # the migration connection alone: nothing to listen for
+            return
+        family = socket.AF_INET6 if ":" in ch.local_host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((ch.local_host, 0))
+            self.sock.listen(MAX_STREAMS)
+        except OSError as exc:
+            self.sock.close()
+            raise TransferError(f"cannot listen for data streams on {ch.local_host}: {exc.strerror or exc}") from exc
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True, name="migrt-bulk-accept").start()
+
+    def offer(self) -> dict:
+        """What `ready` carries (the sender's open_streams connects with it)."""
+        return {"protocol": PROTOCOL, "port": self.port, "token": self.token, "streams": self.streams}
+
+    def _accept(self) -> None:
+        """Until streams - 1 joined, or the migration connection is closed (then the listener goes too:
+        the receiver needs no clean-up of its own for it)."""
+        joined = 0
+        self.sock.settimeout(LISTEN_POLL)
+        try:
+            while joined < self.streams - 1 and not self._closed and self.ch.sock.fileno() != -1:
+                try:
+                    conn, addr = self.sock.accept()
+                except socket.timeout:
+                    continue
+                except OSError:
+                    return
+                conn.settimeout(None)
+                if addr[0] != self.ch.peer_host:  # only the migration's peer may join it
+                    conn.close()
+                    continue
+                try:
+                    self._ready.put(_join_server(conn, self.key, self.token, tls=self.tls, stall=self.stall))
+                    joined += 1
+                except (TransferError, OSError):
+                    conn.close()
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            if self.ch.sock.fileno() == -1:
+                self.close()
+
+    def take(self, n: int) -> list[Channel]:
+        """n authenticated data connections, waiting at most JOIN_TIMEOUT (+ stall) for them."""
+        out = []
+        deadline = time.monotonic() + JOIN_TIMEOUT + self.stall
+        try:
+            while len(out) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise queue.Empty
+                out.append(self._ready.get(timeout=left))
+        except queue.Empty:
+            for c in out:
+                c.close()
+            raise TransferError(f"{self.ch.peer} announced {n + 1} streams but only {len(out) + 1} connected "
+                                f"within {JOIN_TIMEOUT + self.stall:.0f} s (a firewall on port {self.port}?)") from None
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                self.sock.close()
+        while True:  # joined but never taken
+            try:
+                self._ready.get_nowait().close()
+            except queue.Empty:
+                break
+
+
+def open_streams(ch: Channel, offer: dict, n: int, *, tls: TLSFiles | None, stall: float) -> list[Channel]:
+    """n data connections to the peer's bulk listener, each joined to this migration."""
+    key = streams_key(ch)
+    out: list[Channel] = []
+    try:
+        for _ in range(n):
+            peer = f"{ch.peer_host}:{offer['port']}"
+            with _io(f"connecting stream to {peer}"):
+                sock = socket.create_connection((ch.peer_host, int(offer["port"])), timeout=JOIN_TIMEOUT)
+            try:
+                out.append(_join_client(sock, key, str(offer["token"]), tls=tls, stall=stall, peer=peer))
+            except BaseException:
+                sock.close()
+                raise
+    except BaseException:
+        for c in out:
+            c.close()
+        raise
+    return out
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _join_server(sock: socket.socket, key: bytes, token: str, *, tls: TLSFiles | None, stall: float) -> Channel:
+    """S -> C MAGIC | ns;  C -> S nc | token (32) | HMAC(key, client | ns | nc | token);
+    S -> C HMAC(key, server | ns | nc); both then seal with HMAC(key, session | ns | nc)."""
+    peer = "%s:%s" % sock.getpeername()[:2]
+    _tune(sock)
+    sock.settimeout(JOIN_TIMEOUT)
+    if tls:
+        sock = wrap_server(sock, tls, peer)
+    ns = secrets.token_bytes(NONCE)
+    with _io(f"stream handshake with {peer}"):
+        sock.sendall(MAGIC + ns)
+        got = _recv_exact(sock, NONCE + 32 + _DIGEST, peer)
+    nc, tok, mac = got[:NONCE], got[NONCE:NONCE + 32], got[NONCE + 32:]
+    if not hmac.compare_digest(tok, token.encode()[:32].ljust(32, b"\0")) or \
+            not hmac.compare_digest(mac, p.client_proof(key, ns, nc + tok)):
+        raise AuthError(f"{peer} tried to join a migration it does not belong to")
+    with _io(f"stream handshake with {peer}"):
+        sock.sendall(p.server_proof(key, ns, nc + tok))
+    sock.settimeout(stall)
+    return Channel(sock, p.session_key(key, ns, nc + tok), is_server=True, stall=stall)
+
+
+def _join_client(sock: socket.socket, key: bytes, token: str, *, tls: TLSFiles | None, stall: float,
+                 peer: str) -> Channel:
+    _tune(sock)
+    sock.settimeout(JOIN_TIMEOUT)
+    if tls:
+        sock = wrap_client(sock, tls, peer)
+    with _io(f"stream handshake with {peer}"):
+        hello = _recv_exact(sock, len(MAGIC) + NONCE, peer)
+        if not hello.startswith(MAGIC):
+            raise TransferError(f"{peer} is not a migrt stream listener")
+        ns, nc = hello[len(MAGIC):], secrets.token_bytes(NONCE)
+        tok = token.encode()[:32].ljust(32, b"\0")
+        sock.sendall(nc + tok + p.client_proof(key, ns, nc + tok))
+        proof = _recv_exact(sock, _DIGEST, peer)
+    if not hmac.compare_digest(proof, p.server_proof(key, ns, nc + tok)):
+        raise AuthError(f"{peer} could not prove it belongs to this migration; refusing to send to it")
+    sock.settimeout(stall)
+    return Channel(sock, p.session_key(key, ns, nc + tok), is_server=False, stall=stall)
+
+
+def _recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise TransferError(f"{peer} closed the stream")
+        got += k
+    return bytes(buf)
+
+
+# -- chunks ----------------------------------------------------------------------------------------
+
+def chunks_of(size: int) -> list[tuple[int, int]]:
+    """(offset, size) of every chunk of a file: TREE_CHUNK-aligned; an empty file has one empty chunk."""
+    return [(off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)] or [(0, 0)]
+
+
+def _hash(view) -> bytes:
+    import hashlib
+
+    return hashlib.sha256(view).digest()
+
+
+def _workers() -> int:
+    return max(2, min(32, os.cpu_count() or 2))
+
+
+class _Failure:
+    """The first error of any thread. The data streams are shut down, which wakes their threads; the
+    migration connection (chs[0]) must still carry the reason to the peer: the receiver only stops
+    reading it (its thread wakes up), the sender leaves it alone (its thread stops between chunks)."""
+
+    def __init__(self, chs: list[Channel], *, receiving: bool) -> None:
+        self.chs = chs
+        self.receiving = receiving
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.event = threading.Event()
+
+    def set(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = exc
+        self.event.set()
+        for ch in self.chs[1:]:
+            with contextlib.suppress(OSError):
+                ch.sock.shutdown(socket.SHUT_RDWR)
+        if self.receiving:
+            with contextlib.suppress(OSError):
+                self.chs[0].sock.shutdown(socket.SHUT_RD)
+
+
+def _run_threads(target, chs: list[Channel], failure: _Failure, counter: list[int], progress: Progress | None,
+                 name: str) -> None:
+    threads = [threading.Thread(target=target, args=(i, ch), daemon=True, name=f"migrt-{name}-{i}")
+               for i, ch in enumerate(chs)]
+    for t in threads:
+        t.start()
+    reported = 0
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+                if progress and counter[0] > reported:
+                    now = counter[0]
+                    progress(now - reported)
+                    reported = now
+    except BaseException as exc:  # Ctrl-C: stop the streams, then let it through
+        failure.set(exc)
+        for t in threads:
+            t.join()
+        raise
+    if progress and counter[0] > reported:
+        progress(counter[0] - reported)
+
+
+# -- sending ---------------------------------------------------------------------------------------
+
+class _Source:
+    """One file to send: its descriptor and a read-only mapping (hashing, and TLS sends, read it)."""
+
+    def __init__(self, rel: str, path: str, release: bool) -> None:
+        self.rel, self.path = rel, path
+        with _io(f"reading {path}"):
+            self.fd = os.open(path, (os.O_RDWR if release else os.O_RDONLY) | os.O_CLOEXEC)
+        self.size = os.fstat(self.fd).st_size
+        self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ) if self.size else None
+
+    def view(self, off: int, n: int) -> memoryview:
+        return memoryview(self.map)[off:off + n] if self.map is not None else memoryview(b"")
+
+    def close(self) -> None:
+        if self.map is not None:
+            with contextlib.suppress(BufferError):
+                self.map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def send(chs: list[Channel], files: list[tuple[str, str]], *, release: bool = False,
+         known: dict[str, list[bytes]] | None = None, progress: Progress | None = None) -> dict[str, dict]:
+    """Send `files` ((relpath, path), in order of preference) over the streams `chs` (chs[0] is the
+    migration connection); returns {rel: manifest entry} of what was sent. known: chunk digests of
+    files whose bytes were hashed as they were written (not hashed again). release=True punches out
+    each chunk once it is sent and hashed (a tmpfs store does not hold the checkpoint twice)."""
+    srcs = [_Source(rel, path, release) for rel, path in files]
+    try:
+        chs[0].send({"type": "bulk", "files": {s.rel: s.size for s in srcs}, "streams": len(chs)})
+        digests: dict[str, dict[int, bytes]] = {s.rel: {} for s in srcs}
+        for s in srcs:
+            for i, d in enumerate((known or {}).get(s.rel) or []):
+                digests[s.rel][i * CHUNK] = d
+            if known and s.rel in known and len(digests[s.rel]) != len(chunks_of(s.size)):
+                digests[s.rel] = {}  # a record that does not fit the file: hash it here
+        work: queue.SimpleQueue = queue.SimpleQueue()
+        order = sorted(((s, off, n) for s in srcs for off, n in chunks_of(s.size)), key=lambda c: (-c[2], c[0].rel))
+        for item in order:
+            work.put(item)
+        failure = _Failure(chs, receiving=False)
+        sent = [0]
+        lock = threading.Lock()
+        pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="migrt-bulk-hash")
+
+        def stream(_i: int, ch: Channel) -> None:
+            pending: list[tuple[_Source, int, int, Future | bytes]] = []
+            try:
+                while True:
+                    if failure.event.is_set():
+                        return
+                    try:
+                        src, off, n = work.get_nowait()
+                    except queue.Empty:
+                        break
+                    d = digests[src.rel].get(off)
+                    fut: Future | bytes = d if d is not None else pool.submit(_hash_source, src, off, n)
+                    ch.send({"type": "chunk", "path": src.rel, "offset": off, "size": n})
+                    _send_range(ch, src, off, n, copy=release)
+                    pending.append((src, off, n, fut))
+                    with lock:
+                        sent[0] += n
+                    while pending and (len(pending) > MAX_PENDING_SUMS or _done(pending[0][3])):
+                        _send_sum(ch, pending.pop(0), digests, release)
+                while pending and not failure.event.is_set():
+                    _send_sum(ch, pending.pop(0), digests, release)
+                if not failure.event.is_set():
+                    ch.send({"type": "end"})
+            except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
+                failure.set(exc)
+
+        try:
+            _run_threads(stream, chs, failure, sent, progress, "bulk-send")
+        finally:
+            pool.shutdown(wait=True)
+        if failure.error is not None:
+            raise _sender_error(chs[0], failure.error)
+        return {s.rel: make_entry(s.size, fold_chunks([digests[s.rel][off] for off, _ in chunks_of(s.size)]))
+                for s in srcs}
+    finally:
+        for s in srcs:
+            s.close()
+
+
+def _done(fut) -> bool:
+    return not isinstance(fut, Future) or fut.done()
+
+
+def _hash_source(src: _Source, off: int, n: int) -> bytes:
+    with src.view(off, n) as view:
+        return _hash(view)
+
+
+def _send_sum(ch: Channel, item, digests: dict, release: bool) -> None:
+    src, off, n, fut = item
+    d = fut.result() if isinstance(fut, Future) else fut
+    digests[src.rel][off] = d
+    ch.send({"type": "sum", "path": src.rel, "offset": off, "sha256": d.hex()})
+    if release and n:
+        _punch_hole(src.fd, off, n)
+
+
+def _send_range(ch: Channel, src: _Source, off: int, n: int, *, copy: bool = False) -> None:
+    """n bytes of the file at off: sendfile on a plain socket (the kernel sends the page cache's pages
+    themselves), else copied from the mapping (through TLS; and when the range is punched out of the
+    file once sent: the socket may still hold the pages sendfile gave it, and a punched range of a
+    large folio is zeroed in place, which a unit test caught on ext4)."""
+    sock = ch.sock
+    if not n:
+        return
+    if copy or isinstance(sock, ssl.SSLSocket):
+        with src.view(off, n) as view, _io(f"sending {src.rel} to {ch.peer}"):
+            _sendall(sock, view)
+        return
+    end = off + n
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    with _io(f"sending {src.rel} to {ch.peer}"):
+        while off < end:
+            try:
+                k = os.sendfile(sock.fileno(), src.fd, off, end - off)
+            except BlockingIOError:
+                if not poller.poll(ch.stall * 1000):
+                    raise socket.timeout("timed out") from None
+                continue
+            if k == 0:
+                raise TransferError(f"{src.path} shrank while being sent ({off} of {src.size} bytes)")
+            off += k
+
+
+def _sender_error(ch: Channel, exc: BaseException) -> BaseException:
+    """A broken stream usually means the receiver gave up: its reason comes on the migration connection
+    (RemoteError, with the receiver's exit code), read within a few seconds."""
+    if not isinstance(exc, (TransferError, OSError)) or isinstance(exc, RemoteError):
+        return exc
+    with contextlib.suppress(OSError):
+        ch.sock.settimeout(REASON_WAIT)
+    try:
+        while True:
+            ch.recv()  # anything but an error: keep looking
+    except RemoteError as reason:
+        return reason
+    except (MigrtError, OSError):
+        pass
+    return exc if isinstance(exc, MigrtError) else TransferError(f"stream to {ch.peer} broke: {exc}")
+
+
+# -- receiving -------------------------------------------------------------------------------------
+
+class _Dest:
+    """One announced file: created at its size and mapped shared; chunk digests as they are checked."""
+
+    def __init__(self, rel: str, size: int, fd: int) -> None:
+        self.rel, self.size, self.fd = rel, size, fd
+        self.chunks = dict(chunks_of(size))  # offset -> size still expected
+        self.computed: dict[int, bytes] = {}
+        self.claimed: dict[int, bytes] = {}
+        self.arrived: set[int] = set()
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+
+    def close(self) -> None:
+        if self.map is not None:
+            with contextlib.suppress(BufferError, ValueError):
+                self.map.close()
+
+
+def check_announcement(msg: dict) -> dict[str, int]:
+    files = msg.get("files")
+    streams = msg.get("streams")
+    if not isinstance(files, dict) or len(files) > MAX_FILES or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in files.values()):
+        raise CheckpointInvalid("the sender announced a malformed file list")
+    if not isinstance(streams, int) or isinstance(streams, bool) or not 1 <= streams <= MAX_STREAMS:
+        raise CheckpointInvalid(f"the sender announced {streams!r} streams")
+    return files
+
+
+def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, int], int], *,
+            progress: Progress | None = None) -> dict[str, str]:
+    """Receive the announced `files` ({rel: size}) over the streams `chs` (chs[0]: the migration
+    connection), each created by create(rel, size) -> a read-write descriptor the caller owns (closed
+    by the caller); returns {rel: manifest digest}. Every chunk is hashed as it lands and compared with
+    the sender's sum; CheckpointInvalid at the first mismatch, TransferError when a stream breaks."""
+    dests: dict[str, _Dest] = {}
+    try:
+        for rel, size in files.items():
+            dests[rel] = _Dest(rel, size, create(rel, size))
+        failure = _Failure(chs, receiving=True)
+        got = [0]
+        lock = threading.Lock()
+        pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="migrt-bulk-hash")
+
+        def verify(dest: _Dest, off: int) -> None:
+            """Called under `lock` once both the computed and the claimed digest may be there."""
+            have, want = dest.computed.get(off), dest.claimed.get(off)
+            if have is not None and want is not None and have != want:
+                raise CheckpointInvalid(f"received file {dest.rel}: sha256 mismatch in the chunk at {off} "
+                                        "(corrupted in transit)")
+
+        def hashed(dest: _Dest, off: int, fut: Future) -> None:
+            try:
+                d = fut.result()
+                with lock:
+                    dest.computed[off] = d
+                    verify(dest, off)
+            except BaseException as exc:  # noqa: BLE001 - reported by the streams
+                failure.set(exc)
+
+        def stream(_i: int, ch: Channel) -> None:
+            try:
+                while True:
+                    msg = ch.recv("chunk", "sum", "end")
+                    if msg["type"] == "end":
+                        return
+                    dest, off = _chunk_of(dests, msg)
+                    if msg["type"] == "sum":
+                        d = _digest(msg, dest.rel)
+                        with lock:
+                            if off in dest.claimed:
+                                raise CheckpointInvalid(f"received file {dest.rel}: two sums for the chunk at {off}")
+                            dest.claimed[off] = d
+                            verify(dest, off)
+                        continue
+                    n = msg.get("size")
+                    with lock:
+                        if off in dest.arrived or dest.chunks.get(off) != n:
+                            raise CheckpointInvalid(f"received file {dest.rel}: unexpected chunk at {off} "
+                                                    f"({n!r} bytes)")
+                        dest.arrived.add(off)
+                    view = memoryview(dest.map)[off:off + n] if n else memoryview(b"")
+                    try:
+                        _recv_into(ch, view, dest.rel)
+                    finally:
+                        view.release()
+                    fut = pool.submit(_hash_dest, dest, off, n)
+                    fut.add_done_callback(lambda f, dest=dest, off=off: hashed(dest, off, f))
+                    with lock:
+                        got[0] += n
+            except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
+                failure.set(exc)
+
+        try:
+            _run_threads(stream, chs, failure, got, progress, "bulk-recv")
+        finally:
+            pool.shutdown(wait=True)
+        if failure.error is not None:
+            raise failure.error
+        out = {}
+        for rel, dest in dests.items():
+            offs = sorted(dest.chunks)
+            missing = [o for o in offs if o not in dest.computed or o not in dest.claimed]
+            if missing:
+                raise CheckpointInvalid(f"received file {rel}: the chunk at {missing[0]} never arrived "
+                                        "(or without its sum)")
+            out[rel] = fold_chunks([dest.computed[o] for o in offs])
+        return out
+    finally:
+        for dest in dests.values():
+            dest.close()
+
+
+def _hash_dest(dest: _Dest, off: int, n: int) -> bytes:
+    if not n:
+        return _hash(b"")
+    with memoryview(dest.map)[off:off + n] as view:
+        return _hash(view)
+
+
+def _chunk_of(dests: dict[str, _Dest], msg: dict) -> tuple[_Dest, int]:
+    rel, off = msg.get("path"), msg.get("offset")
+    dest = dests.get(rel) if isinstance(rel, str) else None
+    if dest is None:
+        raise CheckpointInvalid(f"received a chunk of {rel!r}, which the sender did not announce")
+    if not isinstance(off, int) or isinstance(off, bool) or off not in dest.chunks:
+        raise CheckpointInvalid(f"received file {rel}: a chunk at offset {off!r} (chunks start every "
+                                f"{CHUNK >> 20} MiB)")
+    return dest, off
+
+
+def _digest(msg: dict, rel: str) -> bytes:
+    try:
+        d = bytes.fromhex(msg.get("sha256") or "")
+    except ValueError:
+        d = b""
+    if len(d) != _DIGEST:
+        raise CheckpointInvalid(f"received file {rel}: a malformed sum")
+    return d
+
+
+def _recv_into(ch: Channel, view: memoryview, rel: str) -> None:
+    got, n = 0, len(view)
+    with _io(f"receiving {rel} from {ch.peer}"):
+        while got < n:
+            try:
+                k = ch.sock.recv_into(view[got:])
+            except OSError as exc:
+                if exc.errno == errno.EFAULT:  # the kernel could not write into the file's pages: no room
+                    raise OSError(errno.ENOSPC, "no space left in the store while receiving") from exc
+                raise
+            if not k:
+                raise TransferError(f"{ch.peer} closed a stream in the middle of {rel} ({got} of {n} bytes)")
+            got += k
+
+
+def receive_import(ch: Channel, msg: dict, imp, listener: Listener, *, progress: Progress | None = None) -> int:
+    """The receiver's side of a `bulk` announcement (store/importer.py Import `imp`): the data streams
+    it announced, every file created and its space reserved, received and checked, then recorded like
+    a file received alone. Returns the bytes received."""
+    from migrt.store.importer import check_relpath
+
+    files = check_announcement(msg)
+    n = msg["streams"]
+    if n > listener.streams:
+        raise CheckpointInvalid(f"the sender announced {n} streams; this receiver takes {listener.streams}")
+    for rel in files:
+        check_relpath(rel)
+    total = sum(files.values())
+    imp.ensure_space(total)
+    extra = listener.take(n - 1)
+    fds: list[int] = []
+
+    def create(rel: str, size: int) -> int:
+        fds.append(imp.create(rel, size))
+        return fds[-1]
+
+    try:
+        digests = receive([ch, *extra], files, create, progress=progress)
+    finally:
+        for c in extra:
+            c.close()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    for rel, size in files.items():
+        imp.record(rel, size, digests[rel])
+    imp.space.wrote(total)
+    return total
