@@ -241,6 +241,15 @@ def test_registry_auth_file_of_another_user_is_refused(tmp_path):
 
 # -- doctor ----------------------------------------------------------------------------------------------
 
+def test_doctor_fails_an_untrusted_config(migrt_env):
+    """Item 9: doctor said ok for a config writable by others."""
+    migrt_env.config.chmod(0o666)
+    checks = {c["name"]: c for c in doctor.run_checks()}
+    assert checks["config"]["status"] == "fail" and "writable by group or others" in checks["config"]["detail"]
+    migrt_env.config.chmod(0o644)
+    assert {c["name"]: c for c in doctor.run_checks()}["config"]["status"] == "ok"
+
+
 def test_doctor_names_untrusted_files_the_config_points_at(migrt_env, tmp_path):
     key = _file(tmp_path / "k", mode=0o644)
     with open(migrt_env.config, "a") as fh:
