@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 
+from migrt.criu import tasks as criu_tasks
 from migrt.oci.grants import cap_names
 from tests.helpers.bundles import make_rootfs
 from tests.integration.conftest import SHIM, run_cli
@@ -147,6 +148,28 @@ def test_an_unprivileged_process_restores_into_the_restricted_pod(containerd, mi
             ("0000000000000000", "0000000000000000", "0000000000000000", "1")
     finally:
         _remove(containerd, dst)
+
+
+def test_the_reader_agrees_with_pycriu_on_images_criu_made(containerd, migrt_config, tmp_path):
+    pycriu = pytest.importorskip("pycriu")
+    name, _ = _checkpoint(containerd, tmp_path, "read", caps=ALL_CAPS, nnp=True, seccomp=SECCOMP)
+    images = os.path.join(migrt_config["store"], name, "images")
+    ours = criu_tasks.read(images)
+    for th in ours.threads:
+        with open(os.path.join(images, f"core-{th.tid}.img"), "rb") as fh:
+            core = pycriu.images.load(fh)["entries"][0]["thread_core"]
+        c = core["creds"]
+        assert th.uids == (c["uid"], c["euid"], c["suid"], c["fsuid"]) and th.gids == (c["gid"], c["egid"], c["sgid"], c["fsgid"])
+        for key, which in (("cap_eff", "effective"), ("cap_prm", "permitted"), ("cap_bnd", "bounding"),
+                           ("cap_inh", "inheritable"), ("cap_amb", "ambient")):
+            assert th.caps[which] == sum(w << (32 * i) for i, w in enumerate(c.get(key, []))), which
+        assert th.no_new_privs == c.get("no_new_privs", 0) == 1
+        assert (th.seccomp_mode, th.seccomp_filter) == (2, core["seccomp_filter"])
+    assert cap_names(ours.threads[0].caps["effective"]) == ALL_CAPS
+    with open(os.path.join(images, "seccomp.img"), "rb") as fh:
+        assert ours.seccomp_filters == len(pycriu.images.load(fh)["entries"][0]["seccomp_filters"])
+    mounts = {m.mountpoint: m for m in ours.mounts}
+    assert not mounts["/"].read_only and mounts["/proc/sys"].read_only  # containerd's readonlyPaths
 
 
 def test_a_checkpoint_without_a_namespace_is_refused_for_a_pod(containerd, migrt_config, tmp_path):
