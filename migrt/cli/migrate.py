@@ -35,9 +35,12 @@ def _rate(nbytes: int, seconds: float | None) -> str:
               help="Destroy the frozen source as soon as the target has committed the checkpoint, before it "
                    "restores (halves peak memory when both ends share one machine; a failed restore on the "
                    "target can then no longer fall back to the source).")
+@click.option("--streams", type=click.IntRange(1, 64), metavar="N",
+              help="Stop-and-copy: connections the checkpoint travels over at once (default: the config's "
+                   "migration_streams; 0 there: half the CPUs, 1 to 8). The receiver may take fewer.")
 @JSON
 @handle_errors
-def migrate(container_id, to, root, pre_dump, lazy, name, free_source_early, as_json):
+def migrate(container_id, to, root, pre_dump, lazy, name, free_source_early, streams, as_json):
     """Move a running container to another node's 'migrt receive'.
 
     Until the target holds the container's state, any failure resumes the container here.
@@ -50,7 +53,8 @@ def migrate(container_id, to, root, pre_dump, lazy, name, free_source_early, as_
     if progress.enabled:
         click.echo(f"migrating {container_id} to {to}", err=True)
     res = do_migrate(cfg, MigrateRequest(container_id=container_id, to=to, root=root, name=name, pre_dump=pre_dump,
-                                         lazy=lazy, free_source_early=free_source_early), progress=progress)
+                                         lazy=lazy, free_source_early=free_source_early, streams=streams),
+                     progress=progress)
     if as_json:
         emit_json(res)
         return
@@ -88,9 +92,12 @@ def _gpu_line(gpu: dict) -> str:
 @click.option("--container-id", help="Id of the restored container (default: the source container's id).")
 @click.option("--output", type=click.Path(dir_okay=False), default=os.devnull, show_default=True,
               help="File receiving restored containers' stdout and stderr.")
+@click.option("--streams", type=click.IntRange(1, 64), metavar="N",
+              help="The most connections a stop-and-copy sender may use at once (default: the config's "
+                   "migration_streams; 0 there: half the CPUs, 1 to 8).")
 @JSON
 @handle_errors
-def receive(listen, once, restore_bundle, root, container_id, output, as_json):
+def receive(listen, once, restore_bundle, root, container_id, output, streams, as_json):
     """Receive migrations from other nodes into this node's store (a long-running server).
 
     Peers must hold the same migration key (config 'migration_key_file'). Each verified checkpoint is
@@ -101,7 +108,8 @@ def receive(listen, once, restore_bundle, root, container_id, output, as_json):
     cfg = load_config()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     receiver = Receiver(cfg, ReceiveOptions(listen=listen, once=once, restore_bundle=restore_bundle, root=root,
-                                            container_id=container_id, output=output), _reporter("receive", as_json))
+                                            container_id=container_id, output=output, streams=streams),
+                        _reporter("receive", as_json))
     server = receiver.bind()
     click.echo(f"migrt receive: listening on {listen} (store {cfg.store})", err=True)
     try:
