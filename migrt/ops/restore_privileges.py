@@ -3,7 +3,8 @@
 CRIU restores every task with the credentials its images record (uids, gids, groups, the five
 capability sets, no_new_privs, the seccomp filters, the LSM label), reopens the files they held and
 recreates the mount table; `runc restore` applies none of process.user, process.capabilities,
-noNewPrivileges or linux.seccomp to restored tasks. A checkpoint of a root process with every
+noNewPrivileges, linux.seccomp or root.readonly to restored tasks (a root recorded read-write comes
+back writable in a read-only bundle: tested). A checkpoint of a root process with every
 capability restored into a pod that asks for uid 1000, no capabilities and noNewPrivileges would
 run as root with every capability. So before CRIU runs, every thread the images hold
 (criu/tasks.py: the images are the authority, not the manifest) is compared with what the new
@@ -33,8 +34,11 @@ bundle's config.json grants (oci/grants.py), and the restore is refused, naming 
   masked and read-only paths  the mount table CRIU recreates masks each linux.maskedPaths entry and
                 mounts each linux.readonlyPaths entry read-only (where the path exists on this node)
 
-Not compared: rlimits, oom_score_adj, securebits, personality, cgroups (runc sets the new cgroup's
-limits itself). Stdlib only.
+A bundle that restricts none of these (root, no capabilities section, nothing else asked) has
+nothing to compare: its images are not read. Not compared: rlimits, oom_score_adj, securebits,
+personality, cgroups (runc sets the new cgroup's limits itself). Used by migrt's restores
+(ops/restore.py check_target: the shim's create, `migrt restore`, migrations, pulls) and by
+migrt-runc's `restore` (the lower runtime's own checkpoints). Stdlib only.
 """
 
 from __future__ import annotations
@@ -47,11 +51,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from migrt.criu import tasks as criu_tasks
+from migrt.criu.protobuf import ImageError, fields, read_entries
 from migrt.criu.tasks import SECCOMP_DISABLED, SECCOMP_FILTER, OpenFile, Tasks, Thread
 from migrt.errors import CheckpointInvalid, PreconditionFailed
 from migrt.oci.bundle import Bundle
 from migrt.oci.grants import DEFAULT_DEVICES, PTY_MAJOR, Grants, cap_names
-from migrt.criu.protobuf import ImageError, fields, read_entries
 
 _ID_ROLES = ("runs as", "runs with effective", "keeps saved", "has filesystem")
 LSM_NONE, LSM_SELINUX, LSM_APPARMOR = 0, 1, 2
@@ -93,7 +97,7 @@ def check(images: str, bundle: Bundle, name: str, *, rootfs_changes: Callable[[]
         return Verdict(notes=["the container restricts nothing: nothing compared"])
     try:
         t = criu_tasks.read(images)
-    except (ImageError, OSError) as exc:
+    except (ImageError, OSError, ValueError, TypeError, IndexError, OverflowError) as exc:  # a hand-made image
         raise CheckpointInvalid(f"checkpoint {name}: cannot read what its processes hold from the CRIU images "
                                 f"({exc}); refusing to restore it") from exc
     verdict = Verdict()

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import stat
+import struct
 import tarfile
 from pathlib import Path
 
@@ -208,6 +209,19 @@ def test_unreadable_images_are_refused_not_skipped(tmp_path):
     os.unlink(os.path.join(images, "core-1.img"))
     with pytest.raises(CheckpointInvalid, match="checkpoint ck: cannot read what its processes hold.*core-1.img"):
         rp.check(images, restricted(tmp_path), "ck", lsm=rp.LSM_NONE)
+
+
+def test_garbage_images_are_refused_as_invalid(tmp_path):
+    images = root_all_caps(tmp_path)
+    pstree = os.path.join(images, "pstree.img")
+    head = open(pstree, "rb").read()[:8]  # the magic words
+    for entry in (b"\x0a\x02\x01\x02",   # pid (field 1) as bytes, not a varint
+                  b"\x08\xff\xff",       # a truncated varint
+                  b"\x0b\x00"):           # wire type 3 (groups): not in CRIU's images
+        with open(pstree, "wb") as fh:
+            fh.write(head + struct.pack("<I", len(entry)) + entry)
+        with pytest.raises(CheckpointInvalid, match="checkpoint ck: cannot read what its processes hold"):
+            rp.check(images, restricted(tmp_path), "ck", lsm=rp.LSM_NONE)
 
 
 # -- identity and capabilities (the case) ------------------------------------------------------
