@@ -19,6 +19,10 @@ Keys (all optional):
   store_space_check: true            refuse a checkpoint (before freezing) when the store cannot hold it
   migration_key_file: (none)         file with the secret shared by nodes that migrate to each other
   migration_tls: (none)              {cert, key, ca}: TLS for migrations (docs/migration.md)
+  agent_listen: 0.0.0.0:7070         where the node agent (`migrt serve`) takes pulls from other nodes' pods
+                                     and their questions; its port is the one a pulling pod's node is asked on
+  migrate_any_container: false       the agent hands over any container of this node to a pull; otherwise
+                                     only pods annotated migrt.io/migratable=true (docs/migration.md)
   registry_auth_file: (none)         docker-style config.json with registry credentials (docs/registry.md)
   registry_ca_file: (none)           CA bundle for registries (default: the system's)
   registry_parallel: 4               blobs moved at once by push and pull
@@ -81,6 +85,8 @@ class Config:
     migration_key_file: str | None = None
     migration_tls: dict[str, str] | None = None
     migration_stall_timeout: float = 10.0
+    agent_listen: str = "0.0.0.0:7070"
+    migrate_any_container: bool = False
     migration_streams: int = 0
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
@@ -196,7 +202,7 @@ def load(path: str | None = None) -> Config:
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
              "allow_cross_namespace_restore", "allow_unbound_checkpoints", "migration_key_file", "migration_tls", "store_space_check",
-             "migration_stall_timeout", "migration_streams"}
+             "migration_stall_timeout", "migration_streams", "agent_listen", "migrate_any_container"}
     known |= set(REGISTRY_KEYS)
     known |= set(GPU_KEYS) | set(PAGE_KEYS) | set(DUMP_KEYS)
     unknown = sorted(set(data) - known)
@@ -254,11 +260,24 @@ def load(path: str | None = None) -> Config:
     if not isinstance(stall, (int, float)) or isinstance(stall, bool) or not 1 <= stall <= 3600:
         raise ConfigError(f"config {path}: 'migration_stall_timeout' must be a number of seconds from 1 to 3600")
     cfg.migration_stall_timeout = float(stall)
+    _load_agent(cfg, data, path)
     streams = data.get("migration_streams", cfg.migration_streams)
     if not isinstance(streams, int) or isinstance(streams, bool) or not 0 <= streams <= 64:
         raise ConfigError(f"config {path}: 'migration_streams' must be an integer from 0 (auto) to 64")
     cfg.migration_streams = streams
     return cfg
+
+
+def _load_agent(cfg: Config, data: dict, path: str) -> None:
+    listen = data.get("agent_listen", cfg.agent_listen)
+    host, sep, port = str(listen).rpartition(":") if isinstance(listen, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"config {path}: 'agent_listen' must be ADDRESS:PORT (e.g. 0.0.0.0:7070), got {listen!r}")
+    cfg.agent_listen = listen
+    anyone = data.get("migrate_any_container", False)
+    if not isinstance(anyone, bool):
+        raise ConfigError(f"config {path}: 'migrate_any_container' must be true or false")
+    cfg.migrate_any_container = anyone
 
 
 def _load_registry(cfg: Config, data: dict, path: str) -> None:

@@ -130,14 +130,14 @@ def act(action: dict) -> str:
         outcome = handover.resume_source(rt, root, cid) if do == "resume" else f"container {cid} left paused"
     elif do == "destroy":
         handover.settle_dump(rt, cid, ps, finish=True, pages_pid=action.get("pages_pid"))
-        outcome = handover.destroy_source(rt, root, cid)
+        outcome = handover.destroy_source(rt, root, cid, action.get("moved"))
     elif do == "resolve":
         from migrt.config import load
 
         _, outcome = handover.resolve_source(load(action["config"]), runtime=rt, root=root, cid=cid, to=action["to"],
                                              name=action["name"], target_cid=action.get("target_cid"), page_server=ps,
                                              was_paused=bool(action.get("was_paused")),
-                                             pages_pid=action.get("pages_pid"))
+                                             pages_pid=action.get("pages_pid"), moved=action.get("moved"))
     if action.get("gpu_pids") and (do == "remove" or "was resumed" in outcome):  # running again: its GPU too
         from migrt.migration.gpu import resume_pids
 

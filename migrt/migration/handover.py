@@ -26,6 +26,7 @@ import time
 from migrt.config import Config
 from migrt.errors import MigrtError
 from migrt.runtime import control
+from migrt.runtime import moved as moved_marks
 from migrt.migration.protocol import TransferError
 from migrt.migration.tls import TLSFiles
 from migrt.migration.wire import connect, load_key
@@ -146,7 +147,9 @@ def resume_source(runtime: str, root: str, cid: str) -> str:
     return f"container {cid} was resumed on this node"
 
 
-def destroy_source(runtime: str, root: str, cid: str) -> str:
+def destroy_source(runtime: str, root: str, cid: str, moved: dict | None = None) -> str:
+    """moved: a pulled pod container's record (runtime/moved.py), left before it dies."""
+    moved_marks.leave(root, moved)
     try:
         control.destroy(runtime, root, cid)
     except MigrtError as exc:
@@ -156,13 +159,14 @@ def destroy_source(runtime: str, root: str, cid: str) -> str:
 
 def resolve_source(cfg: Config, *, runtime: str, root: str, cid: str, to: str, name: str,
                    target_cid: str | None, page_server: tuple[str, int] | None = None,
-                   was_paused: bool = False, pages_pid: int | None = None) -> tuple[str | None, str]:
+                   was_paused: bool = False, pages_pid: int | None = None,
+                   moved: dict | None = None) -> tuple[str | None, str]:
     """After losing the target between the handover request and its answer: ask it, then resume or
     delete the frozen source. Returns (the target's state or None, a sentence for the error)."""
     state = ask_target(cfg, to, name, target_cid, wait=ASK_STALLS * cfg.migration_stall_timeout)
     if state == RUNNING:
         settle_dump(runtime, cid, page_server, finish=True, pages_pid=pages_pid)
-        return state, f"the target runs it as {target_cid}; " + destroy_source(runtime, root, cid)
+        return state, f"the target runs it as {target_cid}; " + destroy_source(runtime, root, cid, moved)
     if state == ABSENT:
         settle_dump(runtime, cid, page_server, finish=False, pages_pid=pages_pid)
         if was_paused:

@@ -38,6 +38,7 @@ from migrt.ops.checkpoint import default_name
 from migrt.progress import Progress, null_progress
 from migrt.gpu import procs
 from migrt.runtime import control, lazy_memory, markers
+from migrt.runtime import moved as moved_marks
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
@@ -64,6 +65,9 @@ class MigrateRequest:
     pre_dump: str = "auto"  # "auto", "0" (off) or a number of rounds
     lazy: bool = False
     free_source_early: bool = False  # destroy the source before the target restores (one-machine tests)
+    # a pod container pulled by another node (agent.py): the record left where it was, so that its
+    # restart here is refused (runtime/moved.py); written before the source is destroyed
+    moved: dict | None = None
     streams: int | None = None  # stop-and-copy: connections the files travel over (None: migration_streams)
 
 
@@ -118,7 +122,7 @@ class _Source:
     """The container on this node and what may be done to it; keeps the guard's instruction in step."""
 
     def __init__(self, runtime: str, root: str, cid: str, was_paused: bool, guard: Guard,
-                 gpu: GpuSource | None = None) -> None:
+                 gpu: GpuSource | None = None, moved: dict | None = None) -> None:
         self.runtime, self.root, self.cid = runtime, root, cid
         self.was_paused = was_paused
         self.frozen = False
@@ -127,10 +131,11 @@ class _Source:
         self.pages_pid: int | None = None                 # migrt's page server (pageserve.py), after it
         self.staging: str | None = None
         self.gpu = gpu  # its CUDA processes (migration/gpu.py), if any
+        self.moved = moved
 
     def _where(self) -> dict:
         return {"runtime": self.runtime, "root": self.root, "cid": self.cid, "page_server": self.page_server,
-                "pages_pid": self.pages_pid,
+                "pages_pid": self.pages_pid, "moved": self.moved,
                 "remove": [self.staging] if self.staging else [],
                 "gpu_pids": self.gpu.pids if self.gpu and self.gpu.section is not None else []}
 
@@ -180,14 +185,32 @@ class _Source:
 
     def destroy(self) -> None:
         self.guard.arm({"do": "destroy", **self._where()})
+        moved_marks.leave(self.root, self.moved)  # before it dies: its restart here is refused from the first
         control.destroy(self.runtime, self.root, self.cid)
         self.guard.arm({"do": "remove", "remove": [self.staging] if self.staging else []})
         self.frozen = False
 
 
-def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress) -> dict:
-    t_start = time.monotonic()
-    key = load_key(cfg.migration_key_file)
+@dataclass
+class _Prepared:
+    """What migrate() found out before connecting: nothing of the container is touched yet."""
+    runtime: LowerRuntime
+    root: str
+    state: dict
+    name: str
+    mode: str
+    plan: dict
+    bundle_dir: str
+    bundle: Bundle
+    opts: CriuOptions
+    gpu: GpuSource
+    gpu_offer: dict | None
+    store: Store
+
+
+def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
+    """Every check that needs no peer, before the container is touched: its state, the lazy dump's
+    limits, a lazy restore still filling it, its CUDA processes; the store made ready."""
     runtime = LowerRuntime(cfg.runtime_path())
     root = req.root or find_root(req.container_id, cfg.runtime_roots)
     if markers.gpu_suspended(root, req.container_id):
@@ -221,39 +244,56 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
     store = Store(cfg.store)
     store.ensure()
     store.gc()
-    result = {"name": name, "container_id": req.container_id, "to": req.to, "mode": mode, "pre_dump": plan,
-              "phases": {}, "bytes": 0, "files": 0, "restored": False, "target": None,
-              "downtime_s": None, "frozen_s": None, "total_s": None}
+    return _Prepared(runtime, root, state, name, mode, plan, bundle_dir, bundle, opts, gpu, gpu_offer, store)
 
+
+def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress) -> dict:
+    t_start = time.monotonic()
+    key = load_key(cfg.migration_key_file)
+    prep = prepare(cfg, req)
     progress("phase", name="connect", to=req.to)
     t0 = time.monotonic()
     ch = connect(req.to, key, tls=TLSFiles(**cfg.migration_tls) if cfg.migration_tls else None,
                  stall=cfg.migration_stall_timeout)
+    return send(cfg, req, prep, ch, progress, t_start=t_start, t_connect=t0)
+
+
+def send(cfg: Config, req: MigrateRequest, prep: _Prepared, ch: Channel, progress: Progress = null_progress, *,
+         t_start: float, t_connect: float) -> dict:
+    """The migration over an authenticated channel to the target's receiving side: `migrt migrate`'s
+    own connection, or the one a target's pull opened to this node's agent (agent.py). Closes it."""
+    root, state, name, bundle, bundle_dir = prep.root, prep.state, prep.name, prep.bundle, prep.bundle_dir
+    result = {"name": name, "container_id": req.container_id, "to": req.to, "mode": prep.mode, "pre_dump": prep.plan,
+              "phases": {}, "bytes": 0, "files": 0, "restored": False, "target": None,
+              "downtime_s": None, "frozen_s": None, "total_s": None}
     guard: Guard | None = None
     try:
-        ch.send({"type": "offer", "name": name, "mode": mode, "container_id": req.container_id,
-                 "schema": mf.SCHEMA, **({"gpu": gpu_offer} if gpu_offer else {})})
+        # the source's Kubernetes namespace and bind mounts: the target refuses a pod it may not go
+        # into now, before anything is frozen (its restore would refuse it later)
+        ch.send({"type": "offer", "name": name, "mode": prep.mode, "container_id": req.container_id,
+                 "schema": mf.SCHEMA, "cri": bundle.cri_metadata(), "mounts": _mounts(bundle),
+                 **({"gpu": prep.gpu_offer} if prep.gpu_offer else {})})
         ready = ch.recv("ready")
-        result["gpu"] = gpu.check_answer(ready, req.to)  # the receiver's GPU preflight (None: no GPU)
-        result["phases"]["connect_s"] = round(time.monotonic() - t0, 3)
+        result["gpu"] = prep.gpu.check_answer(ready, req.to)  # the receiver's GPU preflight (None: no GPU)
+        result["phases"]["connect_s"] = round(time.monotonic() - t_connect, 3)
         progress("done", name="connect", seconds=result["phases"]["connect_s"], peer=ch.peer)
         guard = Guard(f"source:{req.container_id}", cfg.log_file)  # starts while we prepare, before the freeze
-        with store.writer(name) as staging:
+        with prep.store.writer(name) as staging:
             fields = {
                 "created": _utc(time.time()),
                 "source": {"container_id": req.container_id, "runtime_root": root, "bundle": bundle_dir,
                            "pid": state.get("pid"), "status": state.get("status"), "cri": bundle.cri_metadata(),
                            "annotations": bundle.annotations, "node": socket.gethostname()},
-                "versions": versions(runtime.path),
-                "options": {**opts.to_dict(), "leave_running": False},
-                "mounts": [{"destination": m.get("destination"), "type": m.get("type"), "source": m.get("source")}
-                           for m in bundle.mounts],
+                "versions": versions(prep.runtime.path),
+                "options": {**prep.opts.to_dict(), "leave_running": False},
+                "mounts": _mounts(bundle),
                 "timings": result["phases"],
             }
             guard.arm({"do": "remove", "remove": [staging.path]})  # killed before the freeze: nothing else to undo
-            source = _Source(runtime.path, root, req.container_id, state.get("status") == "paused", guard, gpu)
+            source = _Source(prep.runtime.path, root, req.container_id, state.get("status") == "paused", guard,
+                             prep.gpu, moved=req.moved)
             source.staging = staging.path
-            run = _Run(ch, ready, source, staging, opts, fields, bundle, req, result, progress, cfg)
+            run = _Run(ch, ready, source, staging, prep.opts, fields, bundle, req, result, progress, cfg)
             run.lazy() if req.lazy else run.stop_and_copy()
         guard.arm({"do": "nothing"})  # the staging directory is gone with the writer
     finally:
@@ -262,6 +302,11 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
             guard.release(wait=cfg.migration_stall_timeout * 3)
     result["total_s"] = round(time.monotonic() - t_start, 3)
     return result
+
+
+def _mounts(bundle: Bundle) -> list[dict]:
+    return [{"destination": m.get("destination"), "type": m.get("type"), "source": m.get("source")}
+            for m in bundle.mounts]
 
 
 class _Run:
@@ -340,7 +385,7 @@ class _Run:
         state, outcome = handover.resolve_source(
             self.cfg, runtime=source.runtime, root=source.root, cid=source.cid, to=self.req.to,
             name=self.result["name"], target_cid=self.ready.get("container_id"), page_server=source.page_server,
-            was_paused=source.was_paused, pages_pid=source.pages_pid)
+            was_paused=source.was_paused, pages_pid=source.pages_pid, moved=source.moved)
         self.result["handover"] = {"lost": str(exc), "target": state, "outcome": outcome}
         # decided here (unknown included: the source stays frozen for a person to decide, as the error says)
         source.guard.arm({"do": "remove", "remove": [source.staging] if source.staging else []})

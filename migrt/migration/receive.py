@@ -39,8 +39,9 @@ from migrt.criu import lazy as lazy_mod
 from migrt.errors import Conflict, MigrtError, RuntimeFailed, UsageError
 from migrt.oci.bundle import Bundle
 from migrt.pagefill import PageFill
-from migrt.ops.restore import RestoreTarget, restore_checkpoint
+from migrt.ops.restore import RestoreTarget, check_target, restore_checkpoint
 from migrt.runtime.lower import default_root
+from migrt.runtime.runc import candidate_roots
 from migrt.store import Store
 from migrt.store import manifest as mf
 from migrt.store.importer import importing
@@ -69,6 +70,12 @@ class ReceiveOptions:
     root: str | None = None            # runc root for those restores (default: the runtime's)
     container_id: str | None = None    # id of the restored container (default: the source's id)
     output: str = os.devnull           # restored container's stdout and stderr
+    # A restore inside the lower runtime's `create` (a pod's pull, pull.py): RestoreTarget's fields
+    # from the create's command line (global flags, pid file, console socket, log); stdio inherited.
+    create: dict | None = None
+    on_restored: Callable[[dict], None] | None = None  # the copy runs (a pull returns to kubelet here)
+    # The node agent (agent.py): hands this node's containers over to pulls; takes no pushed offers.
+    pulls: Callable[[Channel, dict, dict], None] | None = None
     streams: int | None = None         # most data streams a stop-and-copy sender may use (migration/bulk.py)
 
 
@@ -150,20 +157,32 @@ class Receiver:
 
     # -- one migration ---------------------------------------------------------------------------
     def handle(self, conn: socket.socket) -> dict:
-        t0 = time.monotonic()
         try:
             peer = "%s:%s" % conn.getpeername()[:2]
         except OSError:
             peer = "?"
+        ticket = self.admission.admit(conn)
+
+        def authenticate() -> Channel:
+            try:
+                return accept(conn, self.key, tls=self.tls, stall=self.stall)
+            finally:
+                self.admission.done(ticket)
+
+        return self._session(peer, authenticate, conn)
+
+    def converse(self, ch: Channel) -> dict:
+        """One migration on a channel this node opened itself (a pod's pull: pull.py), the source's
+        offer coming next."""
+        return self._session(ch.peer, lambda: ch, None)
+
+    def _session(self, peer: str, channel: Callable[[], Channel], conn: socket.socket | None) -> dict:
+        t0 = time.monotonic()
         out: dict = {"peer": peer, "name": None, "mode": None, "committed": False, "restored": False,
                      "bytes": 0, "timings": {}, "error": None}
         ch: Channel | None = None
-        ticket = self.admission.admit(conn)
         try:
-            try:
-                ch = accept(conn, self.key, tls=self.tls, stall=self.stall)
-            finally:
-                self.admission.done(ticket)
+            ch = channel()
             out["authenticated"] = True
             self._migration(ch, out)
         except AuthError as exc:
@@ -179,7 +198,7 @@ class Receiver:
         finally:
             if ch:
                 ch.close()
-            else:
+            elif conn is not None:
                 with contextlib.suppress(OSError):
                     conn.close()
         out["timings"]["total_s"] = round(time.monotonic() - t0, 3)
@@ -187,11 +206,20 @@ class Receiver:
         return out
 
     def _migration(self, ch: Channel, out: dict) -> None:
-        offer = ch.recv("offer", "query")
+        offer = ch.recv("offer", "query", "pull")
         out["request"] = offer["type"]
         if offer["type"] == "query":
             self._answer(ch, offer, out)
             return
+        if offer["type"] == "pull":
+            if not self.opts.pulls:
+                raise UsageError("this node does not hand containers over here: pulls go to its node agent "
+                                 "('migrt serve', config 'agent_listen')")
+            self.opts.pulls(ch, offer, out)
+            return
+        if self.opts.pulls:
+            raise UsageError("this is a node agent ('migrt serve'): it hands containers over to pulls and takes "
+                             "none pushed to it; push with 'migrt migrate' to a 'migrt receive'")
         if self._queries_only:
             raise Conflict("this receiver (--once) has handled its migration; it only answers queries now")
         if self.opts.once and not self._claimed.acquire(blocking=False):
@@ -209,8 +237,14 @@ class Receiver:
             _check_id(restore_id)
             if os.path.exists(os.path.join(self.root, restore_id)):
                 raise Conflict(f"container {restore_id} already exists in {self.root} on the target")
-        gpu = target_preflight(self.cfg, offer.get("gpu"), Bundle.load(os.path.abspath(self.opts.restore_bundle)).config
-                               if self.opts.restore_bundle else None, f"migration of {offer.get('container_id')}")
+        bundle = Bundle.load(os.path.abspath(self.opts.restore_bundle)) if self.opts.restore_bundle else None
+        if bundle is not None and "cri" in offer:  # the rules of the restore, before the source freezes
+            check_target({"source": {"cri": offer.get("cri") or {}}, "mounts": offer.get("mounts") or []}, bundle,
+                         f"container {offer.get('container_id')}",
+                         allow_cross_namespace=self.cfg.allow_cross_namespace_restore,
+                         allow_unbound=self.cfg.allow_unbound_checkpoints)
+        gpu = target_preflight(self.cfg, offer.get("gpu"), bundle.config if bundle else None,
+                               f"migration of {offer.get('container_id')}")
         if gpu is not None:
             out["gpu"] = gpu
         if mode == "lazy":
@@ -313,6 +347,8 @@ class Receiver:
         out.update(restored=True, container_id=restore_id, pid=res["pid"])
         out["timings"]["restore_s"] = res["timings"].get("total_s")
         out["timings"]["restore"] = res["timings"]
+        if self.opts.on_restored:
+            self.opts.on_restored(res)
         try:
             ch.send({"type": "restored", "container_id": restore_id, "pid": res["pid"], "timings": res["timings"]})
             ch.recv("bye")
@@ -336,19 +372,26 @@ class Receiver:
         ch.send({"type": "answer", "state": state})
 
     def _runs(self, cid: object, name: str) -> bool:
+        """Whether container `cid`, restored from checkpoint `name`, runs here: in our runc root, or
+        (a pod's pull restored it inside containerd's create) in another of this node's."""
         try:
             _check_id(cid)
-            with open(marker_path(self.root, cid), encoding="utf-8") as fh:
-                if json.load(fh).get("checkpoint") != name:
-                    return False
-        except (MigrtError, OSError, ValueError):
+        except MigrtError:
             return False
-        res = subprocess.run([self.runtime, "--root", self.root, "state", cid], capture_output=True, text=True,
-                             timeout=30, check=False)
-        try:
-            return res.returncode == 0 and json.loads(res.stdout).get("status") in ("running", "paused")
-        except ValueError:
-            return False
+        for root in dict.fromkeys([self.root, *candidate_roots(self.cfg.runtime_roots)]):
+            try:
+                with open(marker_path(root, cid), encoding="utf-8") as fh:
+                    if json.load(fh).get("checkpoint") != name:
+                        continue
+            except (OSError, ValueError, AttributeError):
+                continue
+            res = subprocess.run([self.runtime, "--root", root, "state", cid], capture_output=True, text=True,
+                                 timeout=30, check=False)
+            try:
+                return res.returncode == 0 and json.loads(res.stdout).get("status") in ("running", "paused")
+            except ValueError:
+                return False
+        return False
 
     def _page_source(self, msg: dict, ch: Channel) -> dict:
         """Where the filler fetches the pages: always the authenticated peer itself (never an address
@@ -406,12 +449,16 @@ class Receiver:
                 watchdog.unmount_under(os.path.join(self.root, restore_id))
                 raise
 
+        bundle = Bundle.load(os.path.abspath(self.opts.restore_bundle))
         try:
+            if self.opts.create is not None:  # inside containerd's create: its flags, its stdio
+                return restore_checkpoint(self.cfg, name, RestoreTarget(
+                    container_id=restore_id, bundle=bundle, root=self.root, verified=True, before_restore=prepare,
+                    supervise=supervise, fill=fill, **self.opts.create, **seams))
             with open(os.devnull, "rb") as devnull, open(self.opts.output, "ab") as sink:
                 return restore_checkpoint(self.cfg, name, RestoreTarget(
-                    container_id=restore_id, bundle=Bundle.load(os.path.abspath(self.opts.restore_bundle)),
-                    root=self.root, stdio=(devnull, sink, sink), verified=True, before_restore=prepare,
-                    supervise=supervise, fill=fill, **seams))
+                    container_id=restore_id, bundle=bundle, root=self.root, stdio=(devnull, sink, sink), verified=True,
+                    before_restore=prepare, supervise=supervise, fill=fill, **seams))
         except BaseException:
             watchdog.clear_container(self.runtime, self.root, restore_id)
             guard.arm({**guard.current, "do": "remove", "pids": [], "cid": None})  # cleaned up already
@@ -437,6 +484,8 @@ class Receiver:
                 ch.send({"type": "restored", "container_id": restore_id, "pid": res["pid"], "timings": res["timings"]})
             except TransferError:
                 connected = False  # the pages do not travel on this connection: carry on without it
+            if self.opts.on_restored:
+                self.opts.on_restored(res)
             t0 = time.monotonic()
             try:
                 def progress() -> dict:

@@ -16,6 +16,11 @@ FALLBACK_ANNOTATION = "migrt.io/restore-fallback"
 CONTAINER_TYPE = "io.kubernetes.cri.container-type"
 GPU_RELEASE_ANNOTATION = "migrt.io/gpu-release-on-pause"
 GPU_RELEASE_ENV = "MIGRT_GPU_RELEASE_ON_PAUSE"
+# Live migration into a new pod (migration/pull.py): "<source node's address>/<source>", where <source>
+# is namespace/pod/container, namespace/pod (the container of this one's name) or a container id.
+MIGRATE_FROM_ENV = "MIGRT_MIGRATE_FROM"
+MIGRATE_FROM_ANNOTATION = "migrt.io/migrate-from"
+MIGRATABLE_ANNOTATION = "migrt.io/migratable"  # the source pod's opt-in
 
 CRI_ANNOTATIONS = {
     "pod_namespace": "io.kubernetes.cri.sandbox-namespace",
@@ -36,6 +41,12 @@ class RestoreRequest:
     name: str
     fallback: str | None  # "fresh" | "fail" | None (use the configured policy)
     source: str  # "env" or "annotation"
+
+
+@dataclass(frozen=True)
+class MigrateFrom:
+    value: str   # as written: "<node address>/<source>"
+    origin: str  # "env" or "annotation"
 
 
 class Bundle:
@@ -138,3 +149,21 @@ class Bundle:
             return None
         fallback = env.get(FALLBACK_ENV) or ann.get(FALLBACK_ANNOTATION) or None
         return RestoreRequest(name=name, fallback=fallback, source=source)
+
+    def migrate_request(self) -> MigrateFrom | None:
+        """The pull asked for by this container, if any; never for a pod sandbox. The annotation is
+        pod-wide (containerd copies pod annotations into every container): one naming a container
+        (namespace/pod/container) is for the container of that name only."""
+        env, ann = self.env, self.annotations
+        if env.get(MIGRATE_FROM_ENV):
+            req = MigrateFrom(env[MIGRATE_FROM_ENV], "env")
+        elif ann.get(MIGRATE_FROM_ANNOTATION):
+            req = MigrateFrom(ann[MIGRATE_FROM_ANNOTATION], "annotation")
+        else:
+            return None
+        if not self.is_application_container:
+            return None
+        parts = req.value.split("/")
+        if req.origin == "annotation" and len(parts) == 4 and parts[3] != ann.get(CRI_ANNOTATIONS["container_name"]):
+            return None
+        return req

@@ -5,9 +5,11 @@
 # and probes call `exec` every few seconds. So this script parses runc's global flags itself and
 # execs the lower runtime straight away for every call that needs no decision. It hands the call,
 # argv untouched, to the Python shim (migrt.shim) only when a decision is needed:
-#   - `create` whose bundle's config.json mentions MIGRT_RESTORE, migrt.io/restore or GPU release
-#     on pause (the Python shim parses the JSON and decides; the text test only ever lets ordinary
-#     containers skip it);
+#   - `create` whose bundle's config.json mentions MIGRT_RESTORE, migrt.io/restore, a live migration
+#     from another node (MIGRT_MIGRATE_FROM, migrt.io/migrate-from) or GPU release on pause (the
+#     Python shim parses the JSON and decides; the text test only ever lets ordinary containers skip it);
+#   - every `create` while the runc root holds a record of a pod container migrated away from this
+#     node (.migrt-moved-*: its restart is refused; one glob, the records go with their pods);
 #   - `checkpoint` and `restore` (GPU-aware in the Python shim);
 #   - `pause` and `resume` of a container whose runc state directory holds the marker written at
 #     create for GPU release on pause (one `test -f`; every other pause/resume passes straight through);
@@ -163,15 +165,24 @@ for a in "$@"; do
     fi
 done
 
-marked() {  # $1: a marker file in the container's runc state directory
+default_root() {
     if [ -z "$root" ]; then case ${lower##*/} in *crun*) root=/run/crun ;; *) root=/run/runc ;; esac; fi
+}
+marked() {  # $1: a marker file in the container's runc state directory
+    default_root
     case $last in ''|*/*|.|..) return 1 ;; esac
     [ -f "$root/$last/$1" ]
 }
+moved_away() {  # a record of a container pulled to another node (migrt/runtime/moved.py)
+    default_root
+    for _m in "$root"/.migrt-moved-*; do [ -e "$_m" ] && return 0; break; done
+    return 1
+}
 case $sub in
 create)
-    if grep -qsF -e MIGRT_RESTORE -e migrt.io/restore -e MIGRT_GPU_RELEASE_ON_PAUSE -e migrt.io/gpu-release-on-pause \
-        "${bundle:-.}/config.json"; then py "$@"; fi ;;
+    if grep -qsF -e MIGRT_RESTORE -e migrt.io/restore -e MIGRT_MIGRATE_FROM -e migrt.io/migrate-from \
+        -e MIGRT_GPU_RELEASE_ON_PAUSE -e migrt.io/gpu-release-on-pause "${bundle:-.}/config.json"; then py "$@"; fi
+    if moved_away; then py "$@"; fi ;;
 start)
     if marked migrt-restored; then exit 0; fi ;;
 pause|resume)

@@ -27,10 +27,22 @@ def in_ns(ns: str, *argv: str) -> list[str]:
 @contextlib.contextmanager
 def two_hosts(prefix: str = "migrt") -> Iterator[dict]:
     tag = uuid.uuid4().hex[:6]
-    ns_a, ns_b, veth_a, veth_b = f"{prefix}-a-{tag}", f"{prefix}-b-{tag}", f"mva{tag}", f"mvb{tag}"
+    ns_a, ns_b = f"{prefix}-a-{tag}", f"{prefix}-b-{tag}"
     try:
         _ip("netns", "add", ns_a)
         _ip("netns", "add", ns_b)
+        with linked(ns_a, ns_b, tag) as link:
+            yield {"a": ns_a, "b": ns_b, **link}
+    finally:
+        for ns in (ns_a, ns_b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its veth end along
+
+
+@contextlib.contextmanager
+def linked(ns_a: str, ns_b: str, tag: str) -> Iterator[dict]:
+    """A veth pair between two existing network namespaces: ADDR_A in ns_a, ADDR_B in ns_b, loopback up."""
+    veth_a, veth_b = f"mva{tag}"[:15], f"mvb{tag}"[:15]
+    try:
         _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
         _ip("link", "set", veth_a, "netns", ns_a)
         _ip("link", "set", veth_b, "netns", ns_b)
@@ -38,10 +50,9 @@ def two_hosts(prefix: str = "migrt") -> Iterator[dict]:
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        yield {"a": ns_a, "b": ns_b, "veth_a": veth_a, "addr_a": ADDR_A, "addr_b": ADDR_B}
+        yield {"veth_a": veth_a, "veth_b": veth_b, "addr_a": ADDR_A, "addr_b": ADDR_B}
     finally:
-        for ns in (ns_a, ns_b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its veth end along
+        subprocess.run(["ip", "-n", ns_a, "link", "del", veth_a], capture_output=True)
         subprocess.run(["ip", "link", "del", veth_a], capture_output=True)
 
 

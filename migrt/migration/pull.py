@@ -1,0 +1,235 @@
+"""Live migration into the pod that kubelet creates, target side: the new pod's container `create`
+pulls the running container from the source node's agent (agent.py), lazily.
+
+The new pod (same spec, scheduled onto this node) asks with `migrt.io/migrate-from` (pod
+annotation) or `MIGRT_MIGRATE_FROM` (container env): `<source node>[:port]/<source>`, where <source>
+is `namespace/pod/container`, `namespace/pod` (the container of this one's name) or a container id;
+the port defaults to the agent's (7070). containerd runs migrt-runc `create` for it inside kubelet's
+StartContainer; that create:
+
+    connect to the source's agent, authenticate    (migration key; TLS when configured)
+    pull {source, this pod's namespace}    -> the agent checks the rules (opt-in, namespace) and
+                                              then offers, as `migrt migrate` would
+    offer  -> ready | error                   this side checks the namespace binding, the mounts,
+                                              the GPUs of THIS bundle, before the source freezes
+    the source freezes, dumps lazily, sends the images; this side restores into the NEW pod's bundle
+    (its sandbox's namespaces, volumes by destination, hostname) under containerd's own flags
+    restored -> returns to kubelet             `start` is then a no-op (the restored marker)
+    pages follow from the source's page server; done -> the source is destroyed
+
+The create must return once the copy runs, while the pages still arrive, so the pull runs in a
+worker process forked at the start; the create waits for its verdict ("running", or why not) and
+exits with it. The worker carries on alone with the pages. containerd kills the create when
+kubelet's deadline passes (SIGKILL, the create's pid only): the worker notices (its pipe from the
+create closes without the create's "ok") and kills itself, so that its guards apply the migration's
+rule as for a killed `migrt receive` (guard.py): what was received or restored here is removed, and
+the source, which asks this node's agent (`query`), resumes. A failure before the copy runs resumes
+the source and fails the create with `OCI runtime create failed: migrt: ...`; a pull is never
+retried here and never falls back to a fresh start (the source would run beside it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+from migrt.errors import MigrtError, UsageError
+from migrt.runtime import runclog
+
+DEFAULT_AGENT_PORT = 7070
+CONNECT_TIMEOUT = 5.0  # an unreachable source fails the create within seconds, long before kubelet's deadline
+_PART_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._")
+
+
+def parse(value: str, own_container: str | None) -> tuple[str, dict]:
+    """("host:port" of the source's agent, the source as the agent looks it up)."""
+    addr, sep, rest = (value or "").strip().partition("/")
+    usage = (f"migrate-from {value!r}: expected <node address>[:port]/<namespace>/<pod>[/<container>] or "
+             "<node address>[:port]/<container id>")
+    if not sep or not addr or not rest:
+        raise UsageError(usage)
+    if addr.startswith("["):
+        host, close, port = addr[1:].partition("]")
+        if not close or (port and not port.startswith(":")):
+            raise UsageError(usage)
+        port = port[1:]
+        shown = f"[{host}]"
+    elif addr.count(":") == 1:
+        host, port = addr.split(":")
+        shown = host
+    else:
+        host, port, shown = addr, "", addr
+    if not host or (port and (not port.isdigit() or not 0 < int(port) < 65536)):
+        raise UsageError(usage)
+    parts = rest.split("/")
+    if not all(p and set(p) <= _PART_CHARS for p in parts) or len(parts) > 3:
+        raise UsageError(usage)
+    if len(parts) == 1:
+        source = {"container_id": parts[0]}
+    else:
+        container = parts[2] if len(parts) == 3 else own_container
+        if not container:
+            raise UsageError(f"{usage} (this container has no name to look for in pod {parts[0]}/{parts[1]})")
+        source = {"namespace": parts[0], "pod": parts[1], "container": container}
+    return f"{shown}:{port or DEFAULT_AGENT_PORT}", source
+
+
+def describe(source: dict) -> str:
+    if "container_id" in source:
+        return f"container {source['container_id']}"
+    return f"container {source['container']} of pod {source['namespace']}/{source['pod']}"
+
+
+def pull_on_create(parsed, cmd, bundle, request, *, lower: str, lower_warning: str | None) -> int:
+    """The shim's create for a bundle that asks for a pull. Returns the exit code for containerd."""
+    def fail(message: str, code: int) -> int:
+        runclog.append(parsed.log_path, "error", f"migrt: {message}", log_format=parsed.log_format)
+        return code
+
+    verdict_r, verdict_w = os.pipe()
+    ack_r, ack_w = os.pipe()
+    try:
+        pid = os.fork()  # single-threaded here: nothing started yet
+    except OSError as exc:
+        return fail(f"cannot start the pull of {request.value!r}: {exc}", 1)
+    if pid == 0:  # the worker
+        code = 1
+        try:
+            os.close(verdict_r)
+            os.close(ack_w)
+            code = _worker(parsed, cmd, bundle, request, lower, lower_warning, verdict_w, ack_r)
+        except BaseException:  # noqa: BLE001 - never unwind into the shim's code in a forked child
+            pass
+        finally:
+            os._exit(code)
+    os.close(verdict_w)
+    os.close(ack_r)
+    verdict = _read_verdict(verdict_r)
+    if verdict.get("running"):
+        os.write(ack_w, b"ok")  # the worker may carry on alone: this create ends normally
+        return 0
+    os.write(ack_w, b"ok")
+    return fail(verdict.get("error") or f"the pull of {request.value!r} ended without a verdict (see migrt's log)",
+                verdict.get("exit_code") or 1)
+
+
+def _read_verdict(fd: int) -> dict:
+    data = b""
+    while not data.endswith(b"\n"):
+        try:
+            chunk = os.read(fd, 65536)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    os.close(fd)
+    try:
+        verdict = json.loads(data)
+    except ValueError:
+        return {}
+    return verdict if isinstance(verdict, dict) else {}
+
+
+def _say(fd: int, verdict: dict) -> None:
+    try:
+        os.write(fd, (json.dumps(verdict) + "\n").encode())
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _watch_create(ack_r: int, log) -> None:
+    """The create went away without its "ok": containerd killed it (kubelet's deadline). Nothing of
+    this pull may stay: die the way a killed receiver dies; the guards undo it, the source resumes."""
+    try:
+        data = os.read(ack_r, 16)
+    except OSError:
+        data = b""
+    if data != b"ok":
+        log.warning("pull_cancelled", reason="the create was killed (kubelet's deadline?)")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _worker(parsed, cmd, bundle, request, lower: str, lower_warning: str | None, verdict_w: int, ack_r: int) -> int:
+    os.setsid()  # signals to the create's group are not ours
+    from migrt import config as config_mod
+    from migrt import log as log_mod
+
+    try:
+        cfg = config_mod.load()
+    except MigrtError as exc:  # fail closed: never guess a store, a key or a policy
+        _say(verdict_w, {"error": str(exc), "exit_code": exc.exit_code})
+        return exc.exit_code
+    log = log_mod.setup(cfg.log_file, cfg.log_level, component="migrt-runc").bind(pull=request.value)
+    threading.Thread(target=_watch_create, args=(ack_r, log), daemon=True, name="migrt-create-watch").start()
+    if lower_warning:
+        log.warning("lower_runtime_fallback", detail=lower_warning)
+    said = {"running": False}
+    cid = cmd.container_id
+    try:
+        address, source = parse(request.value, bundle.cri_metadata().get("container_name"))
+        what = f"pull of {describe(source)} from {address}"
+        if not cid:
+            raise UsageError("create without a container id")
+        from migrt.ops.restore import _check_create_flags
+
+        for flag in _check_create_flags(cmd):
+            log.debug("create_flag_dropped", flag=flag)
+        cfg.runtime = lower  # the shim already resolved it (same rules)
+        result = _pull(cfg, log, parsed, cmd, bundle, cid, address, source, verdict_w, said)
+    except MigrtError as exc:
+        result = {"error": str(exc), "exit_code": exc.exit_code}
+        what = f"pull of {request.value!r}"
+    except Exception as exc:  # noqa: BLE001 - never a traceback in kubelet's events
+        log.exception("pull_crashed", container=cid)
+        result = {"error": f"internal error: {exc!r}", "exit_code": 1}
+        what = f"pull of {request.value!r}"
+    if result.get("error"):
+        log.error("pull_failed", container=cid, **result)
+        if not said["running"]:
+            _say(verdict_w, {"error": f"{what} failed: {result['error']}", "exit_code": result.get("exit_code") or 1})
+        return result.get("exit_code") or 1
+    log.info("pulled", container=cid, **result)
+    return 0
+
+
+def _pull(cfg, log, parsed, cmd, bundle, cid: str, address: str, source: dict, verdict_w: int, said: dict) -> dict:
+    from migrt.migration.receive import ReceiveOptions, Receiver
+    from migrt.migration.tls import TLSFiles
+    from migrt.migration.wire import TransferError, connect, load_key, parse_address
+    from migrt.runtime import lower as lower_mod
+
+    def restored(res: dict) -> None:
+        """The copy runs: kubelet may have it. Our stdio are containerd's pipes: let them go."""
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        said["running"] = True
+        _say(verdict_w, {"running": True, "pid": res.get("pid")})
+
+    root = parsed.root or lower_mod.default_root(cfg.runtime)
+    create = {"global_tokens": [t for f in parsed.global_flags for t in f.tokens],
+              "pid_file": cmd.value("pid-file"), "console_socket": cmd.value("console-socket"),
+              "no_pivot": cmd.has("no-pivot"), "log_path": parsed.log_path, "log_format": parsed.log_format or "json"}
+    receiver = Receiver(cfg, ReceiveOptions(listen="", once=True, restore_bundle=bundle.path, root=root,
+                                            container_id=cid, create=create, on_restored=restored),
+                        report=lambda out: log.info("pull_session", **out))
+    key = load_key(cfg.migration_key_file)
+    meta = bundle.cri_metadata()
+    try:
+        ch = connect(address, key, timeout=CONNECT_TIMEOUT,
+                     tls=TLSFiles(**cfg.migration_tls) if cfg.migration_tls else None, stall=cfg.migration_stall_timeout)
+    except TransferError as exc:
+        raise TransferError(f"{exc}; nothing was touched there (is the node agent 'migrt serve' running on "
+                            f"{address}, and do the two nodes share the migration key?)") from exc
+    ch.send({"type": "pull", "source": source, "namespace": meta.get("pod_namespace"), "pod": meta.get("pod_name"),
+             "container": meta.get("container_name"), "container_id": cid,
+             "agent_port": parse_address(cfg.agent_listen)[1]})
+    out = receiver.converse(ch)
+    if out.get("error"):
+        return {"error": out["error"], "exit_code": out.get("exit_code") or 1}
+    return {"source": source, "from": address, "timings": out.get("timings"), "pages": out.get("pages")}
