@@ -28,9 +28,9 @@ def test_stop_and_copy_continues_on_target(nodes, hosts):
     src, cid = start_source(nodes, "sc")
     out = nodes["base"] / f"{cid}.out"
     recv = Receiver(nodes, hosts, 7901, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
-                    "--container-id", f"{cid}-b", "--output", str(out))
-    try:
-        res = migrate(nodes, hosts, 7901, cid, "--name", f"{cid}-ck")
+                    "--container-id", f"{cid}-b", "--output", str(out), "--streams", "4")
+    try:  # the images over 3 connections at once (migration/bulk.py), the receiver taking up to 4
+        res = migrate(nodes, hosts, 7901, cid, "--name", f"{cid}-ck", "--streams", "3")
         assert res.returncode == 0, res.stderr
         data = json.loads(res.stdout)
         assert recv.wait() == 0
@@ -43,7 +43,7 @@ def test_stop_and_copy_continues_on_target(nodes, hosts):
     assert data["mode"] == "stop-and-copy" and data["restored"] is True
     assert data["target"]["container_id"] == f"{cid}-b"
     assert set(data["phases"]) >= {"connect_s", "dump_s", "transfer_s", "commit_s", "restore_s"}
-    assert data["bytes"] > 100_000 and data["files"] > 5
+    assert data["bytes"] > 100_000 and data["files"] > 5 and data["streams"] == 3
     assert 0 < data["downtime_s"] <= data["total_s"]
     assert data["pre_dump"]["requested"] == "auto"
     if not data["pre_dump"]["available"]:  # kernels without soft-dirty: skipped, and said so
@@ -54,7 +54,7 @@ def test_stop_and_copy_continues_on_target(nodes, hosts):
     assert ins["manifest"]["migration"]["from"].startswith(ADDR_A + ":")
     assert staging_entries(nodes) == []
     rec = recv.results()[0]
-    assert rec["restored"] and rec["committed"] and rec["bytes"] == data["bytes"]
+    assert rec["restored"] and rec["committed"] and rec["bytes"] == data["bytes"] and rec["streams"] == 3
 
 
 def test_received_checkpoint_restores_later(nodes, hosts):
@@ -216,10 +216,11 @@ def test_tls_migration(nodes, hosts, tmp_path):
     tls = {n: {**nodes[n], "config": str(tmp_path / f"{n}.yaml")} for n in ("a", "b")}
     tls["base"] = nodes["base"]
     src, cid = start_source(nodes, "tls")
-    recv = Receiver(tls, hosts, 7908)
-    try:
-        res = migrate(tls, hosts, 7908, cid, "--name", f"{cid}-ck")
+    recv = Receiver(tls, hosts, 7908, "--streams", "2")
+    try:  # the data streams inside mutual TLS too
+        res = migrate(tls, hosts, 7908, cid, "--name", f"{cid}-ck", "--streams", "2", "--json")
         assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["streams"] == 2
         assert recv.wait() == 0
     finally:
         recv.stop()
