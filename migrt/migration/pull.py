@@ -169,6 +169,7 @@ def _worker(parsed, cmd, bundle, request, lower: str, lower_warning: str | None,
         log.warning("lower_runtime_fallback", detail=lower_warning)
     said = {"running": False}
     cid = cmd.container_id
+    what = f"pull of {request.value!r}"
     try:
         address, source = parse(request.value, bundle.cri_metadata().get("container_name"))
         what = f"pull of {describe(source)} from {address}"
@@ -182,11 +183,9 @@ def _worker(parsed, cmd, bundle, request, lower: str, lower_warning: str | None,
         result = _pull(cfg, log, parsed, cmd, bundle, cid, address, source, verdict_w, said)
     except MigrtError as exc:
         result = {"error": str(exc), "exit_code": exc.exit_code}
-        what = f"pull of {request.value!r}"
     except Exception as exc:  # noqa: BLE001 - never a traceback in kubelet's events
         log.exception("pull_crashed", container=cid)
         result = {"error": f"internal error: {exc!r}", "exit_code": 1}
-        what = f"pull of {request.value!r}"
     if result.get("error"):
         log.error("pull_failed", container=cid, **result)
         if not said["running"]:

@@ -62,6 +62,7 @@ class PodNode:
     agent: subprocess.Popen | None = None
     agent_out: str = ""
     extra_env: dict = field(default_factory=dict)
+    veth: str = ""  # its end of the link to the other node
 
     @property
     def netns(self) -> str:
@@ -116,6 +117,34 @@ class PodNode:
         except OSError:
             return []
 
+    @contextlib.contextmanager
+    def throttled(self, rate: str):
+        """What this node sends to the other at `rate` (tc tbf on its veth end), for the duration."""
+        tc = self.ctd.network.wrap(["tc", "qdisc"])
+        subprocess.run([*tc, "add", "dev", self.veth, "root", "tbf", "rate", rate, "burst", "32kbit", "latency",
+                        "400ms"], check=True, capture_output=True)
+        try:
+            yield
+        finally:
+            subprocess.run([*tc, "del", "dev", self.veth, "root"], capture_output=True)
+
+    def children(self, pid: int, needle: bytes) -> list[int]:
+        """Processes whose parent is `pid` and whose command line holds `needle`."""
+        out = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    argv = fh.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid and needle in argv:
+                out.append(int(entry))
+        return out
+
     def staging(self) -> list[str]:
         path = os.path.join(self.store, ".staging")
         return os.listdir(path) if os.path.isdir(path) else []
@@ -154,7 +183,8 @@ def pod_nodes(base, cri_stubs, extra_config: str = ""):
                 base / node.name / "ctd", cri_stubs))
             node.cri = new_client(node.ctd, cri_stubs, os.path.join(node.base, "kubelet"))
             stack.callback(node.cri.close)
-        stack.enter_context(linked(nodes["a"].netns, nodes["b"].netns, tag))
+        link = stack.enter_context(linked(nodes["a"].netns, nodes["b"].netns, tag))
+        nodes["a"].veth, nodes["b"].veth = link["veth_a"], link["veth_b"]
         for node in nodes.values():
             node.start_agent()
             stack.callback(node.stop_agent)

@@ -131,3 +131,135 @@ def test_pod_pulls_a_running_container_and_its_restart_is_refused(clean):
     a.cri.start(cid)
     assert _wait_ticks(a, cid, 1)[0][0] == 1  # a fresh start
     assert [n for n in os.listdir(a.root) if n.startswith(".migrt-moved-")] == []
+
+
+def test_refusals_come_before_anything_is_frozen(clean):
+    """No opt-in, another namespace, an agent that is not there: the create fails at once with the
+    reason, the source never stopped, nothing is left on the target."""
+    a, b = clean["a"], clean["b"]
+    plain_name, _, plain_cid = _source(a, "plain", annotations=None)
+    name, _, scid = _source(a, "optin")
+    cases = [
+        (f"{ADDR_A}/team-a/{plain_name}/app", "team-a", plain_cid,
+         f"container app of pod team-a/{plain_name} ({plain_cid[:12]}) has not opted in to live migration: give its "
+         "pod the annotation migrt.io/migratable=true"),
+        (f"{ADDR_A}/team-a/{name}/app", "team-b", scid,
+         f"is in Kubernetes namespace 'team-a' and may only move into a pod of that namespace (the pulling pod is in "
+         "'team-b')"),
+        (f"{ADDR_A}:{AGENT_PORT + 1}/team-a/{name}/app", "team-a", scid,
+         f"connecting to {ADDR_A}:{AGENT_PORT + 1}: Connection refused; nothing was touched there"),
+    ]
+    for spec, namespace, src, why in cases:
+        _, tcid = _target(b, spec, namespace=namespace)
+        last = _ticks(a, src)[-1][0]
+        t0 = time.monotonic()
+        with pytest.raises(CriError) as info:
+            b.cri.start(tcid)
+        assert time.monotonic() - t0 < 10, spec  # within seconds, far from kubelet's deadline
+        assert "OCI runtime create failed: migrt: pull of container app of pod team-a/" in info.value.details, spec
+        assert why in info.value.details
+        assert b.cri.state_name(tcid) != "CONTAINER_RUNNING"
+        # the source was never frozen: the agent refused before its migration began, and it ticks on
+        refusals = [r for r in a.agent_results() if r.get("mode") == "pull" and r.get("container_id") == src
+                    and r["error"] and why.split(":")[0] in r["error"]]
+        assert ("Connection refused" in why) != bool(refusals), refusals
+        assert all(r["name"] is None for r in refusals)
+        assert a.cri.state_name(src) == "CONTAINER_RUNNING"
+        assert _wait_ticks(a, src, 1, after=last)[0][0] == last + 1
+    _no_copy_on(b)
+    assert a.staging() == []
+
+
+def _pids(needles: tuple[bytes, ...]) -> dict[int, int]:
+    """{pid: parent pid} of the processes whose command line holds every needle."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read()
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if all(n in argv for n in needles):
+            out[int(entry)] = ppid
+    return out
+
+
+def _wait_for(what: str, probe, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while not (found := probe()):
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.02)
+    return found
+
+
+def _one_copy(a, scid: str, b, tcid: str, before: list) -> str:
+    """Exactly one of the source and the pulled copy runs, and it goes on from where the source was frozen
+    with its memory intact: returns "source" or "target"."""
+    deadline = time.monotonic() + 60
+    while True:
+        states = (a.cri.state_name(scid), b.cri.state_name(tcid))
+        if states.count("CONTAINER_RUNNING") == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert states.count("CONTAINER_RUNNING") == 1, states
+    node, cid = (a, scid) if states[0] == "CONTAINER_RUNNING" else (b, tcid)
+    time.sleep(1.0)  # the other stays gone
+    assert (a.cri.state_name(scid), b.cri.state_name(tcid)).count("CONTAINER_RUNNING") == 1
+    after = _wait_ticks(node, cid, 2, after=before[-1][0])
+    assert after[0][0] == before[-1][0] + 1 or node is a, (before[-2:], after[:2])  # a resumed source may
+    assert all(t[1] == before[-1][1] == t[2] for t in after), after                  # have ticked since
+    return "source" if node is a else "target"
+
+
+def test_exactly_one_copy_runs_whatever_breaks(clean):
+    """The pages' connection cut (the source's page server killed) while they flow, the target's create
+    killed (kubelet's deadline: containerd kills the runtime), the source's agent killed while the pages
+    flow: afterwards exactly one copy runs, with its memory, and nothing is left behind."""
+    a, b = clean["a"], clean["b"]
+
+    # 1. pages cut: the target's copy cannot run without them and goes; the source resumes
+    name, _, scid = _source(a, "cut")
+    _, tcid = _target(b, f"{ADDR_A}/team-a/{name}/app")
+    with a.throttled("40mbit"):
+        b.cri.start(tcid)  # the copy runs; 64 MiB follow at 40 Mbit/s
+        frozen_at = _ticks(a, scid)
+        server = _wait_for("the page server", lambda: a.children(a.agent.pid, b"migrt.migration.pageserve"))
+        os.kill(server[0], signal.SIGKILL)
+        assert _one_copy(a, scid, b, tcid, frozen_at) == "source"
+    res = [r for r in a.agent_results() if r.get("container_id") == scid][-1]
+    assert "did not get all its memory pages" in res["error"] and "was resumed on this node" in res["error"]
+
+    # 2. the target's create killed while the images arrive (the source frozen): the source resumes and
+    #    the target keeps nothing
+    name, _, scid = _source(a, "kill")
+    _, tcid = _target(b, f"{ADDR_A}/team-a/{name}/app")
+    with a.throttled("256kbit"):
+        t0 = time.monotonic()
+        with pytest.raises(CriError) as info:
+            b.cri.start(tcid, timeout=3)  # kubelet's deadline, shorter than this transfer
+        assert info.value.code == "DEADLINE_EXCEEDED", info.value
+        frozen_at = _ticks(a, scid)
+        assert _one_copy(a, scid, b, tcid, frozen_at) == "source"
+    assert time.monotonic() - t0 < 30
+    _wait_for("the pull's guard", lambda: not _pids((b"migrt.migration.guard", b"target:")), timeout=30)
+    _no_copy_on(b)
+
+    # 3. the source's agent killed while the pages flow: its guard asks B's agent, the copy there runs
+    #    on (the page server outlives the agent), the frozen source is deleted and its restart refused
+    name, spod, scid = _source(a, "agent")
+    _, tcid = _target(b, f"{ADDR_A}/team-a/{name}/app")
+    try:
+        with a.throttled("80mbit"):
+            b.cri.start(tcid)
+            frozen_at = _ticks(a, scid)
+            a.agent.kill()
+            assert _one_copy(a, scid, b, tcid, frozen_at) == "target"
+    finally:
+        a.stop_agent()
+        a.start_agent()
+    moved = [n for n in os.listdir(a.root) if n.startswith(".migrt-moved-")]
+    assert moved and json.loads(open(os.path.join(a.root, moved[0])).read())["to"] == ADDR_B
+    for node in (a, b):
+        assert node.staging() == []
