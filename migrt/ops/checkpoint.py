@@ -140,6 +140,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                 for key in ("lazy_dump_s", "pages_s"):
                     if key in dumped:
                         timings[key] = dumped.pop(key)
+                known = dumped.pop("digests", None)  # the pages files, hashed as they were written
                 journal.update("dumped")
                 res.settle()  # the images are on disk now
                 record_beside(staging)  # the images' survey for the restore's choice, taken while the commit hashes
@@ -165,7 +166,8 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                 journal.update("committing")
                 progress("phase", name="commit", total_bytes=total)
                 t0 = time.monotonic()
-                data = staging.commit(fields, progress=lambda n: progress("bytes", name="commit", bytes=n))
+                data = staging.commit(fields, progress=lambda n: progress("bytes", name="commit", bytes=n),
+                                      known=known)
                 timings["commit_s"] = round(time.monotonic() - t0, 3)
                 journal.update("committed")
                 progress("done", name="commit", seconds=timings["commit_s"])

@@ -41,6 +41,7 @@ from migrt.gpu import procs
 from migrt.progress import Progress, null_progress
 from migrt.runtime import control
 from migrt.runtime.runc import LowerRuntime
+from migrt.store.fsutil import fold_chunks, make_entry
 
 ENV = "MIGRT_DUMP_PAGES"
 THREADS_ENV = "MIGRT_DUMP_THREADS"
@@ -101,7 +102,9 @@ class _Fallback(Exception):
 def dump(cfg: Config, runtime: LowerRuntime, root: str, cid: str, *, images: str, work: str, options: CriuOptions,
          env: dict | None, journal, decision: dict, progress: Progress = null_progress) -> dict:
     """Dump the frozen container into `images` (--leave-running: it stays frozen); returns the
-    decision with what happened (`bytes`, `lazy_bytes`, `seconds`, `fallback`...) and timings."""
+    decision with what happened (`bytes`, `lazy_bytes`, `seconds`, `fallback`...) and timings; after
+    a parallel dump `digests` holds the manifest entries of the pages files it wrote (relative to the
+    checkpoint: images/pages-N.img), hashed as they were written, for Staging.commit(known=...)."""
     record = dict(decision)
     if decision["mode"] == "parallel":
         before = set(os.listdir(images))
@@ -156,7 +159,11 @@ def _parallel(runtime: LowerRuntime, root: str, cid: str, *, images: str, work: 
         raise _Fallback(str(exc)) from exc
     pages_s = time.monotonic() - t1
     progress("done", name="pages", seconds=round(pages_s, 3))
-    return {"lazy_dump_s": round(lazy_s, 3), "pages_s": round(pages_s, 3), "bytes": stats["bytes"],
+    # hashed as they were written: the commit takes these instead of reading the memory again
+    digests = {f"{os.path.basename(images)}/{name}": make_entry(os.path.getsize(os.path.join(images, name)),
+                                                                  fold_chunks(chunks))
+               for name, chunks in stats["digests"].items()}
+    return {"digests": digests, "lazy_dump_s": round(lazy_s, 3), "pages_s": round(pages_s, 3), "bytes": stats["bytes"],
             "lazy_bytes": dump_plan.lazy_bytes, "criu_bytes": dump_plan.criu_bytes, "threads": stats["threads"],
             "processes": len(dump_plan.files), "via_proc_mem_bytes": stats["via_proc_mem_bytes"],
             "gbps": round(dump_plan.lazy_bytes / pages_s / 1e9, 2) if pages_s > 0 else None}

@@ -1,8 +1,8 @@
 """Writing the planned pages files with several threads.
 
 Every new pages file is created beside CRIU's (suffix NEW_SUFFIX) at its final size, once the file
-system's free space was found to hold them all (a full store says so before any copy). The copies are
-cut into pieces of at most PIECE bytes; each thread takes the next piece of any file, preallocates its
+system's free space was found to hold them all (a full store says so before any copy). The files are
+cut into pieces, the store's 64 MiB digest chunks (below); each thread takes the next piece of any file, preallocates its
 blocks (fallocate: contiguous on disk file systems) and writes it at its planned offset: a task's
 memory is read with process_vm_readv into the thread's own buffer and pwrite()n, CRIU's own pages are
 moved with copy_file_range. The GIL is released in every one of those calls, so the threads copy in
@@ -22,6 +22,13 @@ then allocated by page faults, in every thread at once; the free space was check
 store that fills up meanwhile makes process_vm_readv fail (EFAULT in the kernel's copy, never a
 signal to us), which is reported as ENOSPC when the store has no room left.
 
+Each piece is one 64 MiB chunk of its file as the store digests it (store/fsutil.py TREE_CHUNK: the
+file's manifest digest is the sha256 of its chunks' sha256), and the thread that writes a chunk hashes
+it as it goes, 4 MiB at a time, each part read back from the file's mapping right after it was
+written (or the buffer pwrite()n, or CRIU's pages copied and read back): the digest is of the bytes
+now in the file, computed while they are still in the CPU's caches, and the store's commit takes it
+instead of reading the whole memory again (`digests`, Staging.commit(known=...)).
+
 Nothing is renamed over CRIU's files until every piece is written (install()); a failure removes the
 new files and leaves CRIU's as they were.
 """
@@ -31,13 +38,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import os
 import threading
 import time
 
 from migrt.pagedump.images import NEW_SUFFIX, PAGE, DumpPlan, PagesFile
+from migrt.store import fsutil
 
-PIECE = 64 << 20   # the unit of work a thread takes
+PIECE = 64 << 20   # about the unit of work a thread takes (a TREE_CHUNK): the room a full store must have left
 BUF = 4 << 20      # a thread's buffer (stays in the caches between the read and the write)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -163,13 +172,23 @@ def _copy_file(reader: Reader, src: int, dst: int, length: int, src_off: int, ds
         done += k
 
 
-def _pieces(files: list[PagesFile]) -> list[tuple[int, int, int, int, int | None]]:
-    """(file index, dst, length, src, vpid) pieces of at most PIECE bytes, biggest copies first."""
+def _pieces(files: list[PagesFile]) -> list[tuple[int, int, int, list[tuple[int, int, int, int | None]]]]:
+    """(file index, chunk offset, chunk length, its segments) for every TREE_CHUNK-aligned chunk of
+    every new file, biggest first; a segment is (dst, length, src, vpid): the part of one planned copy
+    that falls into the chunk, in file order (the copies cover the file without gaps)."""
+    unit = fsutil.TREE_CHUNK
     out = []
     for i, f in enumerate(files):
+        segs: dict[int, list] = {}
         for c in f.copies:
-            for off in range(0, c.length, PIECE):
-                out.append((i, c.dst + off, min(PIECE, c.length - off), c.src + off, c.vpid))
+            off = 0
+            while off < c.length:
+                dst = c.dst + off
+                n = min(c.length - off, unit - dst % unit)
+                segs.setdefault(dst - dst % unit, []).append((dst, n, c.src + off, c.vpid))
+                off += n
+        for start in range(0, f.size, unit):
+            out.append((i, start, min(unit, f.size - start), segs.get(start, [])))
     out.sort(key=lambda p: -p[2])
     return out
 
@@ -181,7 +200,9 @@ def new_path(f: PagesFile) -> str:
 def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None) -> dict:
     """Write every new pages file (not yet installed). pids: pid inside the container -> host pid, for
     every process whose memory is read. progress(bytes) is called from this thread. Raises
-    ReadError (a task's memory) or OSError (the files); the new files are removed then."""
+    ReadError (a task's memory) or OSError (the files); the new files are removed then. The stats'
+    `digests` map each pages file's name to the sha256 of its TREE_CHUNK chunks, in order, hashed
+    from what was written (fsutil.fold_chunks of them is its manifest digest)."""
     missing = [v for v in plan.vpids if v not in pids]
     if missing:
         raise ReadError(f"the dumped processes {missing} are not in the container any more")
@@ -246,6 +267,11 @@ def _close(fds: list) -> None:
                 os.close(fd)
 
 
+def _view(addr: int, n: int) -> memoryview:
+    """n bytes of our own memory at addr (a mapped file), read-only."""
+    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B").toreadonly()
+
+
 def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, directory=".") -> dict:
     lock = threading.Lock()
     todo = iter(pieces)
@@ -253,6 +279,7 @@ def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, di
     errors: list[BaseException] = []
     done = [0]
     via_mem = [0]
+    digests: dict[tuple[int, int], bytes] = {}
 
     def no_room(_addr: int) -> None:
         st = os.statvfs(directory)
@@ -268,23 +295,12 @@ def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, di
                     piece = next(todo, None)
                 if piece is None:
                     return
-                i, dst, length, src, vpid = piece
-                if vpid is not None and maps:
-                    reader.read(vpid, src, length, dest=maps[i][0] + dst)  # straight into the file
-                    with lock:
-                        done[0] += length
-                    continue
-                reserve(dst_fds[i], dst, length)
-                if vpid is None:
-                    _copy_file(reader, src_fds[i], dst_fds[i], length, src, dst)
-                else:
-                    off = 0
-                    while off < length:
-                        n = min(BUF, length - off)
-                        reader.read(vpid, src + off, n)
-                        _pwrite_all(dst_fds[i], reader.view[:n], dst + off)
-                        off += n
+                i, start, length, segments = piece
+                h = hashlib.sha256()
+                for dst, n, src, vpid in segments:
+                    _write_segment(reader, h, i, dst, n, src, vpid, maps, dst_fds, src_fds)
                 with lock:
+                    digests[(i, start)] = h.digest()
                     done[0] += length
         except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
             with lock:
@@ -319,7 +335,40 @@ def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, di
         raise errors[0]
     if progress and done[0] > reported:
         progress(done[0] - reported)
-    return {"bytes": done[0], "threads": n, "via_proc_mem_bytes": via_mem[0]}
+    names = {}
+    for i, f in enumerate(files):
+        names[os.path.basename(f.path)] = [digests[(i, start)] for start in range(0, f.size, fsutil.TREE_CHUNK)] \
+            or [hashlib.sha256().digest()]
+    return {"bytes": done[0], "threads": n, "via_proc_mem_bytes": via_mem[0], "digests": names}
+
+
+def _write_segment(reader: Reader, h, i: int, dst: int, length: int, src: int, vpid: int | None, maps, dst_fds,
+                   src_fds) -> None:
+    """One segment of a chunk into file i at dst, BUF bytes at a time, each part hashed (h) from what is
+    in the file right after it was written: the mapping, else the buffer pwrite() wrote, else (CRIU's
+    pages, copied by the kernel) read back."""
+    if maps is None or vpid is None:
+        reserve(dst_fds[i], dst, length)
+    off = 0
+    while off < length:
+        n = min(BUF, length - off)
+        if vpid is not None and maps:
+            reader.read(vpid, src + off, n, dest=maps[i][0] + dst + off)  # straight into the file
+            h.update(_view(maps[i][0] + dst + off, n))
+        elif vpid is not None:
+            reader.read(vpid, src + off, n)
+            _pwrite_all(dst_fds[i], reader.view[:n], dst + off)
+            h.update(reader.view[:n])
+        else:
+            _copy_file(reader, src_fds[i], dst_fds[i], n, src + off, dst + off)
+            if maps:
+                h.update(_view(maps[i][0] + dst + off, n))
+            else:
+                got = os.preadv(dst_fds[i], [reader.view[:n]], dst + off)
+                if got != n:
+                    raise OSError(errno.EIO, "a pages file being written is shorter than what was written to it")
+                h.update(reader.view[:n])
+        off += n
 
 
 def discard(plan: DumpPlan) -> None:

@@ -274,6 +274,13 @@ def _in_threads(fn, items: list, workers: int) -> Iterator:
 _END = object()
 
 
+def fsync_files(top: str, rel_paths: list[str], *, workers: int | None = None) -> None:
+    """fsync every file, in threads (the file system merges concurrent syncs into few commits)."""
+    workers = workers or max(2, min(32, os.cpu_count() or 2))
+    for _ in _in_threads(lambda rel: _fsync_path(os.path.join(top, rel)), rel_paths, workers):
+        pass
+
+
 def fold_chunks(chunks: list[bytes]) -> str:
     """The manifest digest of a file from its 64 MiB chunk digests (plain sha256 for one chunk)."""
     return chunks[0].hex() if len(chunks) == 1 else hashlib.sha256(b"".join(chunks)).hexdigest()

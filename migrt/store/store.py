@@ -36,7 +36,8 @@ from migrt.errors import CheckpointInvalid, Conflict, MigrtError, NotFound
 from migrt.store import journal
 from migrt.store import manifest as mf
 from migrt.store.beside import Beside
-from migrt.store.fsutil import StoreError, fsync_dir, hash_tree, lock_is_free, open_nofollow, write_json_atomic
+from migrt.store.fsutil import (StoreError, fsync_dir, fsync_files, hash_tree, lock_is_free, open_nofollow,
+                                write_json_atomic)
 
 HIDDEN = (".staging", ".locks", ".tmp", journal.DIR, ".incomplete")
 READ_WAIT_S = 10.0    # a reader waits this long for a writer or remover of the same name
@@ -214,14 +215,24 @@ class Staging:
         self._beside.start(field, fn)
 
     def commit(self, fields: dict, *, progress: Callable[[int], None] | None = None,
-               fault: Callable[[str], None] | None = None) -> dict:
-        """Hash, fsync and publish. `fault(step)` is a test seam to simulate a crash between steps."""
+               fault: Callable[[str], None] | None = None, known: dict[str, dict] | None = None) -> dict:
+        """Hash, fsync and publish. `known`: manifest entries of files whose writer hashed them as it
+        wrote them (the parallel dump's pages files: pagedump/memory.py), taken instead of reading the
+        files again when the file still has that size (any other is hashed here). `fault(step)` is a
+        test seam to simulate a crash between steps."""
         step = fault or (lambda _s: None)
         shutil.rmtree(self.work, ignore_errors=True)
         rels = mf.list_payload(self.path)
         secure_tree(self.path)
         t0 = time.monotonic()
-        files = hash_tree(self.path, rels, fsync=True, progress=progress)
+        taken = {rel: dict(e) for rel, e in (known or {}).items()
+                 if rel in rels and e.get("size") == os.path.getsize(os.path.join(self.path, rel))}
+        hashed = hash_tree(self.path, [r for r in rels if r not in taken], fsync=True, progress=progress)
+        fsync_files(self.path, list(taken))
+        for e in taken.values():
+            if progress:
+                progress(e["size"])
+        files = {rel: taken.get(rel) or hashed[rel] for rel in rels}
         step("hashed")
         data = dict(fields)
         data.update(schema=mf.SCHEMA, name=self.name, files=files,

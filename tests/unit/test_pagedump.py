@@ -19,6 +19,7 @@ from migrt.errors import PreconditionFailed, UsageError
 from migrt.ops import dump as dump_ops
 from migrt.pagedump import images as pd_images
 from migrt.pagedump import memory as pd_memory
+from migrt.store import fsutil
 
 pycriu = pytest.importorskip("pycriu")  # Debian's python3-pycriu, copied into the venv by setup-host.sh
 PAGE = 4096
@@ -91,10 +92,11 @@ def test_lazy_pagemap_becomes_the_normal_dumps_byte_for_byte(tmp_path):
         (1030 * PAGE, PAGE, 0x7FFF00002000, 1)]
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_complete_writes_every_page_in_pagemap_order(tmp_path, monkeypatch, threads):
-    monkeypatch.setattr(pd_memory, "PIECE", 5 * PAGE)  # many pieces, several threads at once
+@pytest.mark.parametrize("threads, how", [(1, "mmap"), (3, "mmap"), (3, "pwrite")])
+def test_complete_writes_every_page_in_pagemap_order(tmp_path, monkeypatch, threads, how):
+    monkeypatch.setattr(fsutil, "TREE_CHUNK", 5 * PAGE)  # many pieces (digest chunks), several threads at once
     monkeypatch.setattr(pd_memory, "BUF", 2 * PAGE)
+    monkeypatch.setattr(pd_memory, "WRITE", how)
     mem = Memory(64)
     a = mem.addr
     criu = os.urandom(4 * PAGE)
@@ -109,6 +111,9 @@ def test_complete_writes_every_page_in_pagemap_order(tmp_path, monkeypatch, thre
     assert stats["lazy_bytes"] == 54 * PAGE and stats["criu_bytes"] == 4 * PAGE and stats["bytes"] == len(want)
     assert stats["threads"] == threads and stats["via_proc_mem_bytes"] == 0
     assert not [n for n in os.listdir(images) if n.endswith(pd_images.NEW_SUFFIX)]
+    # hashed while written: the store's own chunk digests of the file (the commit takes them)
+    chunks = fsutil.hash_chunks(images, ["pages-3.img"])["pages-3.img"]
+    assert len(chunks) == 12 and stats["digests"] == {"pages-3.img": [c[2] for c in chunks]}
 
 
 def test_memory_without_read_permission_is_read_through_proc_mem(tmp_path):
@@ -288,6 +293,8 @@ def test_dump_writes_the_memory_and_records_the_phases(tmp_path, monkeypatch):
     assert rec["mode"] == "parallel" and rec["lazy_bytes"] == 16 * PAGE and rec["criu_bytes"] == PAGE
     assert rec["lazy_dump_s"] >= 0 and rec["pages_s"] >= 0 and rt.calls == []
     assert (images / "pages-1.img").read_bytes() == b"p" * PAGE + mem.at(0, 16)
+    # the manifest entries of the pages files, for the commit (relative to the checkpoint, like its files)
+    assert rec["digests"] == {"images/pages-1.img": fsutil.hash_tree(str(images), ["pages-1.img"])["pages-1.img"]}
     assert [p for p, _ in journal.updates] == ["dumping", "writing-pages"]
     assert journal.updates[0][1]["page_server"][0] == "127.0.0.1" and journal.updates[1][1]["page_server"] is None
 

@@ -84,3 +84,32 @@ def test_parallel_hashing_imports_no_fork_hooks(tmp_path):
     imported, err, same = json.loads(res.stdout)
     assert imported == [] and same
     assert err, res.stdout
+
+
+def test_commit_takes_the_digests_its_writer_computed(tmp_path, monkeypatch):
+    """Staging.commit(known=...): a pages file hashed as it was written is not read again (the commit of a
+    32 GiB checkpoint was a second pass over all its memory); a known entry whose size is not the file's
+    is ignored and the file hashed; the manifest verifies either way."""
+    from migrt.store import Store
+    from migrt.store import fsutil
+
+    store = Store(str(tmp_path / "store"))
+    store.ensure()
+    read = []
+    real = fsutil._hash_range
+    monkeypatch.setattr(fsutil, "_hash_range", lambda path, off, n: read.append(os.path.basename(path)) or
+                        real(path, off, n))
+    with store.writer("ck") as staging:
+        _write(os.path.join(staging.images, "pages-1.img"), 3 * 1024 * 1024, seed=1)
+        _write(os.path.join(staging.images, "pages-2.img"), 1024 * 1024, seed=2)
+        _write(os.path.join(staging.images, "core-1.img"), 100, seed=3)
+        known = hash_tree(staging.images, ["pages-1.img", "pages-2.img"])
+        known = {"images/pages-1.img": known["pages-1.img"],
+                 "images/pages-2.img": {**known["pages-2.img"], "size": 5}}  # stale: hashed again
+        seen = []
+        read.clear()
+        data = staging.commit({"created": "x", "source": {}}, known=known, progress=seen.append)
+    assert sorted(read) == ["core-1.img", "pages-2.img"]
+    assert data["files"]["images/pages-1.img"] == known["images/pages-1.img"]
+    assert sum(seen) == data["size_bytes"]
+    store.get("ck").verify()
