@@ -108,11 +108,20 @@ def pull_on_create(parsed, cmd, bundle, request, *, lower: str, lower_warning: s
     os.close(ack_r)
     verdict = _read_verdict(verdict_r)
     if verdict.get("running"):
-        os.write(ack_w, b"ok")  # the worker may carry on alone: this create ends normally
-        return 0
-    os.write(ack_w, b"ok")
+        # The worker may carry on alone. From its "ok" to this process's end nothing may take time
+        # (containerd could still kill it): no interpreter teardown. The shim writes no stdio.
+        _ack(ack_w)
+        os._exit(0)
+    _ack(ack_w)
     return fail(verdict.get("error") or f"the pull of {request.value!r} ended without a verdict (see migrt's log)",
                 verdict.get("exit_code") or 1)
+
+
+def _ack(fd: int) -> None:
+    try:
+        os.write(fd, b"ok")
+    except OSError:  # the worker has ended already (after a failure)
+        pass
 
 
 def _read_verdict(fd: int) -> dict:

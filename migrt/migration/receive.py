@@ -385,13 +385,16 @@ class Receiver:
                         continue
             except (OSError, ValueError, AttributeError):
                 continue
-            res = subprocess.run([self.runtime, "--root", root, "state", cid], capture_output=True, text=True,
-                                 timeout=30, check=False)
-            try:
-                return res.returncode == 0 and json.loads(res.stdout).get("status") in ("running", "paused")
-            except ValueError:
-                return False
+            return self._alive(cid, root)
         return False
+
+    def _alive(self, cid: str, root: str | None = None) -> bool:
+        res = subprocess.run([self.runtime, "--root", root or self.root, "state", cid], capture_output=True, text=True,
+                             timeout=30, check=False)
+        try:
+            return res.returncode == 0 and json.loads(res.stdout).get("status") in ("running", "paused")
+        except ValueError:
+            return False
 
     def _page_source(self, msg: dict, ch: Channel) -> dict:
         """Where the filler fetches the pages: always the authenticated peer itself (never an address
@@ -494,6 +497,8 @@ class Receiver:
 
                 with ch.busy("pages", info=progress, every=1.0) if connected else contextlib.nullcontext():
                     st = fill.wait(interval=0.02, stall=self.stall)
+                if not self._alive(restore_id):  # deleted meanwhile (by whoever owns it here): the source resumes
+                    raise RuntimeFailed("it stopped running here before all its pages were in")
             except MigrtError as exc:
                 _stop_fill(fill)
                 watchdog.clear_container(self.runtime, self.root, restore_id)

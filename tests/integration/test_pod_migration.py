@@ -231,6 +231,16 @@ def test_exactly_one_copy_runs_whatever_breaks(clean):
     res = [r for r in a.agent_results() if r.get("container_id") == scid][-1]
     assert "did not get all its memory pages" in res["error"] and "was resumed on this node" in res["error"]
 
+    # 1b. the pulled copy stopped on its node while its pages still arrive: the source resumes (it must not
+    #     be deleted for a copy that is gone)
+    name, _, scid = _source(a, "stop")
+    _, tcid = _target(b, f"{ADDR_A}/team-a/{name}/app")
+    with a.throttled("40mbit"):
+        b.cri.start(tcid)
+        frozen_at = _ticks(a, scid)
+        b.cri.stop(tcid, timeout=0)
+        assert _one_copy(a, scid, b, tcid, frozen_at) == "source"
+
     # 2. the target's create killed while the images arrive (the source frozen): the source resumes and
     #    the target keeps nothing
     name, _, scid = _source(a, "kill")
