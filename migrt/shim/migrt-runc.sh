@@ -105,10 +105,11 @@ case $lower in
 esac
 
 # Trust (migrt/trust.py's rule): the config names what runs as root, so it, the runtime, and every
-# directory above them must be root's and not writable by group or others (a sticky directory may
-# be), with no symbolic link on the way. sh cannot test permission bits: one `stat` reads them all.
-# Anything else goes to Python, which follows links that are root's, accepts a non-root migrt's own
-# files, and refuses the rest with a message in --log; never is an untrusted `runtime:` exec'd here.
+# directory above them must be root's (or, run by another user, that user's: `test -O`) and not
+# writable by group or others (a sticky directory may be), with no symbolic link on the way. sh cannot
+# test permission bits: one `stat` reads them all. Anything else goes to Python, which follows links
+# that pass the same rule and refuses the rest with a message in --log; never is an untrusted
+# `runtime:` exec'd here.
 trusted() {  # PATH...
     for _f in "$@"; do
         case $_f in /*) ;; *) return 1 ;; esac
@@ -119,10 +120,13 @@ trusted() {  # PATH...
             _p=${_p%/*}
         done
     done
-    _st=$(stat -c '%u %a %F' / "$@" 2>/dev/null) || return 1
+    set -- / "$@"
+    _st=$(stat -c '%u %a %F' "$@" 2>/dev/null) || return 1
     _IFS=$IFS; IFS='
 '
-    for _l in $_st; do  # "uid mode type": root's; group/other write only on a sticky directory
+    for _l in $_st; do  # "uid mode type" of $1: root's (or ours); group/other write only on a sticky directory
+        case $_l in 0\ *) ;; *) if [ -O "$1" ]; then _l="0 ${_l#* }"; fi ;; esac
+        shift
         case $_l in
         "0 "*[2367]?" directory"|"0 "*[2367]" directory") case $_l in "0 "[1357]???" "*) ;; *) _st= ;; esac ;;
         "0 "*[2367]?" "*|"0 "*[2367]" "*) _st= ;;

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -154,6 +157,35 @@ def test_sh_fast_path_never_execs_a_runtime_from_an_untrusted_config(sh_shim, tm
     assert fake.calls() == []
     assert len(sh_shim.py_calls()) == 1  # the decision went to Python, which refused
     assert "refuses to use it" in last_log_line(bundle / "log.json")["msg"]
+
+
+@root_only
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="setpriv (util-linux) runs the script as another user")
+def test_sh_fast_path_of_a_non_root_user_trusts_its_own_files():
+    """migrt-runc run by a user (rootless): its own config and runtime pass straight through, as root's
+    do for root; made writable by others, they go to Python."""
+    from migrt.node import launchers
+
+    d = Path(tempfile.mkdtemp(prefix="migrt-nonroot-", dir="/tmp"))
+    try:
+        script = d / "migrt-runc"
+        script.write_text(launchers.render("migrt-runc", str(d / "no-python"), "repair"))
+        rt = d / "rt"
+        rt.write_text('#!/bin/sh\necho "ran $*"\n')
+        cfg = d / "config.yaml"
+        cfg.write_text(f"runtime: {rt}\n")
+        for f in (d, script, rt, cfg):
+            os.chown(f, NOBODY, NOBODY)
+            f.chmod(0o755 if f != cfg else 0o644)
+        argv = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups", "env",
+                f"MIGRT_CONFIG={cfg}", str(script), "state", CID]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        assert (r.returncode, r.stdout) == (0, f"ran state {CID}\n"), r.stderr
+        cfg.chmod(0o666)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 127 and "Python interpreter" in r.stderr and "ran" not in r.stdout
+    finally:
+        shutil.rmtree(d)
 
 
 def test_sh_fast_path_hands_a_linked_config_to_python_which_follows_a_trusted_link(sh_shim, tmp_path):
