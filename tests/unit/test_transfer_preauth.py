@@ -22,6 +22,7 @@ from migrt.migration import protocol as p
 from migrt.migration.wire import TransferError, connect
 from migrt.store import Store
 from tests.unit.test_transfer_import import KEY, _free_port, receiver_env  # noqa: F401 - fixture
+from tests.unit.test_transfer_tls import pki  # noqa: F401 - fixture
 
 MIGRT = Path(sys.executable).parent / "migrt"
 
@@ -171,6 +172,30 @@ def test_a_trickling_peer_is_ended_at_the_pre_auth_deadline(server_proc):
     finally:
         s.close()
     assert ended is not None and ended < STALL + 3, ended
+
+
+def test_a_trickling_tls_handshake_is_ended_at_the_deadline_too(stall_env, pki, tmp_path):
+    """Inside TLS the reads are the ssl module's: the deadline shuts the socket under them."""
+    tls = pki["b"]
+    with open(stall_env.config, "a") as fh:
+        fh.write(f"migration_tls: {{cert: {tls.cert}, key: {tls.key}, ca: {tls.ca}}}\n")
+    rp = ReceiveProcess(stall_env.env, tmp_path, once=False)
+    try:
+        s = socket.create_connection(_split(rp.address), timeout=5)
+        t0, ended = time.monotonic(), None
+        try:
+            for byte in b"\x16\x03\x01\x02\x00" + b"\x01" * 200:  # a ClientHello's record, byte by byte
+                s.sendall(bytes([byte]))
+                time.sleep(0.5)
+                if time.monotonic() - t0 > STALL + 5:
+                    break
+        except OSError:
+            ended = time.monotonic() - t0
+        finally:
+            s.close()
+        assert ended is not None and ended < STALL + 3, ended
+    finally:
+        rp.kill()
 
 
 def test_once_ends_only_after_an_authenticated_migration(receive_proc, tmp_path):
