@@ -266,14 +266,16 @@ class CriClient:
         return self.call("Version", self.api.VersionRequest(version="v1"))
 
     def run_pod(self, name: str, namespace: str = "default", handler: str = "migrt", *, hostname: str | None = None,
-                annotations: dict | None = None, labels: dict | None = None) -> str:
+                annotations: dict | None = None, labels: dict | None = None, namespace_options: bool = True) -> str:
+        """namespace_options=False sends none: the CRI default, every namespace the pod's, PID included
+        (what shareProcessNamespace asks for); kubelet otherwise sends pid=CONTAINER, as this does."""
         api = self.api
         uid = str(uuid.uuid4())
         log_dir = os.path.join(self.base, "logs", f"{namespace}_{name}_{uid}")
         pod_dir = os.path.join(self.base, "pods", uid)
         os.makedirs(log_dir, exist_ok=True)
         os.makedirs(pod_dir, exist_ok=True)
-        ns_opts = api.NamespaceOption(network=api.POD, pid=api.CONTAINER, ipc=api.POD)
+        ns_opts = api.NamespaceOption(network=api.POD, pid=api.CONTAINER, ipc=api.POD) if namespace_options else None
         config = api.PodSandboxConfig(
             metadata=api.PodSandboxMetadata(name=name, namespace=namespace, uid=uid, attempt=0),
             hostname=hostname or name, log_directory=log_dir,
@@ -314,10 +316,12 @@ class CriClient:
     # containers
     def create_container(self, pod_id: str, name: str, image: str, command: list[str], *, env: dict | None = None,
                          mounts: list[tuple[str, str]] | None = None, log_path: str | None = None,
-                         annotations: dict | None = None, kubelet_mounts: bool = True) -> str:
+                         annotations: dict | None = None, kubelet_mounts: bool = True,
+                         namespace_options: bool = True) -> str:
         """mounts: (host path, container path) pairs, read-write, like emptyDir/hostPath volumes.
         log_path: relative to the pod's log directory (default <name>/0.log, as kubelet does).
-        kubelet_mounts: also mount /etc/hosts and /dev/termination-log from the pod's own directory."""
+        kubelet_mounts: also mount /etc/hosts and /dev/termination-log from the pod's own directory.
+        namespace_options=False: none sent (see run_pod): the container joins the pod's PID namespace."""
         api = self.api
         pod = self.pods[pod_id]
         all_mounts = list(mounts or [])
@@ -331,7 +335,8 @@ class CriClient:
             log_path=log_path or os.path.join(name, "0.log"),
             labels={"io.kubernetes.container.name": name}, annotations=annotations or {},
             linux=api.LinuxContainerConfig(security_context=api.LinuxContainerSecurityContext(
-                namespace_options=api.NamespaceOption(network=api.POD, pid=api.CONTAINER, ipc=api.POD))),
+                namespace_options=api.NamespaceOption(network=api.POD, pid=api.CONTAINER, ipc=api.POD)
+                if namespace_options else None)),
         )
         resp = self.call("CreateContainer", api.CreateContainerRequest(
             pod_sandbox_id=pod_id, config=config, sandbox_config=pod.config))

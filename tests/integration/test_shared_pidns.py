@@ -191,3 +191,75 @@ def test_recovery_finishes_the_stop_of_a_committed_checkpoint(runc, runc_root, e
     assert not (app_pids & _live_in_namespace(sandbox_pid)), "a process of the app survived its checkpoint"
     dumped = _dumped_position(os.path.join(migrt_config["store"], name, "images"), "/tmp/bg")
     assert os.path.getsize(bg) == dumped, "the app wrote after its dump"
+
+
+def _verbose_pid(cri, *, container: str | None = None, pod: str | None = None) -> int:
+    if container:
+        resp = cri.call("ContainerStatus", cri.api.ContainerStatusRequest(container_id=container, verbose=True))
+    else:
+        resp = cri.call("PodSandboxStatus", cri.api.PodSandboxStatusRequest(pod_sandbox_id=pod, verbose=True))
+    return int(json.loads(resp.info["info"])["pid"])
+
+
+def _freezer_files(pid: int) -> list[tuple[str, str]]:
+    """(file, value that thaws) for the freezer of each hierarchy holding `pid`: v1 freezer.state, v2
+    cgroup.freeze (under /sys/fs/cgroup/unified on a hybrid layout)."""
+    v2 = "/sys/fs/cgroup/unified" if os.path.isdir("/sys/fs/cgroup/unified") else "/sys/fs/cgroup"
+    out = []
+    with open(f"/proc/{pid}/cgroup") as fh:
+        for line in fh:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controllers == "freezer":
+                out.append((f"/sys/fs/cgroup/freezer{path}/freezer.state", "THAWED"))
+            elif controllers == "":
+                out.append((f"{v2}{path}/cgroup.freeze", "0"))
+    return out
+
+
+def _of_container(pids: set[int], cid: str) -> set[int]:
+    """Those of `pids` whose cgroup path names container `cid` (containerd's cgroups end in its id)."""
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cgroup") as fh:
+                if cid in fh.read():
+                    out.add(pid)
+        except OSError:
+            pass
+    return out
+
+
+def test_cri_pod_without_namespace_options(cri, cri_containerd):
+    """Through containerd's CRI, a pod and a container sent without namespace options (the CRI default:
+    the pod's PID namespace, the sandbox's pause its init): `migrt checkpoint` stops the container."""
+    pod = cri.run_pod(f"shared-{uuid.uuid4().hex[:6]}", "default", handler="migrt", namespace_options=False)
+    cid = cri.create_container(pod, "app", cri_containerd.image, ["sh", "-c", APP], namespace_options=False)
+    cri.start(cid)
+    cri.wait_state(cid, "CONTAINER_RUNNING")
+    app_pid, pause_pid = _verbose_pid(cri, container=cid), _verbose_pid(cri, pod=pod)
+    assert os.readlink(f"/proc/{app_pid}/ns/pid") == os.readlink(f"/proc/{pause_pid}/ns/pid")
+    deadline = time.monotonic() + 10
+    while len(_of_container(_live_in_namespace(pause_pid), cid)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    app_pids = _of_container(_live_in_namespace(pause_pid), cid)  # not the sandbox's own
+    assert app_pid in app_pids and len(app_pids) >= 4
+
+    freezers = _freezer_files(app_pid)
+
+    name = f"cri-shared-pidns-{uuid.uuid4().hex[:6]}"
+    try:
+        started = time.monotonic()
+        res = run_cli("checkpoint", cid, "--name", name, check=False)
+        took = time.monotonic() - started
+        assert res.returncode == 0, res.stderr
+        assert took < 10, f"checkpoint took {took:.1f} s"
+        cri.wait_state(cid, "CONTAINER_EXITED")
+        assert not (app_pids & _live_in_namespace(pause_pid)), "a process of the app survived its checkpoint"
+        run_cli("inspect", "--verify", name)
+    finally:  # a container left frozen would hang containerd's StopPodSandbox, and the fixtures' teardown
+        for path, thawed in freezers:
+            if os.path.exists(path):
+                with open(path, "w") as fh:
+                    fh.write(thawed)
+    cri.remove(cid)
+    cri.delete_pod(pod)
