@@ -10,6 +10,9 @@
 #                              CRIU's own CUDA plugin, are never loaded: migrt drives the GPU itself)
 #   python/pycriu/             pycriu generated from the same source (setup-host.sh copies it into the venv)
 #   BUILD                      what was built, from what, on which C library
+# migrt's patches (packaging/criu/patches/*.patch, in name order) are applied to the source first, each
+# checked applied; their checksum is part of the recipe. 0001: a lazy dump that keeps no page pipes
+# (MIGRT_CRIU_LAZY_NO_PIPES=1; migrt's parallel dump and lazy migration set it: docs/dump-pages.md).
 # Why: distributions ship CRIU 3.17 (Debian 12), 4.1 (Debian 13) or nothing recent (Ubuntu 24.04,
 # RHEL 9); migrt needs >= 4.2 (3.17 fails on 6.x kernels' vDSO, 4.1 cannot dump inet sockets on
 # kernels >= 6.16). Built on the oldest C library migrt supports (Debian 12's glibc 2.36), one build
@@ -19,16 +22,18 @@
 # Options (environment): PREFIX, MIGRT_SKIP_APT=1 (build dependencies already there), MIGRT_CRIU_JOBS.
 # Build dependencies come from the node's own release (apt-get install, never another suite):
 # gcc make pkgconf libbsd-dev libcap-dev libnet1-dev libnl-3-dev libprotobuf-c-dev libprotobuf-dev
-# protobuf-c-compiler protobuf-compiler uuid-dev python3.
+# protobuf-c-compiler protobuf-compiler uuid-dev python3 patch.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 prefix=${PREFIX:-/opt/migrt/criu}
 version=4.2.1
 sha256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
 tarball=$here/criu/criu_$version.orig.tar.xz
+patches=$(ls "$here"/criu/patches/*.patch 2>/dev/null | LC_ALL=C sort)
+patches_sum=$( [ -z "$patches" ] || cat $patches | sha256sum | cut -c1-16)
 # Bump when the recipe changes: an installation with another stamp is rebuilt.
-recipe="criu $version; no gnutls; plugins $prefix/lib/criu-plugins; rpath \$ORIGIN/../lib; bundled libs; recipe 1"
-build_deps="gcc make pkgconf libbsd-dev libcap-dev libnet1-dev libnl-3-dev libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev python3"
+recipe="criu $version; no gnutls; plugins $prefix/lib/criu-plugins; rpath \$ORIGIN/../lib; bundled libs; patches ${patches_sum:-none}; recipe 2"
+build_deps="gcc make pkgconf libbsd-dev libcap-dev libnet1-dev libnl-3-dev libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev python3 patch"
 
 log() { printf 'build-criu: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -58,6 +63,12 @@ work=$(mktemp -d /tmp/migrt-criu-build.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 tar -xJf "$tarball" -C "$work"
 src=$work/criu-$version
+for p in $patches; do
+    patch -d "$src" -p1 --forward --batch < "$p" >"$work/patch.log" 2>&1 ||
+        { cat "$work/patch.log" >&2; die "${p##*/} does not apply to CRIU $version"; }
+    patch -d "$src" -p1 --reverse --dry-run --batch < "$p" >/dev/null 2>&1 || die "${p##*/}: not applied after patching"
+    log "applied ${p##*/}"
+done
 jobs=${MIGRT_CRIU_JOBS:-$(nproc 2>/dev/null || echo 2)}
 log "building CRIU $version ($jobs jobs)"
 # The RPATH rides on GMONLDOPT, the one variable CRIU's Makefile puts on the final link of criu/criu
@@ -89,6 +100,7 @@ glibc=$(ldd --version 2>/dev/null | head -1 | awk '{print $NF}')
 {
     echo "recipe: $recipe"
     echo "source: criu_$version.orig.tar.xz sha256 $sha256"
+    echo "patches: $(for p in $patches; do printf '%s ' "${p##*/}"; done)"
     echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-?}"), glibc $glibc"
     echo "libraries: $(ls "$new/lib" | grep -v criu-plugins | tr '\n' ' ')"
 } > "$new/BUILD"

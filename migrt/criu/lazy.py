@@ -17,10 +17,17 @@ and costing two descriptors: 2 x memory / pipe size descriptors, under RLIMIT_NO
 (CRIU cannot raise it without CAP_SYS_RESOURCE). Measured: 8 GiB at 1 MiB pipes = 16k descriptors;
 32 GiB on the GPU machine (hard limit 20000, 1 MiB pipes) failed with "Can't make pipe for
 page-pipe: Too many open files". `lazy_dump_problem()` says so before anything is frozen.
+
+migrt's own CRIU build carries a patch (packaging/criu/patches/0001-lazy-dump-without-page-pipes.patch)
+that, with MIGRT_CRIU_LAZY_NO_PIPES=1 in its environment (runtime/control.py LazyCheckpoint sets it),
+splices no lazy page into a pipe at all: the lazy dump then holds a few descriptors whatever the
+memory. `unpiped_lazy_dump()` finds out whether the CRIU in use has it (the variable's name in its
+binary); without it the old limit applies.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 
@@ -83,8 +90,45 @@ def _has_cap(bit: int) -> bool:
     return False
 
 
+NO_PIPES_ENV = "MIGRT_CRIU_LAZY_NO_PIPES"  # the patch's switch (runtime/control.py sets it for every lazy dump)
+_unpiped: dict[tuple, bool] = {}
+
+
+def unpiped_lazy_dump(criu: str | None = None) -> bool:
+    """Whether the CRIU in use keeps a lazy dump's pages out of page pipes when asked (migrt's patch:
+    the switch's name is in its binary), and the environment does not turn it off."""
+    if os.environ.get(NO_PIPES_ENV) == "0":  # tests: CRIU's own behaviour
+        return False
+    path = criu or criu_binary()
+    if not path:
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _unpiped:
+        needle = NO_PIPES_ENV.encode()
+        found = False
+        try:
+            with open(path, "rb") as fh:
+                tail = b""
+                while chunk := fh.read(1 << 20):
+                    if needle in tail + chunk:
+                        found = True
+                        break
+                    tail = chunk[-len(needle):]
+        except OSError:
+            found = False
+        _unpiped[key] = found
+    return _unpiped[key]
+
+
 def lazy_dump_fds(memory_bytes: int) -> int:
-    """Descriptors a lazy dump of this much memory holds open (its page pipes, two fds each)."""
+    """Descriptors a lazy dump of this much memory holds open (its page pipes, two fds each; a few
+    with migrt's CRIU, which keeps no lazy page in a pipe)."""
+    if unpiped_lazy_dump():
+        return FD_MARGIN
     pipe = max(4096, min(pipe_max_size(), CRIU_PIPE_MAX))
     return 2 * (-(-memory_bytes // pipe)) + FD_MARGIN
 
@@ -96,8 +140,8 @@ def lazy_dump_problem(memory_bytes: int) -> str | None:
     if hard == resource.RLIM_INFINITY or need <= hard or _has_cap(CAP_SYS_RESOURCE):
         return None
     pipe = min(pipe_max_size(), CRIU_PIPE_MAX)
-    fix = ("raise the hard limit of open files for migrt (e.g. LimitNOFILE in its unit, or ulimit -Hn as a "
-           "privileged parent)")
+    fix = ("use migrt's own CRIU build (packaging/build-criu.sh: its lazy dumps keep no page pipes), or raise the "
+           "hard limit of open files for migrt (e.g. LimitNOFILE in its unit, or ulimit -Hn as a privileged parent)")
     if pipe < CRIU_PIPE_MAX:
         fix += f", or 'sysctl -w fs.pipe-max-size={4 << 20}' (3.2 MiB pipes: {lazy_dump_fds_at(memory_bytes)} descriptors)"
     return (f"a lazy dump of {memory_bytes >> 20} MiB needs about {need} open files for CRIU's page pipes "

@@ -150,6 +150,9 @@ class LazyCheckpoint:
         self.stderr_path = os.path.join(work_path, "runc.stderr")
         try:
             env = criu_address_env(env, host, work_path)
+            # migrt's CRIU keeps no lazy page in a page pipe then (criu/lazy.py): nobody asks its page
+            # server for one. Another CRIU ignores it. "0" in our environment keeps CRIU's way (tests).
+            env.setdefault("MIGRT_CRIU_LAZY_NO_PIPES", "1")
             with open(self.stderr_path, "wb") as err:
                 self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                              stderr=err, pass_fds=(w,), env=env)

@@ -10,11 +10,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.integration.conftest import run_cli
+from tests.integration.conftest import CLI, run_cli
 from tests.integration.test_gpu_pause import driver, fake_gpu  # noqa: F401 - fixtures
 from tests.integration.test_gpu_restore_start import checkpoint_marked, create, gpu_calls
 from tests.integration.test_pagefill import _bundle, _readies, _start, _sums, _uid, binaries, runc_root  # noqa: F401
@@ -241,3 +242,69 @@ def test_export_of_a_parallel_checkpoint_is_read_by_checkpointctl(runc_root, mig
     assert _restore_and_sum(runc_root, "pd-back", _uid("exd"), binaries, tmp_path, "eager") == {"0": (want, "bad=0")}
     run_cli("rm", "pd-export")
     run_cli("rm", "pd-back")
+
+
+_RAW_LAZY_DUMP = """
+import sys
+from migrt.criu.options import CriuOptions
+from migrt.errors import RuntimeFailed
+from migrt.runtime import control
+root, cid, images, work = sys.argv[1:5]
+dump = control.LazyCheckpoint("runc", root, cid, image_path=images, work_path=work, options=CriuOptions(),
+                              page_server=control.loopback_page_server())
+try:
+    dump.wait_ready(300)
+    dump.finish(60)
+except RuntimeFailed as exc:
+    print("FAILED", exc)
+    sys.exit(3)
+print("DUMPED")
+"""
+
+
+def test_parallel_dump_under_a_low_descriptor_limit(runc_root, migrt_config, binaries, tmp_path):
+    """A lazy dump held two descriptors per CRIU page pipe (min(fs.pipe-max-size, 3.2 MiB) of memory
+    each): 32 GiB under the GPU machine's hard limit of 20000 could not be dumped in parallel. Scaled
+    down here: 1 GiB of memory, migrt, runc and CRIU under a hard limit of about half the descriptors
+    CRIU's page pipes would take, without CAP_SYS_RESOURCE to raise it. CRIU's own way
+    (MIGRT_CRIU_LAZY_NO_PIPES=0) runs out of descriptors, and migrt refuses it before the freeze; migrt's
+    CRIU (packaging/criu/patches/0001) keeps no page pipes: the dump runs, and restores the same memory."""
+    from migrt.criu import lazy as lazy_mod
+    from migrt.criu.binary import choose
+
+    assert lazy_mod.unpiped_lazy_dump(os.environ.get("MIGRT_CRIU") or None), \
+        "the CRIU in use is not migrt's build with its patches (packaging/build-criu.sh)"
+    mib = 1024
+    pipe = max(4096, min(lazy_mod.pipe_max_size(), lazy_mod.CRIU_PIPE_MAX))
+    limit = max(256, (2 * (mib << 20) // pipe) // 2)
+    low = ["prlimit", f"--nofile={limit}:{limit}", "--"]
+    sid = _uid("fd")
+    src = _start(runc_root, sid, _bundle(str(tmp_path / "s"), ["/bin/memhog", str(mib)], binaries))
+    want = next(ln.split()[1] for ln in src.wait_for(lambda ls: any(ln.startswith("ready") for ln in ls), 120)
+                if ln.startswith("ready"))
+    old = {**_parallel_env(), "MIGRT_CRIU_LAZY_NO_PIPES": "0"}
+    criu = choose()[0]  # the raw dump's runc finds the CRIU migrt uses first on PATH, as migrt's own calls do
+    raw_env = {**old, "PATH": os.path.dirname(criu) + os.pathsep + os.environ.get("PATH", "")}
+    # CRIU's own way: the raw lazy dump runs out of descriptors (the container is left running)
+    images, work = tmp_path / "raw-images", tmp_path / "raw-work"
+    images.mkdir()
+    work.mkdir()
+    raw = subprocess.run([*low, sys.executable, "-c", _RAW_LAZY_DUMP, runc_root, sid, str(images), str(work)],
+                         capture_output=True, text=True, timeout=300, env=raw_env)
+    assert raw.returncode == 3 and "Too many open files" in raw.stdout, raw.stdout + raw.stderr
+    assert _state(runc_root, sid)["status"] == "running"
+    # ... which migrt refuses before freezing anything
+    res = subprocess.run([*low, CLI, "checkpoint", sid, "--root", runc_root, "--name", "fd-old"], capture_output=True,
+                         text=True, timeout=300, env=old)
+    assert res.returncode == 8 and "open files" in res.stderr, res.stderr
+    assert _state(runc_root, sid)["status"] == "running"
+    # migrt's CRIU: the same dump under the same limit
+    res = subprocess.run([*low, CLI, "checkpoint", sid, "--root", runc_root, "--name", "fd-new", "--json"],
+                         capture_output=True, text=True, timeout=300, env=_parallel_env())
+    assert res.returncode == 0, res.stderr
+    rec = _manifest(migrt_config, "fd-new")["dump_pages"]
+    assert rec["mode"] == "parallel" and rec["lazy_bytes"] >= mib << 20, rec
+    with open(os.path.join(migrt_config["store"], "fd-new", "logs", "dump.log"), errors="replace") as fh:
+        assert "not kept in page pipes" in fh.read()
+    assert _restore_and_sum(runc_root, "fd-new", _uid("fdr"), binaries, tmp_path, "eager") == {"0": (want, "bad=0")}
+    run_cli("rm", "fd-new")

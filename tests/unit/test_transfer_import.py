@@ -258,6 +258,7 @@ def test_lazy_dump_descriptors_are_checked_before_anything_is_frozen(monkeypatch
 
     monkeypatch.setattr(lazy_mod, "pipe_max_size", lambda: 1 << 20)
     monkeypatch.setattr(lazy_mod, "_has_cap", lambda bit: False)
+    monkeypatch.setattr(lazy_mod, "unpiped_lazy_dump", lambda criu=None: False)  # a CRIU without migrt's patch
     monkeypatch.setattr(resource, "getrlimit", lambda what: (20000, 20000))
     assert lazy_mod.lazy_dump_fds(8 << 30) == 2 * 8192 + lazy_mod.FD_MARGIN
     assert lazy_mod.lazy_dump_problem(8 << 30) is None
@@ -269,3 +270,20 @@ def test_lazy_dump_descriptors_are_checked_before_anything_is_frozen(monkeypatch
     assert "fs.pipe-max-size" not in (lazy_mod.lazy_dump_problem(64 << 30) or "x")
     monkeypatch.setattr(lazy_mod, "_has_cap", lambda bit: True)
     assert lazy_mod.lazy_dump_problem(64 << 30) is None
+    monkeypatch.setattr(lazy_mod, "_has_cap", lambda bit: False)
+    monkeypatch.setattr(lazy_mod, "unpiped_lazy_dump", lambda criu=None: True)  # migrt's CRIU: no page pipes
+    assert lazy_mod.lazy_dump_fds(64 << 30) == lazy_mod.FD_MARGIN and lazy_mod.lazy_dump_problem(64 << 30) is None
+
+
+def test_migrts_criu_is_told_apart_by_its_switch(tmp_path, monkeypatch):
+    """unpiped_lazy_dump(): the patched CRIU names MIGRT_CRIU_LAZY_NO_PIPES in its binary (anywhere, also
+    across read boundaries); another does not; MIGRT_CRIU_LAZY_NO_PIPES=0 keeps CRIU's own way."""
+    plain, patched = tmp_path / "plain", tmp_path / "patched"
+    plain.write_bytes(os.urandom(3 << 20))
+    patched.write_bytes(os.urandom((1 << 20) - 10) + b"MIGRT_CRIU_LAZY_NO_PIPES" + os.urandom(1000))
+    monkeypatch.delenv("MIGRT_CRIU_LAZY_NO_PIPES", raising=False)
+    assert lazy_mod.unpiped_lazy_dump(str(patched)) is True
+    assert lazy_mod.unpiped_lazy_dump(str(plain)) is False
+    assert lazy_mod.unpiped_lazy_dump(str(tmp_path / "absent")) is False
+    monkeypatch.setenv("MIGRT_CRIU_LAZY_NO_PIPES", "0")
+    assert lazy_mod.unpiped_lazy_dump(str(patched)) is False
