@@ -37,10 +37,11 @@ suite=bookworm
 prefix=/opt/migrt
 ref=ghcr.io/migrt/migrt-installer:0.1.0
 repair_text="re-run the migrt installer on this node (packaging/daemonset.yaml, or packaging/install-host.sh from the migrt-installer image)"
-# Packages the stage needs from the release: CRIU's build dependencies (packaging/build-criu.sh lists
-# them; xz-utils unpacks its source), the interpreter with venv and ensurepip, patchelf for the
+# Packages the stage needs from the release: CRIU's build dependencies (build-criu.sh's own list;
+# xz-utils unpacks its source), the interpreter with venv and ensurepip, patchelf for the
 # interpreter's RPATH, CA certificates for pip.
-criu_deps="gcc make pkgconf libbsd-dev libcap-dev libnet1-dev libnl-3-dev libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev python3"
+criu_deps=$(sed -n 's/^build_deps="\(.*\)"$/\1/p' "$here/build-criu.sh")
+[ -n "$criu_deps" ] || { echo "build-payload: error: no build_deps=\"...\" line in $here/build-criu.sh" >&2; exit 1; }
 stage_deps="$criu_deps xz-utils python3-venv patchelf ca-certificates"
 # Bump when the recipe changes (part of the cache key).
 recipe=1
@@ -137,6 +138,9 @@ stage() {
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
     cp -r "$prefix/criu/python/pycriu" "$site/pycriu"
     "$venv/bin/python" -m compileall -q "$site/pycriu" >/dev/null || true
+    # pip and setuptools served the build only (a node's payload is replaced, never pip-installed
+    # into); setuptools' distutils-precedence.pth would also run at every start of migrt-runc's Python.
+    "$venv/bin/python" -m pip uninstall -q -y setuptools pip >/dev/null || die "pip uninstall setuptools pip failed"
 
     # 4. Launchers bound to the venv's python, the CRIU hook, the files install-host.sh copies.
     mkdir -p "$prefix/bin" "$prefix/libexec" "$prefix/share"
@@ -174,7 +178,7 @@ assert not bad, "sys.path outside the payload: %s" % bad
         echo "python: $pybin $("$pybin" -c 'import sys; print(sys.version.split()[0])') (Debian $(dpkg-query -W -f '${Version}' "python$ver"))"
         echo "python libraries: $(cd "$pyd/lib" && ls | grep '\.so' | tr '\n' ' ')"
         echo "criu: $("$prefix/criu/sbin/criu" --version | sed -n 's/^Version: //p') ($(sed -n 's/^libraries: //p' "$prefix/criu/BUILD"))"
-        echo "venv: $("$venv/bin/python" -m pip list --format freeze --disable-pip-version-check 2>/dev/null | tr '\n' ' ')"
+        echo "venv: $("$venv/bin/python" -c 'import importlib.metadata as m; print(" ".join(sorted("%s==%s" % (d.metadata["Name"], d.version) for d in m.distributions())))')"
     } > "$prefix/PAYLOAD"
     log "built $prefix ($(du -sh "$prefix" | cut -f1)): Python $ver, CRIU $("$prefix/criu/sbin/criu" --version | sed -n 's/^Version: //p'), glibc $glibc"
 }
