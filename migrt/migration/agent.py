@@ -125,8 +125,8 @@ def check_rules(cfg: Config, src: Located, msg: dict, node: str) -> None:
     if src_ns and src_ns != dst_ns and not cfg.allow_cross_namespace_restore:
         raise PreconditionFailed(
             f"{what} is in Kubernetes namespace {src_ns!r} and may only move into a pod of that namespace (the pulling "
-            f"pod is in {dst_ns or 'no namespace'!r}); set 'allow_cross_namespace_restore: true' on both nodes to allow "
-            "it; it was not touched")
+            f"pod is in {dst_ns or 'no namespace'!r}); set 'allow_cross_namespace_restore: true' on both nodes to "
+            "allow it; it was not touched")
 
 
 class Agent:

@@ -229,8 +229,8 @@ def _pull(cfg, log, parsed, cmd, bundle, cid: str, address: str, source: dict, v
     key = load_key(cfg.migration_key_file)
     meta = bundle.cri_metadata()
     try:
-        ch = connect(address, key, timeout=CONNECT_TIMEOUT,
-                     tls=TLSFiles(**cfg.migration_tls) if cfg.migration_tls else None, stall=cfg.migration_stall_timeout)
+        tls = TLSFiles(**cfg.migration_tls) if cfg.migration_tls else None
+        ch = connect(address, key, timeout=CONNECT_TIMEOUT, tls=tls, stall=cfg.migration_stall_timeout)
     except TransferError as exc:
         raise TransferError(f"{exc}; nothing was touched there (is the node agent 'migrt serve' running on "
                             f"{address}, and do the two nodes share the migration key?)") from exc

@@ -128,26 +128,30 @@ class PodNode:
         finally:
             subprocess.run([*tc, "del", "dev", self.veth, "root"], capture_output=True)
 
-    def children(self, pid: int, needle: bytes) -> list[int]:
+    @staticmethod
+    def children(pid: int, needle: bytes) -> list[int]:
         """Processes whose parent is `pid` and whose command line holds `needle`."""
-        out = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as fh:
-                    ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    argv = fh.read()
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid and needle in argv:
-                out.append(int(entry))
-        return out
+        return [p for p, parent in procs((needle,)).items() if parent == pid]
 
     def staging(self) -> list[str]:
         path = os.path.join(self.store, ".staging")
         return os.listdir(path) if os.path.isdir(path) else []
+
+
+def procs(needles: tuple[bytes, ...]) -> dict[int, int]:
+    """{pid: parent pid} of the processes whose command line holds every needle."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read()
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if all(n in argv for n in needles):
+            out[int(entry)] = ppid
+    return out
 
 
 def _write_node(base: str, name: str, addr: str, secret: str, root: str, extra_config: str) -> PodNode:

@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers.cri import CriError, read_cri_log
 from tests.helpers.migration import assert_continues
-from tests.helpers.podnodes import AGENT_PORT, pod_nodes
+from tests.helpers.podnodes import AGENT_PORT, pod_nodes, procs
 from tests.helpers.twohosts import ADDR_A, ADDR_B, lazy_pipe_limit
 from tests.integration.test_cri_pagefill import BIN_DEST, bin_dir  # noqa: F401 - the workload's fixture
 from tests.integration.workloads import parse_ticks
@@ -170,22 +170,6 @@ def test_refusals_come_before_anything_is_frozen(clean):
     assert a.staging() == []
 
 
-def _pids(needles: tuple[bytes, ...]) -> dict[int, int]:
-    """{pid: parent pid} of the processes whose command line holds every needle."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                argv = fh.read()
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if all(n in argv for n in needles):
-            out[int(entry)] = ppid
-    return out
-
-
 def _wait_for(what: str, probe, timeout: float = 30):
     deadline = time.monotonic() + timeout
     while not (found := probe()):
@@ -253,7 +237,7 @@ def test_exactly_one_copy_runs_whatever_breaks(clean):
         frozen_at = _ticks(a, scid)
         assert _one_copy(a, scid, b, tcid, frozen_at) == "source"
     assert time.monotonic() - t0 < 30
-    _wait_for("the pull's guard", lambda: not _pids((b"migrt.migration.guard", b"target:")), timeout=30)
+    _wait_for("the pull's guard", lambda: not procs((b"migrt.migration.guard", f"target:{scid}".encode())), timeout=30)
     _no_copy_on(b)
 
     # 3. the source's agent killed while the pages flow: its guard asks B's agent, the copy there runs

@@ -81,7 +81,8 @@ def test_the_pod_wide_annotation_naming_a_container_is_for_that_container_only(t
 # -- the agent's rules ---------------------------------------------------------------------------------
 
 def _located(tmp_path: Path, **ann) -> Located:
-    return Located(str(tmp_path), "c" * 64, Bundle.load(str(write_bundle(tmp_path / "src", annotations=_pod_annotations(**ann)))))
+    bundle = write_bundle(tmp_path / "src", annotations=_pod_annotations(**ann))
+    return Located(str(tmp_path), "c" * 64, Bundle.load(str(bundle)))
 
 
 def test_a_source_without_opt_in_is_refused_unless_the_node_allows_any(tmp_path):
