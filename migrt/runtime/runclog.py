@@ -1,5 +1,7 @@
 """runc-shaped log lines. containerd reports the last `"level":"error"` line of `--log` as
-"OCI runtime create failed: <msg>". Never write to stdout/stderr: they belong to the container."""
+"OCI runtime create failed: <msg>". Otherwise never write to stdout/stderr: they belong to the
+container. The one exception is runc's own: called without --log (podman's conmon), runc writes its
+error to stderr, where conmon reads it as the reason a create failed; so does migrt."""
 
 from __future__ import annotations
 
@@ -14,7 +16,13 @@ def _now() -> str:
 
 
 def append(path: str | None, level: str, msg: str, *, log_format: str = "json") -> None:
+    """One line in the --log file `path`; with no --log, an error goes to stderr as runc's text line."""
     if not path:
+        if level == "error":
+            try:
+                os.write(2, f'time="{_now()}" level=error msg={json.dumps(msg, ensure_ascii=False)}\n'.encode())
+            except OSError:
+                pass
         return
     if log_format == "json":
         line = json.dumps({"level": level, "msg": msg, "time": _now()}, ensure_ascii=False)

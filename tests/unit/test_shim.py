@@ -396,6 +396,21 @@ def test_sh_missing_checkpoint_with_policy_fail(sh_shim, tmp_path):
     assert any(e.get("event") == "restore_failed" and e.get("checkpoint") == "missing-ckpt" for e in events)
 
 
+def test_without_log_the_error_goes_to_stderr_as_runc_writes_it(sh_shim, tmp_path):
+    """podman's conmon passes no --log: runc then writes its error to stderr, which conmon reports as
+    the reason the create failed; migrt's own refusals must reach it the same way (before, podman said
+    only 'conmon bytes ""')."""
+    bundle = write_bundle(tmp_path / "bundle", env=["MIGRT_RESTORE=missing-ckpt"])
+    argv = ["--root", str(tmp_path / "root"), "create", "--bundle", str(bundle), "--pid-file",
+            f"{bundle}/init.pid", CID]
+    r = sh_shim.run(argv)
+    assert (r.returncode, r.stdout) == (3, b"")
+    line = r.stderr.decode()
+    assert line.count("\n") == 1 and re.match(r'time="[^"]+" level=error msg="migrt: checkpoint missing-ckpt: not found',
+                                               line), line
+    assert sh_shim.env.fake.calls() == []
+
+
 @pytest.mark.parametrize("source", ["env", "annotation", "config"])
 def test_sh_missing_checkpoint_with_policy_fresh_runs_the_original_create(sh_shim, tmp_path, source):
     env, ann = ["MIGRT_RESTORE=missing-ckpt"], None
