@@ -1,12 +1,16 @@
-"""podman (Debian's 5.x) as a neighbour, with private storage (tests/helpers/podman.py):
+"""podman (the node release's: Debian 12's 4.3) as a neighbour, with private storage
+(tests/helpers/podman.py):
 
 - its checkpoint archives (`podman container checkpoint --export`, zstd by default, gzip and
   uncompressed too) imported with `migrt import` and restored into a Kubernetes pod through
-  containerd's CRI with MIGRT_RESTORE: the counter goes on with the same in-memory data, the
+  containerd's CRI with MIGRT_RESTORE, on a node whose config allows checkpoints that record no
+  Kubernetes namespace (refused otherwise): the counter goes on with the same in-memory data, the
   writable-layer changes (a new file, a deleted one) and the /dev/shm files come back;
 - podman running a container with `--runtime migrt-runc` through `podman container checkpoint` and
   `podman container restore` (podman asks `migrt-runc checkpoint --help` first);
-- a checkpoint taken under containerd restored by podman through migrt-runc (MIGRT_RESTORE).
+- a checkpoint taken under containerd restored by podman through migrt-runc (MIGRT_RESTORE): refused
+  with podman's default seccomp profile and masked paths (the counter ran without them), restored in a
+  container that asks for no more than it had.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.helpers.cri import read_cri_log
+from tests.helpers.cri import CriError, read_cri_log
 from tests.helpers.podman import Podman
 from tests.integration.conftest import SHIM, run_cli
 from tests.integration.test_containerd import _checkpointed_counter
@@ -99,7 +103,34 @@ def exported(podman, stack, migrt_config, tmp_path_factory) -> Exported:
     return _export_and_import(podman, tmp_path_factory.mktemp("podman-export"), "zstd")
 
 
-def test_podman_checkpoint_resumes_in_pod(cri, cri_containerd, exported):
+@pytest.fixture
+def unbound_allowed(migrt_config):
+    """The node's config allows checkpoints that record no Kubernetes namespace into pods (podman's
+    archives record none); the session's config is put back afterwards."""
+    path = migrt_config["config"]
+    with open(path) as fh:
+        old = fh.read()
+    with open(path, "w") as fh:
+        fh.write(old + "allow_unbound_checkpoints: true\n")
+    try:
+        yield
+    finally:
+        with open(path, "w") as fh:
+            fh.write(old)
+
+
+def test_podman_checkpoint_is_refused_in_a_pod_unless_the_node_allows_it(cri, cri_containerd, exported):
+    pod = cri.run_pod("from-podman-refused", "default")
+    cid = cri.create_container(pod, "app", cri_containerd.image, ["sh", "-c", "echo started-fresh"],
+                               env={"MIGRT_RESTORE": exported.name})
+    with pytest.raises(CriError, match=f"checkpoint {exported.name} records no Kubernetes namespace.*"
+                                       "allow_unbound_checkpoints: true"):
+        cri.start(cid)
+    cri.remove(cid)
+    cri.delete_pod(pod)
+
+
+def test_podman_checkpoint_resumes_in_pod(cri, cri_containerd, exported, unbound_allowed):
     pod = cri.run_pod("from-podman", "default")
     cid = cri.create_container(pod, "app", cri_containerd.image, ["sh", "-c", "echo started-fresh; " + COUNTER],
                                env={"MIGRT_RESTORE": exported.name})
@@ -145,7 +176,15 @@ def test_podman_restores_a_containerd_checkpoint_through_migrt_runc(podman, cont
     different root directory modes (containerd 0755, podman 0555)."""
     _src, name, before = _checkpointed_counter(containerd, tmp_path)
     ctr = f"pmrs-{uuid.uuid4().hex[:6]}"
-    podman.run_detached(ctr, podman.image, "echo started-fresh; exit 3", "-e", f"MIGRT_RESTORE={name}", runtime=SHIM)
+    # ctr runs the counter without seccomp and with /sys/dev/block unmasked; podman's defaults ask for
+    # both: a restore never grants more than the new container asks for, and says why through conmon
+    with pytest.raises(RuntimeError) as refused:
+        podman.run_detached(ctr, podman.image, "exit 3", "-e", f"MIGRT_RESTORE={name}", runtime=SHIM)
+    assert "runs without a seccomp filter but the container asks for one" in str(refused.value), refused.value
+    assert "leaves /sys/dev/block unmasked" in str(refused.value), refused.value
+    podman("rm", "--force", "--time", "0", ctr, check=False)
+    podman.run_detached(ctr, podman.image, "echo started-fresh; exit 3", "-e", f"MIGRT_RESTORE={name}",
+                        "--security-opt", "seccomp=unconfined", "--security-opt", "unmask=/sys/dev/block", runtime=SHIM)
     try:
         ticks = _wait_ticks(lambda: podman.logs(ctr), 3)
         assert podman.state(ctr) == "running"

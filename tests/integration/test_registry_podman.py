@@ -1,6 +1,7 @@
 """Checkpoint images between podman and migrt through a real registry (docker-registry, TLS, basic
 auth): podman's `container checkpoint --create-image` + `podman push` restored by reference in a
-Kubernetes pod through containerd's CRI, and migrt's `push --format cri` restored by
+Kubernetes pod through containerd's CRI (on a node whose config allows checkpoints that record no
+Kubernetes namespace), and migrt's `push --format cri` restored by
 `podman container restore IMAGE`."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from tests.helpers.cri import read_cri_log
 from tests.integration.conftest import run_cli
-from tests.integration.test_podman import _wait_ticks, podman  # noqa: F401 - the podman fixture
+from tests.integration.test_podman import _wait_ticks, podman, unbound_allowed  # noqa: F401 - fixtures
 from tests.integration.test_registry import registry  # noqa: F401 - the registry fixture
 from tests.integration.workloads import COUNTER, parse_ticks
 
@@ -39,7 +40,8 @@ def podman_image(podman, registry, tmp_path_factory):  # noqa: F811
 
 
 def test_podman_checkpoint_image_restored_by_reference_in_a_pod(cri, cri_containerd, podman_image, registry,  # noqa: F811
-                                                                 migrt_config):
+                                                                 migrt_config, unbound_allowed):  # noqa: F811
+    """podman's image records no Kubernetes namespace: the node's config allows that (unbound_allowed)."""
     pod = cri.run_pod("from-podman-image", "default")
     cid = cri.create_container(pod, "app", cri_containerd.image, ["sh", "-c", "echo started-fresh; " + COUNTER],
                                env={"MIGRT_RESTORE": "oci:" + podman_image["ref"]})
