@@ -39,23 +39,25 @@ class Gate:
 
 def check_peers(pids: list[int], *, what: str, driver_version: str | None, config: dict | None = None,
                 peer_check: str = "refuse", registered: set[int] | None = None,
-                proc: str | None = None) -> peers.Verdict:
-    """(1) alone: PeerStateRefused, or the verdict (findings let through included)."""
+                contexts: dict[int, list[str]] | None = None, proc: str | None = None) -> peers.Verdict:
+    """(1) alone: PeerStateRefused, or the verdict (findings let through included). contexts: the
+    driver's GPUs per process (Inventory.contexts()), None when not known."""
     if registered is None:
         registered = {p for ep in apphooks.find(pids, proc) for p in ep.holders}
     verdict = peers.assess(pids, driver_version=driver_version, hooked=registered, registered=registered,
-                           declared_off=peer_check == "warn" or peers.annotation_off(config), proc=proc)
+                           declared_off=peer_check == "warn" or peers.annotation_off(config), contexts=contexts,
+                           proc=proc)
     peers.refuse(verdict, what, driver_version)
     return verdict
 
 
 def before_lock(pids: list[int], *, what: str, driver_version: str | None, config: dict | None = None,
                 peer_check: str = "refuse", timeout_s: float = apphooks.DEFAULT_TIMEOUT_S,
-                proc: str | None = None) -> Gate:
+                contexts: dict[int, list[str]] | None = None, proc: str | None = None) -> Gate:
     """(1) then (2); raises PeerStateRefused or HookRefused (both PreconditionFailed, exit 8)."""
     endpoints = apphooks.find(pids, proc)
     registered = {p for ep in endpoints for p in ep.holders}
     verdict = check_peers(pids, what=what, driver_version=driver_version, config=config, peer_check=peer_check,
-                          registered=registered, proc=proc)
+                          registered=registered, contexts=contexts, proc=proc)
     notified = apphooks.before_checkpoint(pids, what=what, timeout_s=timeout_s, proc=proc, endpoints=endpoints)
     return Gate(notified=notified, verdict=verdict)

@@ -38,10 +38,18 @@ class Inventory:
     gpus: list[Gpu] = field(default_factory=list)
     processes: dict[int, list[tuple[str, int | None]]] = field(default_factory=dict)  # pid -> [(uuid, bytes)]
     error: str | None = None
+    processes_seen: bool = False  # `processes` is the driver's list (NVML asked, or the simulated node)
 
     @property
     def available(self) -> bool:
         return self.source != "none"
+
+    def contexts(self) -> dict[int, list[str]] | None:
+        """host pid -> UUIDs of the GPUs the driver lists it on as a compute process; None when the
+        driver was not asked (no NVML): the peer rule (gpu/peers.py) then cannot tell GPUs apart."""
+        if not self.processes_seen:
+            return None
+        return {pid: [u for u, _ in used] for pid, used in self.processes.items()}
 
     def by_uuid(self, uuid: str) -> Gpu | None:
         u = uuid.lower()
@@ -69,6 +77,7 @@ def _nvml(pynvml, with_processes: bool) -> Inventory:
     try:
         inv = Inventory(source="nvml", driver_version=_text(pynvml.nvmlSystemGetDriverVersion()))
         inv.cuda_driver_version = opt(pynvml.nvmlSystemGetCudaDriverVersion)
+        inv.processes_seen = with_processes
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             mem = opt(pynvml.nvmlDeviceGetMemoryInfo, h)
@@ -84,7 +93,10 @@ def _nvml(pynvml, with_processes: bool) -> Inventory:
             )
             inv.gpus.append(gpu)
             if with_processes:
-                for p in opt(pynvml.nvmlDeviceGetComputeRunningProcesses, h) or []:
+                running = opt(pynvml.nvmlDeviceGetComputeRunningProcesses, h)
+                if running is None:  # a list we could not read is not an empty one
+                    inv.processes_seen = False
+                for p in running or []:
                     used = getattr(p, "usedGpuMemory", None)
                     inv.processes.setdefault(int(p.pid), []).append((gpu.uuid, int(used) if used else None))
         return inv
@@ -166,7 +178,7 @@ def _fake(path: str) -> Inventory:
     with fakenode.locked(path) as data:
         fakenode.discover(data)
         inv = Inventory(source="fake", driver_version=data.get("driver_version", "580.159"),
-                        cuda_driver_version=data.get("cuda_driver_version", 13000))
+                        cuda_driver_version=data.get("cuda_driver_version", 13000), processes_seen=True)
         for i, g in enumerate(data.get("gpus") or []):
             total = g.get("memory_total")
             free = _free_bytes(data, g["uuid"])

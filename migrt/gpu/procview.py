@@ -1,7 +1,7 @@
 """What the kernel shows of a process without touching it, read under a proc root ("/proc"; the
 tests give a directory laid out the same way): mapped files, open files, the initial environment,
-its network namespace's unix sockets, and files inside its root. Standard library only (the CRIU
-hook and migrt-runc's decision use it).
+its network namespace's unix sockets, its threads' names, and files inside its root. Standard
+library only (the CRIU hook and migrt-runc's decision use it).
 
 Paths in /proc/PID/maps, /proc/PID/fd and /proc/PID/net/unix are as the process sees them (inside
 its container). Files inside a container's root are opened component by component from
@@ -58,6 +58,20 @@ def fd_targets(pid: int, proc: str | None = None) -> list[str]:
         except OSError:
             continue
     return out
+
+
+def thread_names(pid: int, proc: str | None = None) -> list[str]:
+    """The names of pid's threads (/proc/PID/task/TID/comm, at most 15 characters each), sorted."""
+    try:
+        tids = os.listdir(f"{at(proc)}/{pid}/task")
+    except OSError:
+        return []
+    out = []
+    for tid in tids:
+        name = _read(f"{at(proc)}/{pid}/task/{tid}/comm", 64)
+        if name is not None:
+            out.append(name.rstrip("\n"))
+    return sorted(out)
 
 
 def socket_inodes(pid: int, proc: str | None = None) -> set[int]:

@@ -56,7 +56,8 @@ class GpuSource:
         # peer state the driver cannot restore is refused before the offer (the application hook is
         # asked later, in suspend(), right before the lock)
         gate.check_peers(self.pids, what=f"container {self.cid}", driver_version=inv.driver_version,
-                         config=self.config, peer_check=getattr(self.cfg, "gpu_peer_check", "refuse"))
+                         config=self.config, peer_check=getattr(self.cfg, "gpu_peer_check", "refuse"),
+                         contexts=inv.contexts())
         self.section = records.describe(self.pids, inv, vis)
         return self.section
 

@@ -144,7 +144,8 @@ def suspend(cfg, cid: str, root: str, *, by: str = "migrt gpu suspend", progress
     _write(rec)  # before the hook is asked: a migrt killed from here on leaves what `resume` finishes
     try:
         opened = gate.before_lock(pids, what=f"container {cid}", driver_version=inv.driver_version, config=config,
-                                  peer_check=getattr(cfg, "gpu_peer_check", "refuse"), timeout_s=_hook_timeout(cfg))
+                                  peer_check=getattr(cfg, "gpu_peer_check", "refuse"), timeout_s=_hook_timeout(cfg),
+                                  contexts=inv.contexts())
     except BaseException:
         _remove(rec)
         raise

@@ -45,10 +45,11 @@ def hook_timeout_s(cfg) -> float:
     return float(getattr(cfg, "gpu_hook_timeout_s", apphooks.DEFAULT_TIMEOUT_S))
 
 
-def open_gate(cfg, what: str, pids: list[int], driver_version: str | None, config: dict | None) -> gate.Gate:
+def open_gate(cfg, what: str, pids: list[int], inv: inventory.Inventory, config: dict | None) -> gate.Gate:
     """Peer state and the application hook, before any lock (gpu/gate.py); PreconditionFailed refuses."""
-    return gate.before_lock(pids, what=what, driver_version=driver_version, config=config,
-                            peer_check=getattr(cfg, "gpu_peer_check", "refuse"), timeout_s=hook_timeout_s(cfg))
+    return gate.before_lock(pids, what=what, driver_version=inv.driver_version, config=config,
+                            peer_check=getattr(cfg, "gpu_peer_check", "refuse"), timeout_s=hook_timeout_s(cfg),
+                            contexts=inv.contexts())
 
 
 def _usable_backend(cfg, what: str) -> GpuBackend:
@@ -122,7 +123,7 @@ def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
     section = records.describe(pids, inv, vis)
     if before_lock:  # journaled before the hook is asked: a migrt killed from here on is recovered, and
         before_lock(pids)  # the recovery tells the hook's processes "post-restore" (ops/recover.py)
-    opened = open_gate(cfg, f"container {container_id}", pids, inv.driver_version, config)
+    opened = open_gate(cfg, f"container {container_id}", pids, inv, config)
     section.update(opened.record())
     progress("phase", name="gpu-checkpoint", processes=len(pids))
     try:

@@ -86,6 +86,23 @@ def test_checkpoint_with_p2p_and_shm_off_goes_ahead_on_both_gpus_and_restores_sw
     assert node.states(NEW_INIT, NEW_CHILD) == [RUNNING, RUNNING]
 
 
+@pytest.mark.parametrize("apart", [True, False])
+def test_the_checkpoint_tells_gpus_apart_by_the_drivers_list(cfg, node, two_ranks, apart):
+    """Two PyTorch processes (libnccl mapped, no communicator seen) with NCCL's defaults: refused when
+    the driver lists them on other GPUs, going ahead when on one GPU (the checkpoint passes the
+    inventory's compute processes to the rule)."""
+    nccl_rank(two_ranks, INIT, 0, via="lib")
+    nccl_rank(two_ranks, CHILD, 1 if apart else 0, via="lib")
+    node.inv.processes = {INIT: [(U0, 6 << 30)], CHILD: [(U1 if apart else U0, 6 << 30)]}
+    node.inv.processes_seen = True
+    if apart:
+        with pytest.raises(peers.PeerStateRefused, match="NCCL loaded"):
+            take_checkpoint(cfg)
+        assert node.backend.calls_of("lock") == []
+    else:
+        assert take_checkpoint(cfg)["gpu"]["processes"]
+
+
 def test_restore_gpus_must_be_the_containers_own(cfg, node, tmp_path, two_ranks):
     take_checkpoint(cfg)
     with pytest.raises(PreconditionFailed, match="restore-gpus names .* but the new container is given"):
@@ -174,7 +191,7 @@ class Job:
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "MIGRT_HOOK_DIR": str(tmp_path / "hooks"),
                **mode.pop("env", {})}
         mode["tag"] = self.tag
-        ranks = " ".join(f"{marker} FAKE_CUDA_GPU={r} {sys.executable} -c \"$W\" {r} '{json.dumps(mode)}' {self.log} &"
+        ranks = " ".join(f"{marker} FAKE_CUDA_GPU={0 if mode.get('one_gpu') else r} {sys.executable} -c \"$W\" {r} '{json.dumps(mode)}' {self.log} &"
                          for r in (0, 1))
         self.proc = subprocess.Popen(["sh", "-c", f"{ranks} wait"], env={**env, "W": WORKER},
                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -232,6 +249,17 @@ def test_gpu_suspend_of_nccl_peers_is_refused_and_the_job_runs_on(gpu_node, job)
     assert "hold peer-to-peer or IPC state" in r.stderr and "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1" in r.stderr
     assert calls(gpu_node, "lock") == []
     assert gpu_preempt.read_record(str(gpu_node.runc_root), j.cid) is None
+    assert gpu_node.states(j.ranks) == [RUNNING, RUNNING]
+
+
+def test_gpu_suspend_of_nccl_processes_on_one_gpu_goes_ahead(gpu_node, job):
+    """The driver lists both on GPU 0: no intra-node NCCL peers (gpu suspend passes its inventory's
+    compute processes to the rule; without them both would count as apart and be refused)."""
+    j = job(nccl=True, one_gpu=True)
+    assert set(j.gpus().values()) == {U0}
+    gpu_node.cli("gpu", "suspend", j.cid, "--root", str(gpu_node.runc_root))
+    assert gpu_node.states(j.ranks) == [CHECKPOINTED, CHECKPOINTED]
+    gpu_node.cli("gpu", "resume", j.cid, "--root", str(gpu_node.runc_root))
     assert gpu_node.states(j.ranks) == [RUNNING, RUNNING]
 
 

@@ -21,15 +21,22 @@ class ProcTree:
         root.mkdir(parents=True, exist_ok=True)
         self.unix: list[str] = []
 
-    def add(self, pid: int, *, maps_gpus=(), open_gpus=(), shm=False, env=None, sockets=(), files=None) -> int:
+    def add(self, pid: int, *, maps_gpus=(), open_gpus=(), shm=False, env=None, sockets=(), files=None,
+            threads=("python3",), nccl_lib=False) -> int:
         d = self.root / str(pid)
         (d / "fd").mkdir(parents=True)
         (d / "ns").mkdir()
         (d / "net").mkdir()
         os.symlink(NET_NS, d / "ns" / "net")
+        for i, name in enumerate(threads):
+            (d / "task" / str(pid + i)).mkdir(parents=True)
+            (d / "task" / str(pid + i) / "comm").write_text(name + "\n")
         lines = ["55d000000000-55d000001000 r-xp 00000000 08:01 12 /usr/bin/python3.12",
                  "7f1000000000-7f1000200000 r-xp 00000000 08:01 13 /usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05",
                  "7f1100000000-7f1100001000 rw-s 00000000 00:05 5 /dev/nvidiactl"]
+        if nccl_lib:
+            lines.append("7f1300000000-7f1300100000 r-xp 00000000 08:01 14 "
+                         "/usr/lib/python3/site-packages/nvidia/nccl/lib/libnccl.so.2")
         lines += [f"7f12{m:08x}-7f12{m:08x}1000 rw-s 00000000 00:05 {600 + m} /dev/nvidia{m}" for m in maps_gpus]
         if shm:
             lines.append(SHM_MAP)
@@ -75,17 +82,25 @@ def blocked(proc: ProcTree, pids, **kw) -> dict[int, list[str]]:
     return out
 
 
-def nccl_rank(proc: ProcTree, pid: int, gpu: int, *, via="socket", env=None, files=None) -> int:
+U0, U1 = "GPU-00000000-0000-0000-0000-0000000000a0", "GPU-00000000-0000-0000-0000-0000000000b1"
+UUIDS = (U0, U1)
+TORCH_THREADS = ("python3", "cuda-EvtHandlr", "pt_nccl_watchdg", "pt_nccl_heartbt")
+
+
+def nccl_rank(proc: ProcTree, pid: int, gpu: int, *, via="socket", env=None, files=None, maps_gpus=None) -> int:
     """A torch.distributed rank on its own GPU, NCCL initialised: it opens every GPU of the container
-    (cuInit) but maps only its own; its communicator shows as NCCL's proxy socket (cuMem, the default)
-    or as NCCL's shared memory (legacy)."""
+    (cuInit); its communicator shows as NCCL's proxy socket, NCCL's shared memory (legacy), PyTorch's
+    process-group threads only (what torch 2.11 with NCCL 2.28 showed on the 2x H200 machine), or not
+    at all (via="lib": libnccl mapped, no communicator yet). Every rank maps libnccl (PyTorch)."""
     sockets = ()
     if via == "socket":
         sockets = (proc.socket(90000 + pid, f"@/tmp/nccl-socket-{gpu}-5f3a9c"),)
-    return proc.add(pid, maps_gpus=(gpu,), open_gpus=(0, 1), shm=via == "shm", env=env, sockets=sockets, files=files)
+    threads = TORCH_THREADS if via == "threads" else ("python3",)
+    return proc.add(pid, maps_gpus=(gpu,) if maps_gpus is None else maps_gpus, open_gpus=(0, 1), shm=via == "shm",
+                    env=env, sockets=sockets, files=files, threads=threads, nccl_lib=True)
 
 
-@pytest.mark.parametrize("via", ["socket", "shm"])
+@pytest.mark.parametrize("via", ["socket", "shm", "threads", "lib"])
 def test_two_nccl_ranks_with_the_defaults_are_refused(proc, via):
     a, b = nccl_rank(proc, 101, 0, via=via), nccl_rank(proc, 102, 1, via=via)
     assert blocked(proc, [a, b]) == {a: ["nccl-peers"], b: ["nccl-peers"]}
@@ -110,8 +125,9 @@ def test_one_transport_left_on_is_refused_and_named(proc):
     a = nccl_rank(proc, 101, 0, env={"NCCL_P2P_DISABLE": "1"})
     b = nccl_rank(proc, 102, 1, env={"NCCL_P2P_DISABLE": "1"})
     v = peers.assess([a, b], driver_version="580", proc=str(proc.root))
-    assert [f.detail for f in v.blocked] == ["NCCL communicator with intra-node peer(s) 102, SHM transport on",
-                                             "NCCL communicator with intra-node peer(s) 101, SHM transport on"]
+    assert [f.detail for f in v.blocked] == [
+        "NCCL communicator (proxy socket) with intra-node peer(s) 102 on other GPUs, SHM transport on",
+        "NCCL communicator (proxy socket) with intra-node peer(s) 101 on other GPUs, SHM transport on"]
 
 
 def test_nccl_config_files_count_below_the_environment(proc):
@@ -148,14 +164,65 @@ def test_processes_without_nccl_peers_pass(proc):
 
 
 def test_a_context_on_another_processes_gpu_is_refused(proc):
-    """vLLM's custom all-reduce: legacy CUDA IPC with peer access maps the peer's GPU too."""
+    """The driver lists a process on its own GPU and on a GPU another process of the container uses
+    (CUDA peer access into that process's memory)."""
     a = proc.add(101, maps_gpus=(0, 1), open_gpus=(0, 1))
-    b = proc.add(102, maps_gpus=(1, 0), open_gpus=(0, 1))
-    v = peers.assess([a, b], driver_version="580", proc=str(proc.root))
-    assert {(f.pid, f.rule) for f in v.blocked} == {(101, "peer-context"), (102, "peer-context")}
-    assert "context on /dev/nvidia0, /dev/nvidia1" in v.blocked[0].detail
+    b = proc.add(102, maps_gpus=(0, 1), open_gpus=(0, 1))
+    ctx = {a: [U0, U1], b: [U1]}
+    v = peers.assess([a, b], driver_version="580", contexts=ctx, proc=str(proc.root))
+    assert [(f.pid, f.rule) for f in v.blocked] == [(101, "peer-context")]
+    assert f"context on GPU {U1}, where another process of the container has one too" in v.blocked[0].detail
     single = proc.add(103, maps_gpus=(0, 1), open_gpus=(0, 1))  # one process on two GPUs, nobody else
-    assert blocked(proc, [single]) == {}
+    assert blocked(proc, [single], contexts={single: [U0, U1]}) == {}
+
+
+def test_mapped_device_files_alone_refuse_nothing(proc):
+    """What the 2x H200 machine showed: each rank of a torch.distributed job maps /dev/nvidia0 AND
+    /dev/nvidia1 while the driver lists it on its own GPU only. With P2P and SHM off (case (b)) that
+    job must go ahead: the mappings were read as 'a context on another process's GPU' and refused it."""
+    off = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    a = nccl_rank(proc, 101, 0, via="threads", env=off, maps_gpus=(0, 1))
+    b = nccl_rank(proc, 102, 1, via="threads", env=off, maps_gpus=(0, 1))
+    ctx = {a: [U0], b: [U1]}
+    v = peers.assess([a, b], driver_version="580", contexts=ctx, proc=str(proc.root))
+    assert v.findings == []
+    assert blocked(proc, [a, b]) == {}  # nor without the driver's list
+
+
+def test_nccl_defaults_seen_by_torchs_threads_are_refused_as_nccl_peers(proc):
+    """Case (a) as the 2x H200 machine showed it (NCCL 2.28: no /dev/shm/nccl-* mapping, no proxy
+    socket seen; PyTorch's pt_nccl_* threads; both GPUs' files mapped; one GPU each per the driver)."""
+    a = nccl_rank(proc, 101, 0, via="threads", maps_gpus=(0, 1))
+    b = nccl_rank(proc, 102, 1, via="threads", maps_gpus=(0, 1))
+    v = peers.assess([a, b], driver_version="580.159.04", contexts={a: [U0], b: [U1]}, proc=str(proc.root))
+    assert [(f.pid, f.rule) for f in v.blocked] == [(101, "nccl-peers"), (102, "nccl-peers")]
+    assert v.blocked[0].detail == ("NCCL communicator (threads pt_nccl_heartbt, pt_nccl_watchdg) with intra-node "
+                                   "peer(s) 102 on other GPUs, P2P and SHM transport on")
+
+
+def test_nccl_loaded_counts_only_between_processes_on_other_gpus(proc):
+    """libnccl mapped (every PyTorch CUDA process) with no communicator seen: refused when another
+    such process runs on another GPU, not when both share one GPU (NCCL refuses two ranks on one GPU),
+    and a process the driver lists on no GPU (a DataLoader worker forked from a rank) is nobody's peer."""
+    a = nccl_rank(proc, 101, 0, via="lib")
+    b = nccl_rank(proc, 102, 1, via="lib")
+    worker = nccl_rank(proc, 103, 0, via="lib")  # forked: inherits libnccl and the device files
+    v = peers.assess([a, b], driver_version="580", contexts={a: [U0], b: [U1]}, proc=str(proc.root))
+    assert [f.rule for f in v.blocked] == ["nccl-peers", "nccl-peers"]
+    assert v.blocked[0].detail.startswith("NCCL loaded (libnccl.so.2; no communicator seen yet) with intra-node "
+                                          "peer(s) 102 on other GPUs")
+    assert blocked(proc, [a, b], contexts={a: [U0], b: [U0]}) == {}
+    assert blocked(proc, [a, worker], contexts={a: [U0]}) == {}
+
+
+def test_without_the_drivers_list_every_pair_counts_as_apart(proc):
+    """No NVML, or a list naming none of the container's processes (another pid namespace): the rule
+    cannot tell GPUs apart, so it assumes they are (a lost job costs more than a refusal)."""
+    a = nccl_rank(proc, 101, 0, via="lib")
+    b = nccl_rank(proc, 102, 0, via="lib")
+    assert blocked(proc, [a, b]) == {a: ["nccl-peers"], b: ["nccl-peers"]}
+    assert blocked(proc, [a, b], contexts={7: [U0], 8: [U0]}) == {a: ["nccl-peers"], b: ["nccl-peers"]}
+    assert blocked(proc, [a, b], contexts={a: [U0], b: [U0]}) == {}
 
 
 def test_the_hook_a_declaration_or_a_newer_driver_let_it_through(proc):
@@ -183,9 +250,10 @@ def test_a_registered_peer_without_visible_nccl_still_makes_a_peer(proc):
 
 def test_evidence_is_what_the_rule_saw(proc):
     a = nccl_rank(proc, 101, 0, env={"NCCL_P2P_DISABLE": "1", "NCCL_DEBUG": "INFO"})
-    ev = peers.assess([a], driver_version="580", proc=str(proc.root)).to_dict()
-    assert ev["processes"] == [{"pid": 101, "gpus_mapped": [0], "gpus_open": [0, 1], "nccl_shm": 0,
-                                "nccl_socket": True, "nccl": {"NCCL_P2P_DISABLE": "1"}, "declared_off": False}]
+    ev = peers.assess([a], driver_version="580", contexts={a: [U0]}, proc=str(proc.root)).to_dict()
+    assert ev["processes"] == [{"pid": 101, "gpus_ctx": [U0], "gpus_mapped": [0], "gpus_open": [0, 1],
+                                "nccl_threads": [], "nccl_lib": "libnccl.so.2", "nccl_shm": 0, "nccl_socket": True,
+                                "nccl": {"NCCL_P2P_DISABLE": "1"}, "declared_off": False}]
 
 
 @pytest.mark.parametrize("bad", ["run/x", "/run/../etc", "/run/./x", "/"])
