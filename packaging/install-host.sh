@@ -117,6 +117,7 @@ relocate() {
 
 # 1. PREFIX: the payload copied beside it, relocated, checked on the host, then swapped in whole, so
 #    that no half-copied tree is ever in use (a node's containerd may run migrt-runc at any moment).
+#    A copy that differs from the installed one only in bytecode caches is "up to date".
 mkdir -p "$(dirname "$dest")"
 new="$(dirname "$dest")/.migrt.new.$$"
 old="$(dirname "$dest")/.migrt.old.$$"
@@ -124,7 +125,7 @@ trap 'rm -rf "$new"' EXIT
 rm -rf "$new"
 cp -a "$source" "$new"
 [ "$built" = "$prefix" ] || relocate "$new"
-if [ -d "$dest" ] && diff -r -q --no-dereference "$new" "$dest" >/dev/null 2>&1; then
+if [ -d "$dest" ] && diff -r -q --no-dereference -x __pycache__ "$new" "$dest" >/dev/null 2>&1; then
     log "$prefix is up to date"
 else
     # The payload's python and CRIU run from any directory (found by their own location): try them on
