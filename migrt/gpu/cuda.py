@@ -37,6 +37,7 @@ CUDA_ERROR_NOT_FOUND = 500
 CUDA_ERROR_NOT_PERMITTED = 800
 CUDA_ERROR_NOT_SUPPORTED = 801
 CUDA_ERROR_TIMEOUT = 909
+CUDA_ERROR_NOT_READY = 600  # a lock whose timeout ran out (r570+ drivers)
 
 # CUprocessState
 _STATES = {0: RUNNING, 1: LOCKED, 2: CHECKPOINTED, 3: FAILED}
@@ -77,6 +78,10 @@ _HINTS = {
     (CUDA_ERROR_NOT_FOUND, None): "no CUDA process with this pid (or it never initialised CUDA)",
     (CUDA_ERROR_NOT_PERMITTED, None): "run as root",
     (CUDA_ERROR_TIMEOUT, None): "the process did not reach a lockable point in time; raise the lock timeout",
+    (CUDA_ERROR_NOT_READY, LOCK): ("the process did not reach a lockable point in time: work it submitted is still "
+                                   "running (a long kernel, or a collective waiting for a peer process that was "
+                                   "locked first); raise the lock timeout (gpu_lock_timeout_ms), or have the "
+                                   "ranks stop at one step with the application hook"),
 }
 
 

@@ -2,7 +2,10 @@
 
 suspend_all: lock all (so that no process submits work to a peer that is already frozen), then
 checkpoint all. On any failure every process already touched is brought back (restore, unlock)
-so the workload goes on, and the first error is raised with what the undo could not do.
+so the workload goes on, and the first error is raised with what the undo could not do. Locks that
+time out while others succeeded are tried once more after the undo: processes that talk to each
+other (NCCL collectives without the application hook) can have work in flight that waits for a peer
+locked a moment earlier, which never completes while that peer stays locked; unlocked, it does.
 resume_all: restore all (onto other GPUs with a remap), then unlock all; every process is tried,
 and one error names every process that did not come back.
 resume_as_ready: the same, but each process's restore starts as soon as its host memory is in (a
@@ -16,10 +19,13 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from migrt import log as log_mod
 from migrt.errors import MigrtError
 from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuBackend, GpuCannotRestore, GpuError, Remap
 
 DEFAULT_LOCK_TIMEOUT_MS = 30_000
+LOCK_TIMED_OUT = (600, 909)  # CUDA_ERROR_NOT_READY (what r570+ drivers return), CUDA_ERROR_TIMEOUT
+LOCK_RETRIES = 1
 
 
 def _each(pids: list[int], fn: Callable[[int], None], parallel: bool) -> dict[int, BaseException]:
@@ -67,8 +73,28 @@ def _bring_back(backend: GpuBackend, pid: int, known: str) -> None:
 
 
 def suspend_all(pids: list[int], backend: GpuBackend, timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, *,
-                parallel: bool = True) -> None:
+                parallel: bool = True, retries: int = LOCK_RETRIES) -> None:
     pids = list(dict.fromkeys(pids))
+    for attempt in range(retries + 1):
+        try:
+            return _suspend_once(pids, backend, timeout_ms, parallel)
+        except _LockTimedOut as exc:
+            if attempt == retries:
+                raise exc.error from exc.error.__cause__
+            log_mod.get().warning("gpu_lock_retry", pids=pids, timed_out=exc.pids, attempt=attempt + 1,
+                                  error=str(exc.error))
+            time.sleep(0.2)
+
+
+class _LockTimedOut(Exception):
+    """Some locks timed out, the others were undone: worth one more try."""
+
+    def __init__(self, error: GpuError, pids: list[int]) -> None:
+        super().__init__(str(error))
+        self.error, self.pids = error, pids
+
+
+def _suspend_once(pids: list[int], backend: GpuBackend, timeout_ms: int, parallel: bool) -> None:
     phase = "lock"
     errors = _each(pids, lambda p: backend.lock(p, timeout_ms), parallel)
     if errors:
@@ -84,9 +110,13 @@ def suspend_all(pids: list[int], backend: GpuBackend, timeout_ms: int = DEFAULT_
     details = [f"pid {p}: {e}" for p, e in errors.items() if e is not cause]
     details += [f"undo pid {p}: {e}" for p, e in undo.items()]
     left = "; every process was resumed" if not undo else f"; {len(undo)} process(es) could NOT be resumed"
-    raise GpuError(f"GPU {phase} of {len(pids)} process(es) failed: {cause}{left}",
-                   call=getattr(cause, "call", ""), pid=getattr(cause, "pid", None),
-                   code=getattr(cause, "code", None), details=details) from cause
+    error = GpuError(f"GPU {phase} of {len(pids)} process(es) failed: {cause}{left}",
+                     call=getattr(cause, "call", ""), pid=getattr(cause, "pid", None),
+                     code=getattr(cause, "code", None), details=details)
+    error.__cause__ = cause
+    if phase == "lock" and not undo and all(getattr(e, "code", None) in LOCK_TIMED_OUT for e in errors.values()):
+        raise _LockTimedOut(error, sorted(errors))
+    raise error
 
 
 def resume_all(pids: list[int], backend: GpuBackend, remap: Remap | None = None, *, parallel: bool = True) -> None:

@@ -482,3 +482,41 @@ def test_a_migrt_killed_after_asking_the_hook_is_recovered_and_the_processes_tol
     [outcome] = recover.recover(cfg)
     assert outcome.status == "recovered" and "told 1 application hook(s) 'post-restore'" in outcome.actions
     assert sent == [(apphooks.PRE, None), (apphooks.POST, apphooks.RESUMED)]
+
+
+# -- locks that time out while a peer is already locked -----------------------------------------------------
+def test_a_lock_that_times_out_is_undone_and_tried_once_more():
+    """Rank B's all-reduce waits for rank A, locked a moment earlier: B's lock times out
+    (CUDA_ERROR_NOT_READY). Everything is unlocked (A runs, B's collective completes) and the locks
+    are tried again; the second try succeeds."""
+    from migrt.gpu.fake import FakeGpuBackend
+
+    b = FakeGpuBackend([1, 2])
+    b.fail("lock", 2, code=600, message="CUDA_ERROR_NOT_READY")
+    suspend_all([1, 2], b, 5000, parallel=False)
+    assert b.states == {1: CHECKPOINTED, 2: CHECKPOINTED}
+    assert [(c, p) for c, p, _ in b.calls if c != "state"] == [
+        ("lock", 1), ("lock", 2), ("unlock", 1), ("lock", 1), ("lock", 2), ("checkpoint", 1), ("checkpoint", 2)]
+
+
+def test_locks_that_keep_timing_out_or_fail_otherwise_are_not_retried_forever():
+    from migrt.gpu.fake import FakeGpuBackend
+
+    b = FakeGpuBackend([1, 2])
+    b.fail("lock", 2, code=909, times=2, message="CUDA_ERROR_TIMEOUT")
+    with pytest.raises(Exception, match="GPU lock of 2 process.*CUDA_ERROR_TIMEOUT.*every process was resumed"):
+        suspend_all([1, 2], b, 5000, parallel=False)
+    assert b.calls_of("lock") == [1, 2, 1, 2] and b.states == {1: RUNNING, 2: RUNNING}
+    other = FakeGpuBackend([1, 2])
+    other.fail("lock", 2, code=999)  # not a timeout: no second try
+    with pytest.raises(Exception, match="injected failure"):
+        suspend_all([1, 2], other, 5000, parallel=False)
+    assert other.calls_of("lock") == [1, 2] and other.states == {1: RUNNING, 2: RUNNING}
+
+
+def test_a_lock_timeout_says_what_holds_the_process():
+    from migrt.gpu import cuda
+
+    assert "collective waiting for a peer process that was locked first" in cuda.hint(cuda.CUDA_ERROR_NOT_READY,
+                                                                                       cuda.LOCK)
+    assert cuda.hint(cuda.CUDA_ERROR_NOT_READY, cuda.RESTORE) is None  # said only where it is true
