@@ -30,6 +30,9 @@ def _rate(nbytes: int, seconds: float | None) -> str:
                    "where the kernel lacks it). 0 turns them off.")
 @click.option("--lazy", is_flag=True, help="Post-copy: the target runs before the memory has arrived; pages "
                                            "follow on demand from a CRIU page server here.")
+@click.option("--direct", is_flag=True,
+              help="Stop-and-copy without images: the memory goes from the frozen container straight into the "
+                   "target's restored processes over several streams, which run once all of it is in.")
 @click.option("--name", help="Checkpoint name on the target (default: <container>-<UTC timestamp>).")
 @click.option("--free-source-early", is_flag=True,
               help="Destroy the frozen source as soon as the target has committed the checkpoint, before it "
@@ -40,7 +43,7 @@ def _rate(nbytes: int, seconds: float | None) -> str:
                    "migration_streams; 0 there: half the CPUs, 1 to 8). The receiver may take fewer.")
 @JSON
 @handle_errors
-def migrate(container_id, to, root, pre_dump, lazy, name, free_source_early, streams, as_json):
+def migrate(container_id, to, root, pre_dump, lazy, direct, name, free_source_early, streams, as_json):
     """Move a running container to another node's 'migrt receive'.
 
     Until the target holds the container's state, any failure resumes the container here.
@@ -48,12 +51,15 @@ def migrate(container_id, to, root, pre_dump, lazy, name, free_source_early, str
     from migrt.migration.migrate import MigrateRequest
     from migrt.migration.migrate import migrate as do_migrate
 
+    if lazy and direct:
+        raise click.UsageError("--lazy and --direct are two modes: choose one")
     cfg = load_config()
     progress = ConsoleProgress(enabled=None if not as_json else False)
     if progress.enabled:
         click.echo(f"migrating {container_id} to {to}", err=True)
     res = do_migrate(cfg, MigrateRequest(container_id=container_id, to=to, root=root, name=name, pre_dump=pre_dump,
-                                         lazy=lazy, free_source_early=free_source_early, streams=streams),
+                                         lazy=lazy, direct=direct, free_source_early=free_source_early,
+                                         streams=streams),
                      progress=progress)
     if as_json:
         emit_json(res)

@@ -51,7 +51,7 @@ from migrt.migration import pageserve
 from migrt.migration.tls import TLSFiles
 from migrt.pagefill import images as pagefill_images
 
-MODES = ("stop-and-copy", "lazy")
+MODES = ("stop-and-copy", "lazy", "direct")
 MAX_PRE_DUMPS = 8
 LAZY_READY_TIMEOUT = 120.0
 
@@ -69,6 +69,9 @@ class MigrateRequest:
     # restart here is refused (runtime/moved.py); written before the source is destroyed
     moved: dict | None = None
     streams: int | None = None  # stop-and-copy: connections the files travel over (None: migration_streams)
+    # stop-and-copy without images: the memory goes from the frozen source into the restored tasks over
+    # the lazy path's page streams, the target's tree held until every page is in (docs/migration.md)
+    direct: bool = False
 
 
 class MigrationFailed(MigrtError):
@@ -219,16 +222,16 @@ def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
     if state.get("status") not in ("running", "paused"):
         raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be migrated")
     name = names.validate(req.name) if req.name else default_name(req.container_id)
-    mode = "lazy" if req.lazy else "stop-and-copy"
+    mode = "lazy" if req.lazy else "direct" if req.direct else "stop-and-copy"
     plan = pre_dump_plan(req.pre_dump)
-    if req.lazy:
+    if mode in ("lazy", "direct"):  # CRIU's lazy dump, the pages from the frozen source
         lazy_mod.lazy_preflight("source")
         from migrt.ops import space
 
         est = space.estimate(state.get("pid"))
         problem = lazy_mod.lazy_dump_problem(est.memory + est.gpu)  # GPU memory ends in the tasks' memory
         if problem:  # before anything is frozen (CRIU would fail half-way through the dump)
-            raise PreconditionFailed(f"lazy migration of {req.container_id} is not possible on this node: {problem}")
+            raise PreconditionFailed(f"{mode} migration of {req.container_id} is not possible on this node: {problem}")
     bundle_dir = state.get("bundle") or ""
     try:
         bundle = Bundle.load(bundle_dir)
@@ -294,7 +297,7 @@ def send(cfg: Config, req: MigrateRequest, prep: _Prepared, ch: Channel, progres
                              prep.gpu, moved=req.moved)
             source.staging = staging.path
             run = _Run(ch, ready, source, staging, prep.opts, fields, bundle, req, result, progress, cfg)
-            run.lazy() if req.lazy else run.stop_and_copy()
+            run.lazy() if prep.mode in ("lazy", "direct") else run.stop_and_copy()
         guard.arm({"do": "nothing"})  # the staging directory is gone with the writer
     finally:
         ch.close()
@@ -474,9 +477,10 @@ class _Run:
         source; migrt's page server (pageserve.py) then serves it to the target's page filler over
         several streams while the target already runs."""
         req, ch, source = self.req, self.ch, self.source
-        failed = f"lazy migration of {req.container_id} to {req.to} failed"
+        mode = self.result["mode"]  # lazy, or direct: the target runs only once every page is in
+        failed = f"{mode} migration of {req.container_id} to {req.to} failed"
         if not self.ready.get("restore"):
-            raise UsageError(f"lazy migration needs a target that restores at once; start 'migrt receive' on "
+            raise UsageError(f"{mode} migration needs a target that restores at once; start 'migrt receive' on "
                              f"{req.to} with --restore BUNDLE")
         if "migrt-pages/1" not in (self.ready.get("pages") or []):
             raise UsageError(f"the receiver on {req.to} fetches lazy pages with CRIU's daemon (an older migrt): "
@@ -527,6 +531,8 @@ class _Run:
         t0 = time.monotonic()
         self._hand_over()
         running = False
+        if mode == "direct":  # the pages arrive during the restore: the target's heartbeats tell how far
+            ch.on_alive = self._pages_progress()
         try:
             ch.send({"type": "commit", "manifest": {**self.fields, "files": files},
                      "pages": {"protocol": "migrt-pages/1", "port": server.port}})
@@ -547,7 +553,7 @@ class _Run:
                     if running else "")
             raise MigrationFailed(f"{failed}: {exc}; {source.rollback(target_kept=True)}{lost}", exc) from exc
         except (MigrtError, KeyboardInterrupt) as exc:
-            self._lost_target(exc, f"lost the target during the lazy migration of {req.container_id}")
+            self._lost_target(exc, f"lost the target during the {mode} migration of {req.container_id}")
             return
         served = server.wait(self.cfg.migration_stall_timeout * 3)  # it ends on the target's last word
         self._timed("pages", t0)

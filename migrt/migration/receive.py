@@ -56,7 +56,8 @@ from migrt.runtime.markers import marker_path
 
 PAGES_PROTOCOL = "migrt-pages/1"  # lazy pages from migrt's page server (pageserve.py, pagefill/remote.py)
 
-MODES = ("stop-and-copy", "lazy")
+MODES = ("stop-and-copy", "lazy", "direct")
+PAGE_MODES = ("lazy", "direct")  # the memory comes from the source's page server (direct: before anything runs)
 DECIDE_TIMEOUT = 3600.0  # a query waits for the migration it asks about (which progress deadlines bound)
 
 Report = Callable[[dict], None]
@@ -247,9 +248,9 @@ class Receiver:
                                f"migration of {offer.get('container_id')}")
         if gpu is not None:
             out["gpu"] = gpu
-        if mode == "lazy":
+        if mode in PAGE_MODES:
             if not self.opts.restore_bundle:
-                raise UsageError("lazy migration needs a target that restores at once: start 'migrt receive' "
+                raise UsageError(f"{mode} migration needs a target that restores at once: start 'migrt receive' "
                                  "with --restore BUNDLE")
             lazy_mod.lazy_preflight("target")
         if name in self._deciding:
@@ -294,17 +295,17 @@ class Receiver:
             fields["migration"] = {"from": ch.peer, "mode": mode, "received_at": _utc(time.time()),
                                    "source_container": offer.get("container_id")}
             fill = None
-            if mode == "lazy":
+            if mode in PAGE_MODES:
                 spec = self._page_source(msg, ch)
                 fields["lazy"] = {"pages": "on the source's page server", "address": spec["address"],
                                   "port": spec["port"]}
                 imp.verify(manifest.get("files"))  # CRIU never reads an unverified image
-                fill = self._start_filler(imp.images, spec, restore_id)
+                fill = self._start_filler(imp.images, spec, restore_id, first=mode == "direct")
                 guard.arm({"do": "remove", "remove": [imp.path], "pids": [fill.proc.pid]})
             t1 = time.monotonic()
             try:
                 with ch.busy("commit"):
-                    imp.commit(fields, manifest.get("files"), durable=mode != "lazy")
+                    imp.commit(fields, manifest.get("files"), durable=mode not in PAGE_MODES)
             except BaseException:
                 if fill:
                     _stop_fill(fill)
@@ -314,7 +315,7 @@ class Receiver:
         if fill:
             out["unsettled"] = True  # until the sender's bye: it may have to ask again
             guard.arm({"do": "remove", "pids": [fill.proc.pid], "store": self.store.root, "name": name})
-            self._restore_lazy(ch, name, restore_id, fill, guard, decided, out)
+            self._restore_lazy(ch, name, restore_id, fill, guard, decided, out, direct=mode == "direct")
             return
         guard.arm({"do": "nothing"})  # the committed checkpoint stays, whatever happens next
         # From here until the sender's bye, a sender that loses us may be about to ask again (it asks
@@ -406,15 +407,16 @@ class Receiver:
         return {"address": ch.peer_host, "port": ps["port"], "key": ch.pages_key.hex(),
                 "tls": self.cfg.migration_tls or None, "timeout": self.stall}
 
-    def _start_filler(self, images: str, spec: dict, restore_id: str) -> PageFill:
+    def _start_filler(self, images: str, spec: dict, restore_id: str, first: bool = False) -> PageFill:
         """The page filler for the images just verified, fetching from the source: started before the
         commit and the restore's preparations, so that its start-up overlaps them. It keeps the images
-        directory open, so the commit's rename does not disturb it."""
+        directory open, so the commit's rename does not disturb it. first (a direct migration): it
+        copies from CRIU's post-restore on, while the restore holds the tree there (ops/pages.py)."""
         from migrt.ops import pages
 
         try:
             return PageFill.start(images, threads=pages.streams(self.cfg), container_id=restore_id, root=self.root,
-                                  log_file=self.cfg.log_file, remote=spec)
+                                  log_file=self.cfg.log_file, remote=spec, post_restore=True if first else None)
         except MigrtError as exc:
             raise RuntimeFailed(f"lazy migration: {exc}") from exc
 
@@ -468,14 +470,20 @@ class Receiver:
             raise
 
     def _restore_lazy(self, ch: Channel, name: str, restore_id: str, fill: PageFill, guard: Guard,
-                      decided: threading.Event, out: dict) -> None:
+                      decided: threading.Event, out: dict, direct: bool = False) -> None:
         """Restore at once from a checkpoint without memory pages; the page filler fetches them from the
         source while the container already runs. The copy is kept only if every page arrives;
         otherwise it is killed (the filler's guard does it; we then remove what is left) before the
-        sender hears about it. The pageless checkpoint is removed afterwards."""
+        sender hears about it. The pageless checkpoint is removed afterwards. direct: the restored tree
+        is held at CRIU's post-restore until every page is in (RestoreTarget.fill_first): it runs with
+        all of its memory, and a failure before that leaves nothing that ran."""
+        def progress() -> dict:
+            st = fill.status()
+            return {"done_bytes": st.get("copied_bytes") or 0, "total_bytes": st.get("lazy_bytes") or 0}
+
         try:
-            with ch.busy("restore"):
-                res = self._restore(name, restore_id, guard, fill)
+            with ch.busy("restore", info=progress if direct else None, every=1.0 if direct else None):
+                res = self._restore(name, restore_id, guard, fill, **({"fill_first": self.stall} if direct else {}))
             # A receiver killed from here on takes the copy with it (its pages would never all arrive).
             guard.arm({**guard.current, "do": "kill-restore", "runtime": self.runtime, "root": self.root,
                        "cid": restore_id, "pids": [fill.proc.pid], "work": None})

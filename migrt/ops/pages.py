@@ -185,6 +185,56 @@ class PlanCheck:
             self.decision["lazy_bytes"] = planned
 
 
+class FilledFirst:
+    """A restore check (ops/restore_checks.py) of a direct migration (docs/migration.md): the restored
+    tree stays at CRIU's post-restore, where every task is restored, every lazy range registered and
+    none resumed, until the filler has copied every page from the source; so nothing runs on the
+    target without all of its memory, and a transfer that breaks leaves nothing that ran. The filler
+    was started with a post_restore file of its own (PageFill.start(post_restore=True)): this check
+    creates it once the gate has run, the filler then copies with all its threads, and the check
+    returns when the fill is over. It fails when the restore ended without reaching the gate, the
+    filler failed, or no page arrived for `stall` seconds (the verdict then makes CRIU kill the tree)."""
+
+    def __init__(self, fill, checks, *, stall: float) -> None:
+        self.fill, self.checks, self.stall = fill, checks, stall
+
+    def __call__(self) -> dict:
+        ran = self.checks.ran_path
+        while not os.path.exists(ran):
+            if self.checks.ended.is_set():
+                raise RuntimeFailed("restore failed before its tree was restored (the memory never went in)")
+            check(self.fill)
+            time.sleep(0.005)
+        with open(self.fill.post_restore, "w"):
+            pass
+        last, t_last = -1, time.monotonic()
+        while True:
+            st = self.fill.status()
+            if st.get("state") == "done" or _all_in(st):
+                return {k: st.get(k) for k in ("copied_bytes", "lazy_bytes", "fill_s") if k in st}
+            check(self.fill)
+            if st.get("state") == "aborted" or self.checks.ended.is_set():
+                raise RuntimeFailed("restore failed: its memory did not all arrive (the filler stopped)")
+            now = time.monotonic()
+            copied = st.get("copied_bytes") or 0
+            if copied != last:
+                last, t_last = copied, now
+            elif now - t_last > self.stall:
+                raise RuntimeFailed(f"restore failed: no memory page arrived for {self.stall:.0f} s "
+                                    f"({copied >> 20} of {(st.get('lazy_bytes') or 0) >> 20} MiB in); the "
+                                    "restored tree never ran")
+            time.sleep(0.01)
+
+
+def _all_in(st: dict) -> bool:
+    """Every process with lazy memory has handed the filler its userfaultfd (their lazy bytes add up to
+    the plan's) and nothing is left to copy: the filler's status (pagefill/engine.py snapshot)."""
+    procs = st.get("pids") or {}
+    planned = st.get("lazy_bytes")
+    return (isinstance(planned, int) and sum(p.get("lazy_bytes") or 0 for p in procs.values()) == planned
+            and st.get("left_bytes") == 0 and all(p.get("left_bytes") == 0 for p in procs.values()))
+
+
 def after_restore(fill, pid: int) -> None:
     """runc restore returned: fail now if the filler already failed, hand it the init pid. The
     restore then waits for every page only when asked to (`--wait-pages`: wait_all); a GPU restore

@@ -48,6 +48,9 @@ class RestoreTarget:
     before_restore: Callable[[str, str], None] | None = None
     supervise: Callable | None = None
     fill: object | None = None  # a PageFill started by the caller (lazy migration: pages from the source)
+    # a direct migration: the restored tree is held at CRIU's post-restore until `fill` has every page
+    # (ops/pages.py FilledFirst); fill_first is then its stall deadline in seconds
+    fill_first: float | None = None
 
 
 def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: Progress = null_progress) -> dict:
@@ -133,6 +136,9 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
         plan_check = pages.PlanCheck(page_mode, name) if target.fill is None and page_mode["mode"] == "lazy" else None
         if plan_check is not None:
             checks.add("pages_plan", plan_check, deferred=True)
+        if target.fill is not None and target.fill_first:  # nothing runs before all of its memory is in
+            page_mode["fill_first"] = True
+            checks.add("pages_in", pages.FilledFirst(target.fill, checks, stall=target.fill_first), deferred=True)
         checks.start()
         # the page filler (lazy restore) must listen before CRIU starts
         fill = target.fill if target.fill is not None else pages.start(

@@ -70,6 +70,7 @@ class RestoreChecks:
         self._watcher: threading.Thread | None = None
         self._go = threading.Event()  # deferred checks wait for release()
         self._cancelled = False
+        self.ended = threading.Event()  # the restore is over (failure() was called): a check waiting on it stops
 
     def add(self, name: str, fn: Callable[[], object], *, deferred: bool = False) -> None:
         """deferred: the check waits for release() (the caller's last step before runc), so that
@@ -155,6 +156,7 @@ class RestoreChecks:
 
     def failure(self) -> MigrtError | None:
         """Wait for every check; the first failure (in the order added) as a MigrtError, or None."""
+        self.ended.set()
         if not self._go.is_set():  # the restore stopped before runc: deferred checks never run
             self._cancelled = True
             self._go.set()

@@ -218,6 +218,7 @@ class Filler:
         self.files: dict[str, PagesFile] = {}
         self.finished = False          # CRIU said the restore is complete: tasks may be closed
         self.copying = False           # background copies may run: finished, or every task restored
+        self.told_all_in = False       # the status said that nothing is left to copy
         self.post_restore = post_restore  # appears when CRIU reaches post-restore (all VMAs registered)
         self.stop = False
         self.fatal: str | None = None
@@ -288,6 +289,11 @@ class Filler:
             self.tasks[tid] = t
             self._set_segs(t, [Seg(s.start, s.end, s.offset, s.inherited) for s in proc.segments])
             self._check_done(t)
+
+    def _all_copied(self) -> bool:
+        with self.state:
+            return bool(self.tasks) and all(t.done or t.closed or (not t.segs and not t.flight)
+                                            for t in self.tasks.values())
 
     def _check_done(self, t: Task) -> None:
         """Under self.state."""
@@ -663,7 +669,13 @@ class Filler:
                 poller.register(self.guard.fileno(), select.POLLIN)
             poller.register(self.wake_r, select.POLLIN)
             waiting_gate = not self.copying and self.post_restore
-            ready = poller.poll(0 if jobs else 10 if waiting_gate else 200)
+            # copying at a held gate (before CRIU's end of restore): say so at once when all is in, the
+            # restore waits for it (a direct migration: ops/pages.py FilledFirst)
+            held = self.copying and not self.finished
+            if held and not self.told_all_in and self._all_copied():
+                self.told_all_in = True
+                self.write_status("filling")
+            ready = poller.poll(0 if jobs else 10 if waiting_gate or held else 200)
             t_ready = time.monotonic()
             if waiting_gate and os.path.exists(self.post_restore):
                 # CRIU's post-restore: every task restored, every lazy VMA registered, none resumed
@@ -739,8 +751,13 @@ class Filler:
         with self.state:
             pids = {}
             forks = []
+            left = 0
             for t in self.tasks.values():
-                rec = {"lazy_bytes": t.lazy_bytes, "copied_bytes": t.copied, "done": t.done,
+                # still to copy (ranges not taken yet and those being copied): 0 for a process whose memory
+                # is all in, also before CRIU's end of restore (a direct migration's check: ops/pages.py)
+                t_left = 0 if t.done or t.closed else t.remaining() + sum(j.end - j.start for j in t.flight)
+                left += t_left
+                rec = {"lazy_bytes": t.lazy_bytes, "copied_bytes": t.copied, "done": t.done, "left_bytes": t_left,
                        "seconds": round(t.t_done - self.t0, 3) if t.t_done else None}
                 if t.forked_from is None:
                     pids[str(t.vpid)] = rec
@@ -748,7 +765,7 @@ class Filler:
                     forks.append({"vpid": t.vpid, **rec})
             now = self.t_done or time.monotonic()
             out = {"state": state, "threads": self.nthreads, "lazy_bytes": self.plan.lazy_bytes,
-                   "copied_bytes": self.copied, "restore_finished": self.finished,
+                   "copied_bytes": self.copied, "left_bytes": left, "restore_finished": self.finished,
                    "seconds": round(now - self.t0, 3),
                    "fill_s": round(now - self.t_finished, 3) if self.t_finished else None,
                    "pids": pids, "forks": forks, "counts": dict(self.counts), "filler_pid": os.getpid()}

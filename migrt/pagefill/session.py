@@ -44,17 +44,22 @@ class PageFill:
         self.socket_path = os.path.join(run_dir, SOCKET_NAME)
         self.status_path = os.path.join(run_dir, "status.json")
         self.started = time.monotonic()  # the restore's timings say when things happened relative to this
+        self.post_restore: str | None = None  # the file that lets it copy before CRIU's end of restore
         self._last: dict = {}
 
     @classmethod
     def start(cls, images: str, *, threads: int, container_id: str | None = None, root: str | None = None,
               runc_log: str | None = None, log_format: str = "json", log_file: str | None = None,
-              post_restore: str | None = None, remote: dict | None = None) -> PageFill:
+              post_restore: str | bool | None = None, remote: dict | None = None) -> PageFill:
         """Start the guard (and through it the filler) for a restore from `images`. post_restore: a
         file that appears once every task is restored (not resumed): copying may start then, before
-        CRIU's end-of-restore message. remote: the pages are on the source node (lazy migration):
+        CRIU's end-of-restore message; True: one in the run directory, for the caller to create
+        (`fill.post_restore`; a direct migration's restore does, ops/pages.py FilledFirst). remote: the
+        pages are on the source node (lazy migration):
         {"address", "port", "key" (hex), "tls" (None or {cert, key, ca}), "timeout"} (remote.py)."""
         run = _run_dir()
+        if post_restore is True:
+            post_restore = os.path.join(run, "post-restore")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         images_fd = control_r = control_w = -1
         try:
@@ -88,7 +93,9 @@ class PageFill:
             for fd in (images_fd, control_r):
                 if fd >= 0:
                     os.close(fd)
-        return cls(run, proc, control_w, threads)
+        fill = cls(run, proc, control_w, threads)
+        fill.post_restore = post_restore or None
+        return fill
 
     def link(self, work_dir: str) -> None:
         """CRIU finds the filler through lazy-pages.socket in runc's work directory."""

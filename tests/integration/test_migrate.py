@@ -114,6 +114,59 @@ def test_lazy_migration_continues_on_target(nodes, hosts, lazy_capable):
     assert staging_entries(nodes) == []
 
 
+def test_direct_migration_runs_the_target_only_with_all_of_its_memory(nodes, hosts, lazy_capable):
+    """--direct: stop-and-copy without images. CRIU's lazy dump leaves the memory in the frozen source,
+    the target's page filler fetches it over several streams from migrt's page server there, and the
+    restored tree waits at CRIU's post-restore until every page is in (the restore's `pages_in` check
+    spans the whole fill); downtime runs until then, and no image of the memory is written anywhere.
+    Then the same with the target's filler killed half-way: the restored tree never ran (not one tick
+    on the target), the source resumes where it stopped."""
+    src, cid = start_source(nodes, "direct")
+    out = nodes["base"] / f"{cid}.out"
+    recv = Receiver(nodes, hosts, 7911, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
+                    "--container-id", f"{cid}-b", "--output", str(out))
+    try:
+        res = migrate(nodes, hosts, 7911, cid, "--direct")
+        assert res.returncode == 0, res.stderr
+        assert recv.wait() == 0
+    finally:
+        recv.stop()
+    before = src.read_for(0.5)
+    src.close()
+    assert src.status() is None
+    assert_continues(before, wait_ticks(out))
+    data, rec = json.loads(res.stdout), recv.results()[0]
+    assert data["mode"] == "direct" and data["restored"] is True and rec["mode"] == "direct"
+    fill = data["pages"]["fill"]
+    assert fill["copied_bytes"] > 0 and data["pages"]["streams"] >= 2
+    held = rec["timings"]["restore"]["pages_in_s"]  # the tree held at post-restore while the pages came
+    assert held >= fill["fill_s"] and data["downtime_s"] > held, (held, fill, data["downtime_s"])
+    assert data["bytes"] < fill["copied_bytes"]  # what travelled as files: everything but the memory
+    assert data["name"] not in visible(nodes) and staging_entries(nodes) == []
+    subprocess.run(["runc", "--root", nodes["b"]["root"], "delete", "--force", f"{cid}-b"], capture_output=True)
+
+    src, cid = start_source(nodes, "directcut")
+    out = nodes["base"] / f"{cid}.out"
+    recv = Receiver(nodes, hosts, 7912, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
+                    "--container-id", f"{cid}-b", "--output", str(out),
+                    env={**env_of(nodes["b"]), "MIGRT_FILL_FAULT": "after_bytes:65536"})  # the filler dies
+    t_cut = time.monotonic()
+    try:
+        res = migrate(nodes, hosts, 7912, cid, "--direct")
+        took = time.monotonic() - t_cut
+    finally:
+        recv.stop()
+    print(f"[direct, filler killed mid-fill] migrate ended after {took:.2f} s, exit {res.returncode}")
+    assert res.returncode != 0 and "resumed on this node" in res.stderr, res.stderr
+    assert src.status() == "running"
+    after = src.read_for(1.0)
+    assert len(after) >= 3 and after[-1][1] == after[-1][2]  # counting on here, data intact
+    assert not (out.exists() and "tick" in out.read_text()), out.read_text()  # nothing ran on the target
+    assert not os.path.exists(os.path.join(nodes["b"]["root"], f"{cid}-b"))
+    subprocess.run(["runc", "--root", nodes["a"]["root"], "delete", "--force", cid], capture_output=True)
+    src.close()
+
+
 def test_wrong_key_is_refused_and_receiver_keeps_serving(nodes, hosts):
     src, cid = start_source(nodes, "key")
     recv = Receiver(nodes, hosts, 7904, once=False)
