@@ -18,7 +18,7 @@ MECHANISMS = {"runtime", "criu", "gpu", "store", "oci", "pagefill", "pagedump"}
 ALLOWED = {
     # entry points
     "cli": {"migration", "node", "ops", "pods", "registry", "config"} | MECHANISMS | FOUNDATION,
-    "shim": {"ops", "config"} | MECHANISMS | FOUNDATION,
+    "shim": {"ops", "migration", "config"} | MECHANISMS | FOUNDATION,  # migration: a pod's pull at create
     # capabilities
     "migration": {"ops", "pods", "config"} | MECHANISMS | FOUNDATION,
     "node": {"config"} | MECHANISMS | FOUNDATION,
