@@ -257,3 +257,53 @@ def test_exactly_one_copy_runs_whatever_breaks(clean):
     assert moved and json.loads(open(os.path.join(a.root, moved[0])).read())["to"] == ADDR_B
     for node in (a, b):
         assert node.staging() == []
+
+
+def test_pull_inside_mutual_tls(clean, tmp_path):
+    """With migration_tls on both nodes the pull, its channel and its page streams run inside TLS; a
+    node without TLS is refused by the agent before anything is touched."""
+    a, b = clean["a"], clean["b"]
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1",
+            "-subj", "/CN=migrt-test-ca", "-keyout", "ca.key", "-out", "ca.crt")
+    plain = {}
+    for node in (a, b):
+        openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj",
+                f"/CN=node-{node.name}", "-keyout", f"{node.name}.key", "-out", f"{node.name}.csr")
+        openssl("x509", "-req", "-in", f"{node.name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-days", "1", "-out", f"{node.name}.crt")
+        plain[node.name] = open(node.config).read()
+    tls = {n: plain[n] + f"migration_tls:\n  cert: {tmp_path}/{n}.crt\n  key: {tmp_path}/{n}.key\n"
+              f"  ca: {tmp_path}/ca.crt\n" for n in plain}
+
+    def configure(node, text):  # atomically: containerd may run migrt-runc at any time
+        with open(node.config + ".tmp", "w") as fh:
+            fh.write(text)
+        os.replace(node.config + ".tmp", node.config)
+
+    try:
+        configure(a, tls["a"])
+        configure(b, plain["b"])
+        a.stop_agent()
+        a.start_agent()
+        name, _, scid = _source(a, "tls")
+        _, tcid = _target(b, f"{ADDR_A}/team-a/{name}/app")
+        with pytest.raises(CriError) as info:  # B speaks without TLS: refused, the source untouched
+            b.cri.start(tcid)
+        assert "requires TLS" in info.value.details
+        assert a.cri.state_name(scid) == "CONTAINER_RUNNING"
+        configure(b, tls["b"])
+        _, tcid = _target(b, f"{ADDR_A}/team-a/{name}/app")
+        b.cri.start(tcid)
+        a.cri.wait_state(scid, "CONTAINER_EXITED", timeout=60)
+        assert_continues(_ticks(a, scid), _wait_ticks(b, tcid, 2))
+        (res,) = [r for r in a.agent_results() if r.get("mode") == "pull" and not r.get("error")]
+        assert res["pages"]["bytes"] >= DATA_MIB << 20
+    finally:
+        configure(a, plain["a"])
+        configure(b, plain["b"])
+        a.stop_agent()
+        a.start_agent()
