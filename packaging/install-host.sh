@@ -2,7 +2,7 @@
 # Puts a self-contained migrt on a Kubernetes node (what packaging/daemonset.yaml runs, from a
 # container that has the host's / mounted at --root). Idempotent. Restarts nothing unless told to.
 #
-#   install-host.sh [--root DIR] [--source DIR] [--prefix DIR] [--bindir DIR]
+#   install-host.sh [--root DIR] [--source DIR] [--prefix DIR] [--bindir DIR] [--no-check]
 #                   [--containerd-config PATH] [--no-containerd] [--restart-containerd]
 #
 #   --root DIR       where the host's / is mounted (default /; the DaemonSet uses /host)
@@ -14,6 +14,8 @@
 #                    /opt/migrt; another prefix gets the copy's absolute paths rewritten (the venv's
 #                    pyvenv.cfg, links and script headers, the launchers, `interpreter`)
 #   --bindir DIR     where the links migrt and migrt-runc go, as a host path (default /usr/local/bin)
+#   --no-check       do not try the payload's python and CRIU in the root first (a root that cannot run
+#                    programs: e.g. a node image being assembled, without /proc)
 #   --containerd-config PATH   containerd's main config as a host path (default /etc/containerd/config.toml)
 #   --no-containerd  leave containerd's configuration alone
 #   --restart-containerd, or env MIGRT_RESTART_CONTAINERD=1: restart containerd if its config changed
@@ -28,7 +30,8 @@
 #   /etc/migrt/config.yaml       only if absent
 #   /var/lib/migrt (0700)        the checkpoint store; /var/log/migrt
 #   containerd's config          `migrt install containerd` (a drop-in naming BINDIR/migrt-runc;
-#                                backups of changed files)
+#                                backups of changed files), run by the source's migrt (the image's),
+#                                or with --root / by the one just installed
 # The node needs nothing else from its distribution but a C library at least as new as the payload's
 # build (glibc 2.36: Debian 12/13, Ubuntu 24.04), runc >= 1.1 and containerd >= 1.6, and iptables
 # (CRIU's network lock). Its own criu and python3, if any, are not used.
@@ -40,6 +43,7 @@ root=/
 source=/opt/migrt
 ctd_config=/etc/containerd/config.toml
 do_containerd=1
+check=1
 restart=${MIGRT_RESTART_CONTAINERD:-0}
 
 log() { printf 'install-host: %s\n' "$*" >&2; }
@@ -58,8 +62,9 @@ while [ $# -gt 0 ]; do
     --containerd-config) ctd_config=$2; shift 2 ;;
     --containerd-config=*) ctd_config=${1#*=}; shift ;;
     --no-containerd) do_containerd=0; shift ;;
+    --no-check) check=0; shift ;;
     --restart-containerd) restart=1; shift ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) die "unknown argument: $1" ;;
     esac
 done
@@ -118,20 +123,23 @@ relocate() {
 # 1. PREFIX: the payload copied beside it, relocated, checked on the host, then swapped in whole, so
 #    that no half-copied tree is ever in use (a node's containerd may run migrt-runc at any moment).
 #    A copy that differs from the installed one only in bytecode caches is "up to date".
+same() { [ -d "$2" ] && diff -r -q --no-dereference -x __pycache__ "$1" "$2" >/dev/null 2>&1; }
 mkdir -p "$(dirname "$dest")"
 new="$(dirname "$dest")/.migrt.new.$$"
 old="$(dirname "$dest")/.migrt.old.$$"
 trap 'rm -rf "$new"' EXIT
-rm -rf "$new"
-cp -a "$source" "$new"
-[ "$built" = "$prefix" ] || relocate "$new"
-if [ -d "$dest" ] && diff -r -q --no-dereference -x __pycache__ "$new" "$dest" >/dev/null 2>&1; then
+if [ "$built" = "$prefix" ] && same "$source" "$dest"; then
+    log "$prefix is up to date"
+elif ! { rm -rf "$new" && cp -a "$source" "$new" && { [ "$built" = "$prefix" ] || relocate "$new"; }; }; then
+    die "could not copy $source to $new"
+elif same "$new" "$dest"; then
+    rm -rf "$new"
     log "$prefix is up to date"
 else
     # The payload's python and CRIU run from any directory (found by their own location): try them on
     # the host, in its root, before anything is replaced.
     at=${new#"$root"}
-    run_host() { if [ -z "$root" ]; then "$@"; else chroot "$root" "$@"; fi; }
+    run_host() { if [ "$check" = 0 ]; then return 0; elif [ -z "$root" ]; then "$@"; else chroot "$root" "$@"; fi; }
     out=$(run_host "$at/python/bin/python3" -P -c 'import ssl, ctypes, sqlite3, sys; print(sys.version.split()[0])' 2>&1) ||
         die "the payload's python does not run on this node ($(printf '%s' "$out" | tail -1)); it needs" \
             "$(sed -n 's/.*(nodes need \(.*\))$/\1/p' "$source/PAYLOAD" 2>/dev/null || echo 'glibc >= 2.36'); nothing changed"
@@ -164,19 +172,14 @@ fi
 install -d -m 0700 "$root/var/lib/migrt"
 install -d -m 0755 "$root/var/log/migrt"
 
-# 4. containerd: runtime handler `migrt`, run by the payload's migrt where it runs (the image's, at the
-#    prefix it was built for), else by the installed one when this is the host itself.
+# 4. containerd: runtime handler `migrt`. On the host itself (--root /) the migrt just installed does it
+#    (relocated for this host); from a container, the image's own (at the prefix it was built for).
 changed=0
 if [ "$do_containerd" = 1 ]; then
-    if "$source/venv/bin/python" -P -c 'import migrt' >/dev/null 2>&1; then
-        migrt=$source/venv/bin/migrt
-    elif [ -z "$root" ]; then
-        migrt=$prefix/venv/bin/migrt
-    else
-        die "cannot run migrt to configure containerd ($source is not at the prefix it was built for, $built, and --root is not /): run this from the migrt-installer image, or pass --no-containerd"
-    fi
+    if [ -z "$root" ]; then migrt=$prefix/venv/bin/migrt; else migrt=$source/venv/bin/migrt; fi
     out=$("$migrt" install containerd --root "$root/" --config "$ctd_config" --binary "$bindir/migrt-runc" --json) ||
-        die "migrt install containerd failed (see above); nothing restarted"
+        die "migrt install containerd (by $migrt) failed (see above); nothing restarted. From outside the" \
+            "installer image, with --root other than /, the payload's migrt runs only at $built: pass --no-containerd"
     case $out in *'"changed": true'*) changed=1 ;; esac
 fi
 if [ "$changed" = 1 ]; then

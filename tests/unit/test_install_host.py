@@ -1,5 +1,7 @@
 """packaging/install-host.sh (what the DaemonSet runs) against a temporary root directory and a small
-stand-in payload (its `migrt` is this checkout's CLI)."""
+stand-in payload (its `migrt` is this checkout's CLI; python and CRIU are scripts, so the check that
+runs them in the root is skipped with --no-check except where a test runs them on this host).
+tests/integration/test_payload.py runs the real payload from the real image."""
 
 from __future__ import annotations
 
@@ -19,27 +21,39 @@ SCRIPT = REPO / "packaging" / "install-host.sh"
 PREFIX = "/opt/migrt"
 
 
-def _payload(path: Path, home: str = f"{PREFIX}/python/bin") -> Path:
-    """The layout packaging/Containerfile builds under /opt/migrt."""
+def _payload(path: Path, home: str = f"{PREFIX}/python/bin", built: str = PREFIX) -> Path:
+    """The layout packaging/build-payload.sh builds under /opt/migrt (or `built`)."""
     (path / "python" / "bin").mkdir(parents=True)
-    (path / "python" / "bin" / "python3").write_text("#!/bin/sh\n# stand-in for a relocatable CPython\n")
+    (path / "python" / "bin" / "python3").write_text("#!/bin/sh\n# stand-in for the payload's CPython\necho 3.11.2\n")
+    (path / "criu" / "sbin").mkdir(parents=True)
+    (path / "criu" / "sbin" / "criu").write_text("#!/bin/sh\necho 'Version: 4.2.1'\n")
+    (path / "interpreter").write_text(f"{built}/python/bin/python3.11\n")
     venv = path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "pyvenv.cfg").write_text(f"home = {home}\ninclude-system-site-packages = false\n")
-    os.symlink(f"{PREFIX}/python/bin/python3", venv / "bin" / "python")  # absolute, like a real venv
+    os.symlink(f"{built}/python/bin/python3", venv / "bin" / "python")  # absolute, like a real venv
     cli = venv / "bin" / "migrt"
     cli.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import sys; sys.argv[0] = \"migrt\"; "
                    "from migrt.cli.main import main; main()' \"$@\"\n")
-    launchers.install(str(path / "bin"), python=f"{PREFIX}/venv/bin/python", repair="re-run the migrt installer")
+    (venv / "bin" / "migrt-runc-py").write_text(f"#!{built}/venv/bin/python\nimport migrt\n")  # as pip writes them
+    (venv / "bin" / "activate").write_text(f'VIRTUAL_ENV="{built}/venv"\nexport VIRTUAL_ENV\n')
+    (path / "libexec").mkdir()
+    (path / "libexec" / "cuda-criu-action.py").write_text("# the hook\n")
+    launchers.install(str(path / "bin"), python=f"{built}/venv/bin/python", repair="re-run the migrt installer",
+                      criu_hook=str(path / "libexec" / "cuda-criu-action"),
+                      hook_source=str(path / "libexec" / "cuda-criu-action.py"))
+    hook = path / "libexec" / "cuda-criu-action"  # as built: the hook named at its built location
+    hook.write_text(hook.read_text().replace(f"HOOK='{path}/libexec/", f"HOOK='{built}/libexec/"))
     (path / "share").mkdir()
     (path / "share" / "config.yaml").write_text((REPO / "configs" / "config.yaml").read_text())
-    for f in (cli, path / "python" / "bin" / "python3"):
+    for f in (cli, path / "python" / "bin" / "python3", path / "criu" / "sbin" / "criu"):
         f.chmod(0o755)
     return path
 
 
-def _run(root: Path, source: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["sh", str(SCRIPT), "--root", str(root), "--source", str(source), *args],
+def _run(root: Path, source: Path, *args: str, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", str(SCRIPT), "--root", str(root), "--source", str(source),
+                           *([] if check else ["--no-check"]), *args],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "MIGRT_RESTART_CONTAINERD": "0", **(env or {})})
 
@@ -100,14 +114,15 @@ def test_existing_config_kept_and_new_payload_replaces_old(host):
     root, source = host
     (root / "etc/migrt").mkdir(parents=True)
     (root / "etc/migrt/config.yaml").write_text("runtime: crun\n")
+    (source / "python" / "bin" / "old-tool").write_text("v1\n")
     assert _run(root, source).returncode == 0
     (source / "venv" / "bin" / "new-tool").write_text("v2\n")
-    (source / "python" / "bin" / "python3").unlink()
+    (source / "python" / "bin" / "old-tool").unlink()
     res = _run(root, source)
     assert res.returncode == 0, res.stderr
     dest = root / PREFIX.lstrip("/")
     assert (dest / "venv/bin/new-tool").read_text() == "v2\n"
-    assert not (dest / "python/bin/python3").exists()  # replaced as a whole, not merged
+    assert not (dest / "python/bin/old-tool").exists()  # replaced as a whole, not merged
     assert (root / "etc/migrt/config.yaml").read_text() == "runtime: crun\n"
     assert not list(root.glob("opt/.migrt.*"))
 
@@ -130,13 +145,66 @@ def test_no_containerd_option(host):
     assert not (root / "etc/containerd/conf.d").exists()
 
 
-def test_refuses_payload_built_for_another_prefix(tmp_path):
+def test_refuses_a_venv_not_made_by_the_payloads_python(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
-    source = _payload(tmp_path / "payload", home="/usr/local/migrt/python/bin")
+    source = _payload(tmp_path / "payload", home="/usr/bin")  # e.g. made with the build machine's python3
     res = _run(root, source)
-    assert res.returncode != 0 and "built for another location" in res.stderr
+    assert res.returncode != 0 and "was not made by the payload's own python" in res.stderr
     assert not (root / "opt").exists() and not (root / "usr").exists()
+
+
+@pytest.mark.parametrize("built,prefix", [
+    ("/opt/migrt", "/srv/x/opt/migrt"),  # the new prefix ends with the old one
+    ("/usr/local/migrt", "/opt/migrt"),  # a payload built elsewhere, to the default
+])
+def test_another_prefix_rewrites_every_path(tmp_path, built, prefix):
+    root = tmp_path / "root"
+    (root / "etc" / "containerd").mkdir(parents=True)
+    (root / "etc" / "containerd" / "config.toml").write_text("version = 3\n")
+    source = _payload(tmp_path / "payload", home=f"{built}/python/bin", built=built)
+    args = ["--bindir", "/b"] + ([] if prefix == PREFIX else ["--prefix", prefix])
+    res = _run(root, source, *args)
+    assert res.returncode == 0, res.stderr
+    assert f"installed {prefix} (from a payload built for {built})" in res.stderr
+    dest = root / prefix.lstrip("/")
+    assert (dest / "venv/pyvenv.cfg").read_text().startswith(f"home = {prefix}/python/bin\n")
+    assert os.readlink(dest / "venv/bin/python") == f"{prefix}/python/bin/python3"
+    assert (dest / "venv/bin/migrt-runc-py").read_text().startswith(f"#!{prefix}/venv/bin/python\n")
+    assert (dest / "venv/bin/activate").read_text().startswith(f'VIRTUAL_ENV="{prefix}/venv"\n')
+    assert (dest / "interpreter").read_text() == f"{prefix}/python/bin/python3.11\n"
+    for name in ("migrt", "migrt-runc"):
+        assert launchers.read_installed(str(dest / "bin" / name))["python"] == f"{prefix}/venv/bin/python"
+    assert f"HOOK='{prefix}/libexec/cuda-criu-action.py'" in (dest / "libexec/cuda-criu-action").read_text()
+    assert os.readlink(root / "b/migrt-runc") == f"{prefix}/bin/migrt-runc"
+    dropin = tomllib.loads((root / "etc/containerd/conf.d/migrt.toml").read_text())
+    rt = dropin["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["migrt"]
+    assert rt["options"]["BinaryName"] == "/b/migrt-runc"
+    # the source is untouched, and a second run finds the relocated copy up to date
+    assert (source / "venv/pyvenv.cfg").read_text().startswith(f"home = {built}/python/bin\n")
+    res = _run(root, source, *args)
+    assert res.returncode == 0 and f"{prefix} is up to date" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("bad", ["relative/path", "/opt/it's", "/opt/a b", "/opt/a|b"])
+def test_refuses_a_prefix_the_launchers_cannot_carry(host, bad):
+    root, source = host
+    res = _run(root, source, "--prefix", bad)
+    assert res.returncode != 0 and f"--prefix {bad}" in res.stderr
+    assert not (root / "opt").exists() and not (root / "usr").exists()
+
+
+def test_refuses_a_payload_whose_python_does_not_run_on_this_host(tmp_path):
+    """The check runs the copy's python and CRIU on the host (--root /: no chroot) before anything is
+    replaced: a loader error (a node whose C library is too old) stops the install."""
+    source = _payload(tmp_path / "payload")
+    (source / "python/bin/python3").write_text(
+        "#!/bin/sh\necho 'python3.11: error while loading shared libraries: libc.so.6: version GLIBC_2.36 not found' >&2\nexit 127\n")
+    prefix, bindir = tmp_path / "p" / "migrt", tmp_path / "b"
+    res = _run(Path("/"), source, "--prefix", str(prefix), "--bindir", str(bindir), "--no-containerd", check=True)
+    assert res.returncode != 0 and "the payload's python does not run on this node (" in res.stderr, res.stderr
+    assert "GLIBC_2.36 not found" in res.stderr and "nothing changed" in res.stderr
+    assert not prefix.exists() and not bindir.exists() and not list(prefix.parent.glob(".migrt.*"))
 
 
 def test_refuses_incomplete_payload(tmp_path):
