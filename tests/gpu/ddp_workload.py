@@ -13,16 +13,23 @@ file: an application copies it) in inline mode: at a step all ranks agree on (an
 (the next generation's file store) and goes on.
 
 Files in /data, per rank R:
+  rR.log              the rank's stdout and stderr (NCCL_DEBUG output, tracebacks), its progress lines
+                      ("<time> rank R: ..."), and, on SIGUSR1, the stacks of all its Python threads
+                      (faulthandler: what the GPU tests dump when a step does not end in time);
+                      opened O_WRONLY|O_APPEND, which CRIU restores without checking its size
   rR.ready.json       {"checksum", "gb", "pid", "device"} once the tensors and the group exist
   rR.status.json      every step: {"count", "gpu_count", "allreduce_ok", "allreduce_bad", "gen", "t"}
   rR.verify-K -> rR.result-K.json   on request: the checksum now, with the counters
   rR.hook.jsonl       the hook's events: {"event", "reason", "seconds"}
+and job.log: the supervisor's word when a rank exits (then the job ends).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,7 +52,15 @@ def append(path: str, obj: dict) -> None:
         fh.write(json.dumps(obj) + "\n")
 
 
+def say(rank: int, what: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} rank {rank}: {what}", file=sys.stderr,
+          flush=True)
+
+
 def rank_main(rank: int, gb: float) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stderr is rR.log
+    say(rank, f"start, pid {os.getpid()}, NCCL settings "
+              f"{ {k: v for k, v in sorted(os.environ.items()) if k.startswith('NCCL_')} }")
     from datetime import timedelta
 
     import torch
@@ -72,12 +87,15 @@ def rank_main(rank: int, gb: float) -> None:
     state = {"gen": 0}
 
     def join() -> None:
+        say(rank, f"init_process_group gen {state['gen']}")
         dist.init_process_group("nccl", init_method=f"file://{DATA}/pg-{state['gen']}", rank=rank,
                                 world_size=WORLD, timeout=timedelta(hours=1), device_id=dev)
         warm = torch.ones(1, device=dev)
         dist.all_reduce(warm)  # the communicator and its transports exist from here on
         torch.cuda.synchronize()
+        say(rank, f"process group gen {state['gen']} up (first all-reduce done)")
 
+    say(rank, f"{n} tensors on {dev} ({n * CHUNK_ELEMS * 4 / (1 << 30):g} GiB)")
     join()
     hook = None
     if os.environ.get("WORKLOAD_HOOK") == "1":
@@ -87,6 +105,7 @@ def rank_main(rank: int, gb: float) -> None:
         log = f"{DATA}/r{rank}.hook.jsonl"
 
         def down(request: dict) -> None:
+            say(rank, "pre-checkpoint: destroying the process group")
             t0 = time.monotonic()
             torch.cuda.synchronize()
             dist.destroy_process_group()
@@ -94,6 +113,7 @@ def rank_main(rank: int, gb: float) -> None:
             append(log, {"event": "pre-checkpoint", "seconds": round(time.monotonic() - t0, 3)})
 
         def up(request: dict) -> None:
+            say(rank, f"post-restore ({request.get('reason')}): a new process group")
             t0 = time.monotonic()
             state["gen"] += 1
             join()
@@ -106,6 +126,7 @@ def rank_main(rank: int, gb: float) -> None:
     props = torch.cuda.get_device_properties(dev)
     write_json(f"{DATA}/r{rank}.ready.json", {"checksum": checksum(), "gb": n * CHUNK_ELEMS * 4 / (1 << 30),
                                                "pid": os.getpid(), "device": props.name})
+    say(rank, "ready")
     count = ok = bad = 0
     while True:
         if hook is not None:  # agree on the step: a rank that stopped alone would leave its peer in a collective
@@ -134,10 +155,15 @@ def rank_main(rank: int, gb: float) -> None:
 
 
 def job_main(gb: float) -> None:
-    ranks = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), str(gb)])
-             for r in range(WORLD)]
+    logs = [open(f"{DATA}/r{r}.log", "ab", buffering=0) for r in range(WORLD)]  # O_WRONLY|O_APPEND
+    ranks = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), str(gb)],
+                              stdout=logs[r], stderr=logs[r]) for r in range(WORLD)]
     while all(p.poll() is None for p in ranks):
         time.sleep(0.5)
+    with open(f"{DATA}/job.log", "a") as fh:
+        fh.write(f"{time.strftime('%H:%M:%S')} job: rank(s) "
+                 f"{', '.join(f'{r} exited {p.returncode}' for r, p in enumerate(ranks) if p.poll() is not None)}"
+                 "; the job ends\n")
     sys.exit(1)
 
 

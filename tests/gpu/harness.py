@@ -106,8 +106,18 @@ class Node:
         return [self.python, "/data/workload.py", *args]
 
 
+STACKS = """import faulthandler, os, signal, sys
+_d = os.environ.get("MIGRT_TEST_STACKS")  # SIGUSR1: the stacks of all Python threads, into <dir>/<pid>.txt
+faulthandler.register(signal.SIGUSR1, file=open(f"{_d}/{os.getpid()}.txt", "w") if _d else sys.stderr,
+                      all_threads=True)
+"""
+
+
 def _wrapper(path: Path, code: str) -> None:
-    path.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n{code}\n")
+    """A launcher running the checkout's code; SIGUSR1 prints the stacks of all its Python threads
+    (into $MIGRT_TEST_STACKS/<pid>.txt, else to its stderr): what a test dumps when the command does
+    not end in time."""
+    path.write_text(f"#!{sys.executable}\n{STACKS}sys.path.insert(0, {str(REPO)!r})\n{code}\n")
     path.chmod(0o755)
 
 
@@ -162,18 +172,31 @@ def base_dir() -> Path:
 class Container:
     """A container started with fresh pipes as stdio (as containerd's shim does), by `argv`."""
 
-    def __init__(self, node: Node, cid: str, argv: list[str], cwd: str, env: dict | None = None) -> None:
+    def __init__(self, node: Node, cid: str, argv: list[str], cwd: str, env: dict | None = None,
+                 timeout: float = 600, on_timeout=None) -> None:
+        """on_timeout(popen) runs when argv has not ended within timeout, before it is killed
+        (subprocess.TimeoutExpired is raised then)."""
         self.node, self.cid = node, cid
         r_in, self.w_in = os.pipe()
         self.r_out, w_out = os.pipe()
-        t0 = time.monotonic()
-        self.proc = subprocess.run(argv, cwd=cwd, stdin=r_in, stdout=w_out, stderr=w_out, env=env or node.env,
-                                   timeout=600)
-        self.seconds = time.monotonic() - t0
-        self.rc = self.proc.returncode
-        os.close(r_in)
-        os.close(w_out)
         node.containers.append(cid)
+        t0 = time.monotonic()
+        try:
+            p = subprocess.Popen(argv, cwd=cwd, stdin=r_in, stdout=w_out, stderr=w_out, env=env or node.env)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                if on_timeout is not None:
+                    on_timeout(p)
+                p.kill()
+                p.wait()
+                raise
+        finally:
+            os.close(r_in)
+            os.close(w_out)
+        self.seconds = time.monotonic() - t0
+        self.proc = subprocess.CompletedProcess(argv, p.returncode)
+        self.rc = p.returncode
 
     @classmethod
     def run(cls, node: Node, cid: str, bundle: str) -> "Container":
