@@ -6,6 +6,12 @@ so the workload goes on, and the first error is raised with what the undo could 
 time out while others succeeded are tried once more after the undo: processes that talk to each
 other (NCCL collectives without the application hook) can have work in flight that waits for a peer
 locked a moment earlier, which never completes while that peer stays locked; unlocked, it does.
+A lock call is given its timeout plus LOCK_GRACE_S to return (in a daemon thread: a driver call
+cannot be interrupted, and migrt must be able to exit): one that does not is stuck in the driver
+(NVIDIA/cuda-checkpoint#30: while one process of an NCCL job is locked, every call on its peer can
+block). The processes locked are unlocked, which lets such a call through; it is then undone too
+and the whole lock tried again. One still stuck after that is named in the error (`pending`), and
+nobody asks the driver about it again in this call.
 resume_all: restore all (onto other GPUs with a remap), then unlock all; every process is tried,
 and one error names every process that did not come back.
 resume_as_ready: the same, but each process's restore starts as soon as its host memory is in (a
@@ -15,6 +21,7 @@ failure stops it (see there).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +33,7 @@ from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuBackend, GpuCann
 DEFAULT_LOCK_TIMEOUT_MS = 30_000
 LOCK_TIMED_OUT = (600, 909)  # CUDA_ERROR_NOT_READY (what r570+ drivers return), CUDA_ERROR_TIMEOUT
 LOCK_RETRIES = 1
+LOCK_GRACE_S = 10.0  # beyond the lock's own timeout, before a lock call counts as stuck
 
 
 def _each(pids: list[int], fn: Callable[[int], None], parallel: bool) -> dict[int, BaseException]:
@@ -94,9 +102,80 @@ class _LockTimedOut(Exception):
         self.error, self.pids = error, pids
 
 
+class _Calls:
+    """One driver call per pid, each in a daemon thread, waited for up to a deadline."""
+
+    def __init__(self, pids: list[int], fn: Callable[[int], None], seconds: float, parallel: bool) -> None:
+        self.results: dict[int, BaseException | None] = {}
+        self.threads: dict[int, threading.Thread] = {}
+        end = time.monotonic() + seconds
+        for pid in pids:
+            t = threading.Thread(target=self._run, args=(fn, pid), name=f"migrt-gpu-{pid}", daemon=True)
+            self.threads[pid] = t
+            t.start()
+            if not parallel:
+                t.join(seconds)  # one at a time, each with its own deadline
+                if t.is_alive():
+                    break  # the next ones are not tried: they stay running
+        for t in self.threads.values():
+            t.join(max(0.0, end - time.monotonic()))
+
+    def _run(self, fn: Callable[[int], None], pid: int) -> None:
+        try:
+            fn(pid)
+            self.results[pid] = None
+        except Exception as exc:  # noqa: BLE001 - collected and re-raised by the caller
+            self.results[pid] = exc
+
+    def stuck(self) -> list[int]:
+        return [p for p, t in self.threads.items() if t.is_alive()]
+
+    def done(self) -> list[int]:
+        """Those whose call returned without error."""
+        return [p for p, t in self.threads.items() if not t.is_alive() and self.results.get(p, 0) is None]
+
+    def errors(self) -> dict[int, BaseException]:
+        return {p: e for p, e in self.results.items() if e is not None and not self.threads[p].is_alive()}
+
+
+def _lock_all(pids: list[int], backend: GpuBackend, timeout_ms: int, parallel: bool) -> dict[int, BaseException]:
+    """Lock every pid; pid -> error. A lock call stuck beyond its deadline: see the module docstring."""
+    if timeout_ms <= 0:  # no timeout asked for: no deadline either
+        return _each(pids, lambda p: backend.lock(p, timeout_ms), parallel)
+    seconds = timeout_ms / 1000 + LOCK_GRACE_S
+    calls = _Calls(pids, lambda p: backend.lock(p, timeout_ms), seconds, parallel)
+    stuck = calls.stuck()
+    if not stuck:
+        return calls.errors()
+    undo = _each(calls.done(), backend.unlock, parallel)  # a peer unlocked lets a stuck call through
+    end = time.monotonic() + LOCK_GRACE_S
+    for p in stuck:
+        calls.threads[p].join(max(0.0, end - time.monotonic()))
+    pending = calls.stuck()
+    undo.update(_each([p for p in stuck if p in calls.done()], backend.unlock, parallel))  # went through: undone
+    waited = f"{seconds:g} s"
+    msg = (f"GPU lock of {len(pids)} process(es) failed: cuCheckpointProcessLock of pid(s) "
+           f"{', '.join(map(str, stuck))} did not return within {waited} (work it submitted may wait for a peer "
+           "process that was locked first, as in NVIDIA/cuda-checkpoint#30; the application hook stops the "
+           "ranks at one step)")
+    if pending:
+        msg += (f"; pid(s) {', '.join(map(str, pending))} still had not returned {LOCK_GRACE_S:g} s after the others "
+                "were unlocked and may end up locked: 'migrt gpu resume' brings them back")
+    elif undo:
+        msg += f"; {len(undo)} process(es) could NOT be unlocked"
+    else:
+        msg += "; every process was resumed"
+    error = GpuError(msg, call="cuCheckpointProcessLock", pid=stuck[0],
+                     details=[f"undo pid {p}: {e}" for p, e in undo.items()])
+    error.pending = pending
+    if not pending and not undo:
+        raise _LockTimedOut(error, stuck)
+    raise error
+
+
 def _suspend_once(pids: list[int], backend: GpuBackend, timeout_ms: int, parallel: bool) -> None:
     phase = "lock"
-    errors = _each(pids, lambda p: backend.lock(p, timeout_ms), parallel)
+    errors = _lock_all(pids, backend, timeout_ms, parallel)
     if errors:
         known = {p: (RUNNING if p in errors else LOCKED) for p in pids}
     else:

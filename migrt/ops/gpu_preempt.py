@@ -155,7 +155,8 @@ def suspend(cfg, cid: str, root: str, *, by: str = "migrt gpu suspend", progress
     try:
         suspend_all(pids, backend, int(getattr(cfg, "gpu_lock_timeout_ms", DEFAULT_LOCK_TIMEOUT_MS)))
     except GpuError as exc:
-        stuck = [p for p in pids if _state_or_none(backend, p) not in (RUNNING, None)]
+        pending = list(getattr(exc, "pending", None) or [])  # a lock call still in the driver: ask it nothing
+        stuck = pending or [p for p in pids if _state_or_none(backend, p) not in (RUNNING, None)]
         if stuck:  # the undo left some suspended: keep the record, so that resume can finish it
             rec["status"] = SUSPENDING
             _write(rec)

@@ -191,8 +191,9 @@ class Job:
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "MIGRT_HOOK_DIR": str(tmp_path / "hooks"),
                **mode.pop("env", {})}
         mode["tag"] = self.tag
-        ranks = " ".join(f"{marker} FAKE_CUDA_GPU={0 if mode.get('one_gpu') else r} {sys.executable} -c \"$W\" {r} '{json.dumps(mode)}' {self.log} &"
-                         for r in (0, 1))
+        gpu = (lambda r: 0) if mode.get("one_gpu") else (lambda r: r)
+        ranks = " ".join(f"{marker} FAKE_CUDA_GPU={gpu(r)} {sys.executable} -c \"$W\" {r} '{json.dumps(mode)}' "
+                         f"{self.log} &" for r in (0, 1))
         self.proc = subprocess.Popen(["sh", "-c", f"{ranks} wait"], env={**env, "W": WORKER},
                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
         assert [self.proc.stdout.readline().strip() for _ in (0, 1)] == ["ready", "ready"]
@@ -520,3 +521,68 @@ def test_a_lock_timeout_says_what_holds_the_process():
     assert "collective waiting for a peer process that was locked first" in cuda.hint(cuda.CUDA_ERROR_NOT_READY,
                                                                                        cuda.LOCK)
     assert cuda.hint(cuda.CUDA_ERROR_NOT_READY, cuda.RESTORE) is None  # said only where it is true
+
+
+class _PeerLockedFirst:
+    """A FakeGpuBackend whose lock of pid 2 does not return while pid 1 is locked, whatever its
+    timeout (what NVIDIA/cuda-checkpoint#30 reports for NCCL ranks): released when 1 is unlocked
+    (`released_by_unlock`) or only by the test."""
+
+    def __new__(cls, released_by_unlock: bool, times: int = 1):
+        from migrt.gpu.fake import FakeGpuBackend
+
+        class Backend(FakeGpuBackend):
+            def __init__(self) -> None:
+                super().__init__([1, 2])
+                self.gate = __import__("threading").Event()
+                self.left = times
+
+            def lock(self, pid: int, timeout_ms: int = 0) -> None:
+                if pid == 2 and self.left:
+                    self.left -= 1
+                    time.sleep(0.05)  # 1 is locked first
+                    self.gate.wait(30)
+                    self.gate.clear()
+                super().lock(pid, timeout_ms)
+
+            def unlock(self, pid: int) -> None:
+                super().unlock(pid)
+                if pid == 1 and released_by_unlock:
+                    self.gate.set()
+
+        return Backend()
+
+
+def test_a_lock_stuck_in_the_driver_is_released_by_unlocking_its_peer_and_tried_again(monkeypatch):
+    from migrt.gpu import session
+
+    monkeypatch.setattr(session, "LOCK_GRACE_S", 0.5)
+    b = _PeerLockedFirst(released_by_unlock=True)
+    t0 = time.monotonic()
+    suspend_all([1, 2], b, 200)
+    assert time.monotonic() - t0 < 5
+    assert b.states == {1: CHECKPOINTED, 2: CHECKPOINTED}
+    # the stuck lock went through once 1 was unlocked, was undone, and both were locked again
+    assert [(c, p) for c, p, _ in b.calls if c in ("lock", "unlock")] == [
+        ("lock", 1), ("unlock", 1), ("lock", 2), ("unlock", 2), ("lock", 1), ("lock", 2)]
+
+
+def test_a_lock_that_never_returns_ends_the_suspend_in_bounded_time_and_is_named(monkeypatch):
+    """The call cannot be interrupted: migrt stops waiting, unlocks what it locked, names the pid that
+    may still end up locked (nobody queries it again) and exits; the old code waited forever."""
+    from migrt.gpu import session
+
+    monkeypatch.setattr(session, "LOCK_GRACE_S", 0.3)
+    b = _PeerLockedFirst(released_by_unlock=False)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Exception) as info:
+            suspend_all([1, 2], b, 200)
+        assert time.monotonic() - t0 < 3
+        msg = str(info.value)
+        assert "cuCheckpointProcessLock of pid(s) 2 did not return within 0.5 s" in msg
+        assert "NVIDIA/cuda-checkpoint#30" in msg and "pid(s) 2 still had not returned" in msg
+        assert info.value.pending == [2] and b.states[1] == RUNNING
+        assert ("state", 2, None) not in b.calls
+    finally:
+        b.gate.set()
