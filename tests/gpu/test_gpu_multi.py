@@ -51,7 +51,9 @@ from tests.gpu.harness import Container
 pytestmark = pytest.mark.gpu
 WORKLOAD = Path(__file__).with_name("ddp_workload.py")
 APPHOOK = harness.REPO / "migrt" / "apphook.py"
-OFF = ["NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_IB_DISABLE=1", "NCCL_SOCKET_IFNAME=lo"]
+# (b): the two settings under test, and the collectives kept on NCCL's own socket transport over
+# loopback, whatever network plugin or interface the host's /etc/nccl.conf names
+OFF = ["NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_IB_DISABLE=1", "NCCL_NET=Socket", "NCCL_SOCKET_IFNAME=lo"]
 COMMON = ["TORCH_NCCL_ENABLE_MONITORING=0", "NCCL_RAS_ENABLE=0", "NCCL_DEBUG=INFO"]
 HOOK_TMPFS = {"destination": "/run/migrt", "type": "tmpfs", "source": "tmpfs",
               "options": ["nosuid", "nodev", "mode=755", "size=1m"]}
