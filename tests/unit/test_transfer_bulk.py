@@ -135,17 +135,29 @@ def test_a_chunk_altered_in_transit_fails_on_arrival(receiver_env, tmp_path, mon
     cfg = config.load()
     address, box = _serve_once(cfg, streams=2)
     blobs = _files(tmp_path)
-    real = bulk._send_range
+    real = bulk._send_pieces
 
-    def tamper(ch, src, off, n, **kw):
-        if src.rel == "images/pages-1.img" and off == 2 * SMALL:
-            data = bytearray(src.view(off, n))
-            data[100] ^= 1
-            bulk._sendall(ch.sock, data)
-            return
-        real(ch, src, off, n, **kw)
+    def tamper(ch, src, off, n, *args):
+        if src.rel != "images/pages-1.img" or off != 2 * SMALL:
+            return real(ch, src, off, n, *args)
 
-    monkeypatch.setattr(bulk, "_send_range", tamper)
+        me = threading.get_ident()
+
+        def flip(sock, data):  # the bytes on the wire, not those hashed (the stream's own buffer)
+            if threading.get_ident() == me:  # this stream's, not another's sending meanwhile
+                data = bytearray(data)
+                data[100] ^= 1
+            bulk_sendall(sock, data)
+
+        monkeypatch.setattr(bulk, "_sendall", flip)
+        try:
+            return real(ch, src, off, n, *args)
+        finally:
+            monkeypatch.setattr(bulk, "_sendall", bulk_sendall)
+
+    bulk_sendall = bulk._sendall
+    monkeypatch.setattr(bulk, "_send_pieces", tamper)
+    monkeypatch.setattr(bulk, "_workers", lambda: 2)
     ch = connect(address, KEY.encode())
     ready = _offer(ch, "tampered")
     with pytest.raises(RemoteError, match=r"images/pages-1.img: sha256 mismatch in the chunk at 131072") as info:
@@ -327,8 +339,9 @@ def test_known_digests_are_sent_as_they_are_and_checked(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     hashed = []
-    real = bulk._hash_source
-    monkeypatch.setattr(bulk, "_hash_source", lambda src, off, n: hashed.append(src.rel) or real(src, off, n))
+    real = bulk._send_pieces
+    monkeypatch.setattr(bulk, "_send_pieces", lambda ch, src, off, n, pieces, hasher, *a:
+                        (hasher is not None and hashed.append(src.rel)) or real(ch, src, off, n, pieces, hasher, *a))
     client, server = _pair()
     blobs = _files(tmp_path / "a")
     chunks = fsutil.hash_chunks(str(tmp_path / "a" / "src"), ["images/pages-1.img"])
