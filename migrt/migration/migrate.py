@@ -209,6 +209,7 @@ class _Prepared:
     gpu: GpuSource
     gpu_offer: dict | None
     store: Store
+    dump_mode: dict | None = None  # stop-and-copy: CRIU's dump or migrt's parallel dump (ops/dump.py decide)
 
 
 def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
@@ -224,11 +225,14 @@ def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
     name = names.validate(req.name) if req.name else default_name(req.container_id)
     mode = "lazy" if req.lazy else "direct" if req.direct else "stop-and-copy"
     plan = pre_dump_plan(req.pre_dump)
+    from migrt.ops import dump as dump_ops, space
+
+    est = space.estimate(state.get("pid"))
+    # stop-and-copy dumps like `migrt checkpoint`: with migrt's parallel dump where it pays, whose threads
+    # hash the pages as they write them (the transfer then sends those digests: bulk.py known=)
+    dump_mode = dump_ops.decide(cfg, est.memory + est.gpu) if mode == "stop-and-copy" else None
     if mode in ("lazy", "direct"):  # CRIU's lazy dump, the pages from the frozen source
         lazy_mod.lazy_preflight("source")
-        from migrt.ops import space
-
-        est = space.estimate(state.get("pid"))
         problem = lazy_mod.lazy_dump_problem(est.memory + est.gpu)  # GPU memory ends in the tasks' memory
         if problem:  # before anything is frozen (CRIU would fail half-way through the dump)
             raise PreconditionFailed(f"{mode} migration of {req.container_id} is not possible on this node: {problem}")
@@ -247,7 +251,8 @@ def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
     store = Store(cfg.store)
     store.ensure()
     store.gc()
-    return _Prepared(runtime, root, state, name, mode, plan, bundle_dir, bundle, opts, gpu, gpu_offer, store)
+    return _Prepared(runtime, root, state, name, mode, plan, bundle_dir, bundle, opts, gpu, gpu_offer, store,
+                     dump_mode)
 
 
 def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress) -> dict:
@@ -297,6 +302,7 @@ def send(cfg: Config, req: MigrateRequest, prep: _Prepared, ch: Channel, progres
                              prep.gpu, moved=req.moved)
             source.staging = staging.path
             run = _Run(ch, ready, source, staging, prep.opts, fields, bundle, req, result, progress, cfg)
+            run.dump_mode = prep.dump_mode
             run.lazy() if prep.mode in ("lazy", "direct") else run.stop_and_copy()
         guard.arm({"do": "nothing"})  # the staging directory is gone with the writer
     finally:
@@ -324,6 +330,7 @@ class _Run:
         self.cfg = cfg
         self.upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle.path else None
         self.t_freeze = 0.0
+        self.dump_mode: dict | None = None
 
     def _timed(self, phase: str, t0: float, **extra) -> None:
         self.phases[f"{phase}_s"] = round(time.monotonic() - t0, 3)
@@ -340,7 +347,27 @@ class _Run:
                                                [m.get("destination", "") for m in self.bundle.mounts])
         self.phases["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
 
-    def _send_all(self, *, release: bool, streams: int | None = None) -> dict:
+    def _dump(self) -> dict | None:
+        """The frozen container's images: CRIU's dump, or migrt's parallel dump where it pays (decided
+        before the freeze, recorded as `dump_pages` as for `migrt checkpoint`); returns the 64 MiB chunk
+        digests of the pages files the parallel dump hashed as it wrote them (None after CRIU's)."""
+        from migrt.ops import dump as dump_ops
+
+        source = self.source
+        decision = self.dump_mode or {"mode": "criu", "requested": "criu", "reason": "decided by the caller"}
+        rec = dump_ops.dump(self.cfg, LowerRuntime(source.runtime), source.root, self.req.container_id,
+                            images=self.staging.images, work=self.staging.work, options=self.opts,
+                            env=source.gpu.env(), journal=_GuardJournal(source), decision=decision,
+                            progress=self.progress)
+        known = rec.pop("chunk_digests", None)
+        rec.pop("digests", None)
+        for key in ("lazy_dump_s", "pages_s"):
+            if key in rec:
+                self.phases[key] = rec.pop(key)
+        self.fields["dump_pages"] = rec
+        return known
+
+    def _send_all(self, *, release: bool, streams: int | None = None, known: dict | None = None) -> dict:
         files = _payload(self.staging.path)
         total = sum(os.path.getsize(full) for _, full in files)
         self.progress("phase", name="transfer", total_bytes=total)
@@ -348,7 +375,7 @@ class _Run:
         sent = lambda n: self.progress("bytes", name="transfer", bytes=n)  # noqa: E731
         offer = self.ready.get("bulk")
         if isinstance(offer, dict) and offer.get("protocol") == bulk.PROTOCOL:
-            meta = self._send_bulk(files, offer, release, streams, sent)
+            meta = self._send_bulk(files, offer, release, streams, sent, known)
         else:  # a receiver without it (an older migrt): one file after the other on this connection
             meta = {rel: self.ch.send_file(full, rel, release=release, progress=sent) for rel, full in files}
         self.result.update(bytes=total, files=len(files))
@@ -356,7 +383,7 @@ class _Run:
         return meta
 
     def _send_bulk(self, files: list[tuple[str, str]], offer: dict, release: bool, streams: int | None,
-                   sent) -> dict:
+                   sent, known: dict | None = None) -> dict:
         """Every file over `streams` connections at once, each chunk checked on arrival (bulk.py)."""
         want = streams or self.req.streams or self.cfg.migration_streams or bulk.auto_streams()
         n = max(1, min(want, offer.get("streams") if isinstance(offer.get("streams"), int) else 1))
@@ -364,7 +391,7 @@ class _Run:
         extra = bulk.open_streams(self.ch, offer, n - 1, tls=tls, stall=self.cfg.migration_stall_timeout)
         self.result["streams"] = n
         try:
-            return bulk.send([self.ch, *extra], files, release=release, progress=sent)
+            return bulk.send([self.ch, *extra], files, release=release, progress=sent, known=known)
         finally:
             for c in extra:
                 c.close()
@@ -415,13 +442,11 @@ class _Run:
                 source.gpu.suspend(self.progress)
             source.freeze(self.staging.path)
             with ch.busy("dump"):
-                LowerRuntime(source.runtime).checkpoint(source.root, req.container_id, image_path=self.staging.images,
-                                                        work_path=self.staging.work, options=self.opts,
-                                                        leave_running=True, env=source.gpu.env())
+                known = self._dump()
                 self._timed("dump", self.t_freeze)
                 source.gpu.write(self.staging.images, self.fields, self.phases)
                 self._dump_extras()
-            files = self._send_all(release=True)
+            files = self._send_all(release=True, known=known)
             self.progress("phase", name="commit")
             t0 = time.monotonic()
             ch.send({"type": "commit", "manifest": {**self.fields, "files": files}})
@@ -602,6 +627,20 @@ class _Run:
             server.serve({v: pids[v] for v in wanted})
         except pageserve.FetchError as exc:
             raise RuntimeFailed(str(exc)) from exc
+
+
+class _GuardJournal:
+    """ops/dump.py records its steps in a checkpoint's journal; in a migration the source's guard holds
+    what must be undone: CRIU's page server of a parallel dump's lazy dump, which the guard ends (and
+    waits for the dump) should `migrt migrate` be killed meanwhile."""
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+
+    def update(self, phase: str, **fields) -> None:
+        if "page_server" in fields:
+            ps = fields["page_server"]
+            self.source.serving(tuple(ps) if ps else None)
 
 
 def _stop(dump: "control.LazyCheckpoint | None", server: "pageserve.Handle | None") -> None:

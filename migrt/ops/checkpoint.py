@@ -141,6 +141,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                     if key in dumped:
                         timings[key] = dumped.pop(key)
                 known = dumped.pop("digests", None)  # the pages files, hashed as they were written
+                dumped.pop("chunk_digests", None)
                 journal.update("dumped")
                 res.settle()  # the images are on disk now
                 record_beside(staging)  # the images' survey for the restore's choice, taken while the commit hashes

@@ -104,7 +104,9 @@ def dump(cfg: Config, runtime: LowerRuntime, root: str, cid: str, *, images: str
     """Dump the frozen container into `images` (--leave-running: it stays frozen); returns the
     decision with what happened (`bytes`, `lazy_bytes`, `seconds`, `fallback`...) and timings; after
     a parallel dump `digests` holds the manifest entries of the pages files it wrote (relative to the
-    checkpoint: images/pages-N.img), hashed as they were written, for Staging.commit(known=...)."""
+    checkpoint: images/pages-N.img), hashed as they were written, for Staging.commit(known=...), and
+    `chunk_digests` their 64 MiB chunks' sha256 (bytes), for a migration's sender (migration/bulk.py);
+    callers pop both before recording the rest."""
     record = dict(decision)
     if decision["mode"] == "parallel":
         before = set(os.listdir(images))
@@ -163,7 +165,9 @@ def _parallel(runtime: LowerRuntime, root: str, cid: str, *, images: str, work: 
     digests = {f"{os.path.basename(images)}/{name}": make_entry(os.path.getsize(os.path.join(images, name)),
                                                                   fold_chunks(chunks))
                for name, chunks in stats["digests"].items()}
-    return {"digests": digests, "lazy_dump_s": round(lazy_s, 3), "pages_s": round(pages_s, 3), "bytes": stats["bytes"],
+    chunks = {f"{os.path.basename(images)}/{name}": list(c) for name, c in stats["digests"].items()}
+    return {"digests": digests, "chunk_digests": chunks, "lazy_dump_s": round(lazy_s, 3), "pages_s": round(pages_s, 3),
+            "bytes": stats["bytes"],
             "lazy_bytes": dump_plan.lazy_bytes, "criu_bytes": dump_plan.criu_bytes, "threads": stats["threads"],
             "processes": len(dump_plan.files), "via_proc_mem_bytes": stats["via_proc_mem_bytes"],
             "gbps": round(dump_plan.lazy_bytes / pages_s / 1e9, 2) if pages_s > 0 else None}

@@ -57,6 +57,34 @@ def test_stop_and_copy_continues_on_target(nodes, hosts):
     assert rec["restored"] and rec["committed"] and rec["bytes"] == data["bytes"] and rec["streams"] == 3
 
 
+def test_stop_and_copy_with_the_parallel_dump(nodes, hosts, tmp_path):
+    """dump_pages: parallel on the source: migrt writes the frozen container's memory with its own threads,
+    which hash each 64 MiB chunk as they write it; the transfer sends those digests (the pages are not
+    read again to hash them) and the receiver checks every chunk against them as it arrives: a wrong
+    digest would fail the migration. The container continues on the target, the checkpoint verifies."""
+    cfg = tmp_path / "a-parallel.yaml"
+    cfg.write_text(open(nodes["a"]["config"]).read() + "dump_pages: parallel\ndump_threads: 2\n")
+    pnodes = {**nodes, "a": {**nodes["a"], "config": str(cfg)}}
+    src, cid = start_source(nodes, "pdump")
+    out = nodes["base"] / f"{cid}.out"
+    recv = Receiver(nodes, hosts, 7913, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
+                    "--container-id", f"{cid}-b", "--output", str(out), "--streams", "2")
+    try:
+        res = migrate(pnodes, hosts, 7913, cid, "--name", f"{cid}-ck", "--streams", "2")
+        assert res.returncode == 0, res.stderr
+        assert recv.wait() == 0
+    finally:
+        recv.stop()
+    before = src.read_for(0.5)
+    src.close()
+    assert_continues(before, wait_ticks(out))
+    data = json.loads(res.stdout)
+    assert data["streams"] == 2 and data["phases"]["pages_s"] >= 0 and data["phases"]["lazy_dump_s"] > 0
+    ins = json.loads(target_cli(nodes, "inspect", f"{cid}-ck", "--verify", "--json").stdout)
+    assert ins["verified"] is True and ins["manifest"]["dump_pages"]["mode"] == "parallel", ins["manifest"]["dump_pages"]
+    subprocess.run(["runc", "--root", nodes["b"]["root"], "delete", "--force", f"{cid}-b"], capture_output=True)
+
+
 def test_received_checkpoint_restores_later(nodes, hosts):
     """Without --restore the receiver only stores; `migrt restore` brings it up later on host B."""
     src, cid = start_source(nodes, "later")
