@@ -176,6 +176,7 @@ class FileFakeGpuBackend(GpuBackend):
 
     def checkpoint(self, pid: int) -> None:
         self._call("checkpoint", pid)
+        fakenode.host_copy(self.path, pid)
 
     def restore(self, pid: int, remap: Remap | None = None) -> None:
         self._call("restore", pid, remap)

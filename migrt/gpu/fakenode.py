@@ -17,6 +17,7 @@ environment). The file:
      "fail": [{"call": "restore", "pid": null, "message": "...", "code": 801}],  # each entry fails one call
                                                   # (code 801 at restore: the driver's "cannot restore")
                                                   # ("crash": true: SIGKILLs the calling process instead)
+     "checkpoint_signal": 10, "checkpoint_ack": "/tmp/gpu-copy",  # optional: see host_copy()
      "calls": [["lock", pid], ...]}                                     # every driver call, in order
 
 `new_state` is the driver state of a marked process the file has not seen yet: "running" on a
@@ -155,3 +156,33 @@ def holds_gpu(state: str) -> bool:
 def lives(key: str, proc: dict) -> bool:
     """The recorded process still exists (an exited process's GPU memory is the driver's again)."""
     return _start(int(key)) == proc.get("start")
+
+
+HOST_COPY_WAIT_S = 10.0
+
+
+def host_copy(file: str, pid: int) -> None:
+    """The real driver's checkpoint writes the process's GPU memory into fresh host memory of the
+    process (one big private anonymous mapping: gpu/backing.py). The fake cannot allocate in another
+    process, so a workload that wants it does it itself: with `checkpoint_signal` set, the checkpoint
+    sends that signal to the process and waits until the file `checkpoint_ack` (a path inside the
+    process's root) exists, which the workload creates once it has mapped and filled that memory."""
+    import signal as signal_mod
+    import time
+
+    from migrt.gpu.backend import GpuError
+
+    with locked(file) as data:
+        sig, ack = data.get("checkpoint_signal"), data.get("checkpoint_ack")
+    if not sig or not ack:
+        return
+    path = f"/proc/{pid}/root/{str(ack).lstrip('/')}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.kill(pid, signal_mod.Signals(int(sig)))
+    deadline = time.monotonic() + HOST_COPY_WAIT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise GpuError(f"checkpoint (pid {pid}) failed: the workload did not map its host copy within "
+                           f"{HOST_COPY_WAIT_S:.0f} s (no {ack}; fake)", call="checkpoint", pid=pid, code=999)
+        time.sleep(0.01)

@@ -3,7 +3,8 @@ the image directory, so that every restore path (migrt, migrt-runc restore, the 
 
     {"schema": 1, "driver_version": "580.159", "cuda_driver_version": 13000, "inventory": "nvml",
      "gpus": [{"uuid", "name", "memory_total", "pci_bus_id", "index", "minor"}],   # the container's GPUs
-     "processes": [{"pid", "ns_pid", "comm", "gpus": [uuid], "memory_bytes", "gpu_memory": {uuid: bytes}}],
+     "processes": [{"pid", "ns_pid", "comm", "gpus": [uuid], "memory_bytes", "gpu_memory": {uuid: bytes},
+                    "gpu_backing": [[start, end], ...]}],  # where the driver's host copy is (gpu/backing.py)
      "timings": {"gpu_checkpoint_s": 4.6}}
 """
 

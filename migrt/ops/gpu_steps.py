@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from migrt import log as log_mod
 from migrt.errors import MigrtError, PreconditionFailed
-from migrt.gpu import apphooks, devnodes, gate, inventory, preflight, procs, records, select, session, visible
+from migrt.gpu import apphooks, backing, devnodes, gate, inventory, preflight, procs, records, select, session, visible
 from migrt.gpu.backend import CHECKPOINTED, GpuBackend, GpuError
 from migrt.progress import Progress, null_progress
 
@@ -126,6 +126,7 @@ def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
     opened = open_gate(cfg, f"container {container_id}", pids, inv, config)
     section.update(opened.record())
     progress("phase", name="gpu-checkpoint", processes=len(pids))
+    before = backing.snapshot(pids)  # the driver's host copy of the GPU memory is what appears (gpu/backing.py)
     try:
         t0 = time.monotonic()
         session.suspend_all(pids, backend, lock_timeout_ms(cfg))
@@ -133,6 +134,10 @@ def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
         opened.after(apphooks.ABORTED, f"container {container_id}")
         raise
     seconds = round(time.monotonic() - t0, 3)
+    copies = backing.found(before)
+    for proc in section.get("processes") or []:
+        if copies.get(proc.get("pid")):
+            proc["gpu_backing"] = copies[proc["pid"]]  # a lazy restore fills these first (pagefill/images.py)
     section["timings"]["gpu_checkpoint_s"] = seconds
     progress("done", name="gpu-checkpoint", seconds=seconds)
     log_mod.get().info("gpu_suspended", container=container_id, pids=pids, seconds=seconds, **opened.record())

@@ -260,9 +260,13 @@ def wait_all(fill, decision: dict, timings: dict) -> None:
 
 
 class MemoryReady:
-    """The fill as a GPU restore sees it (ops/gpu_steps): which CUDA processes, by host pid, have all
-    their memory in. The filler knows processes by their pid inside the container (CRIU's images);
-    a process it does not list is ready once the whole fill is over."""
+    """The fill as a GPU restore sees it (ops/gpu_steps): which CUDA processes, by host pid, may have
+    their GPU state restored: those whose GPU backing memory is in (the driver's host copy of their
+    GPU memory, which the filler copies before anything else when the checkpoint's GPU record says
+    where it is: pagefill/images.py), else those whose memory is all in. The rest of a process's
+    memory keeps arriving meanwhile (the driver's restore reads little else; a page it touches that
+    is not in yet is served as a fault). The filler knows processes by their pid inside the
+    container (CRIU's images); a process it does not list is ready once the whole fill is over."""
 
     def __init__(self, fill, early: bool = False) -> None:
         from migrt.pagefill.session import container_vpid
@@ -275,12 +279,13 @@ class MemoryReady:
         self._vpid = container_vpid
         self._vpids: dict[int, int | None] = {}
         self._ready_at: dict[int, float] = {}
+        self._waited: dict[int, str] = {}
 
     def ready(self, pids: list[int]) -> set[int]:
-        """Without waiting: those of pids whose memory is in. Raises RuntimeFailed when the filler
-        failed (it never will be)."""
+        """Without waiting: those of pids whose GPU restore may start. Raises RuntimeFailed when the
+        filler failed (they never will be)."""
         try:
-            done = self.fill.completed()
+            done = self.fill.gpu_ready()
         except RuntimeFailed as exc:
             raise RuntimeFailed(f"restore failed: {exc.message}") from exc
         now = round(time.monotonic() - self.t0, 3)
@@ -288,15 +293,21 @@ class MemoryReady:
         for pid in pids:
             if pid not in self._vpids:
                 self._vpids[pid] = self._vpid(pid)
-            if done is None or self.early or self._vpids[pid] in done:
+            vpid = self._vpids[pid]
+            if done is None or self.early or vpid in done:
                 out.add(pid)
-                self._ready_at.setdefault(pid, now)
+                if pid not in self._ready_at:
+                    self._ready_at[pid] = now
+                    self._waited[pid] = ("nothing (early)" if self.early and (done is None or vpid not in done)
+                                         else "memory" if done is None else done[vpid])
         return out
 
     def about(self, pid: int) -> dict:
-        """For the restore's timings: the pid inside the container, and when its memory was seen
-        complete (seconds after the filler was started, as the GPU restore's start)."""
-        return {"vpid": self._vpids.get(pid), "memory_in_s": self._ready_at.get(pid)}
+        """For the restore's timings: the pid inside the container, when what its GPU restore waits
+        for was seen in (seconds after the filler was started, as the GPU restore's start), and what
+        that was ("gpu_backing": the driver's host copy of its GPU memory; "memory": all of it)."""
+        return {"vpid": self._vpids.get(pid), "memory_in_s": self._ready_at.get(pid),
+                "waited_for": self._waited.get(pid)}
 
 
 def failed(fill, exc) -> None:

@@ -4,7 +4,11 @@ the pages are on the source node instead (remote.py): each thread fetches the ra
 own stream, the event thread the faults' ranges over its own.
 
 Threads: one event thread polls every task's userfaultfd and the guard's socket; N copy threads fill
-the biggest remaining segment first, `chunk` bytes at a time. Correctness rests on one lock and on
+the biggest remaining segment first, `chunk` bytes at a time, all of them on the same segment. A
+process's `first` ranges (the GPU driver's host copy of its GPU memory: images.py) rank before every
+other range, so the copy threads fill them first, one after the other, each over every thread; the
+moment a process's first ranges are all in, the status says so (`first_done`) and its GPU restore
+may start (ops/pages.py MemoryReady), while the rest of its memory follows. Correctness rests on one lock and on
 owning ranges:
 - A range is either remaining (in its task's list), in flight (a Job: taken out of the list, being
   fetched, then copied), or done. Fetching takes no lock (local pages: nothing to fetch; remote pages:
@@ -50,7 +54,7 @@ import time
 from dataclasses import dataclass, field
 
 from migrt.pagefill import uffd
-from migrt.pagefill.images import PAGE, Plan
+from migrt.pagefill.images import PAGE, Plan, in_ranges
 from migrt.pagefill.remote import FetchError, RemotePages
 
 CHUNK = 4 << 20
@@ -143,6 +147,11 @@ class Task:
     forked_from: int | None = None
     t_done: float | None = None
     events: dict[str, int] = field(default_factory=dict)
+    first: list = field(default_factory=list)  # [start, end) ranges copied before any other (images.py)
+    first_bytes: int = 0
+    first_done: bool = False
+    t_first: float | None = None
+    copied_at_first: int | None = None         # what had been copied into it when they were all in
 
     def remaining(self) -> int:
         return sum(s.length for s in self.segs)
@@ -222,9 +231,10 @@ class Filler:
         self.post_restore = post_restore  # appears when CRIU reaches post-restore (all VMAs registered)
         self.stop = False
         self.fatal: str | None = None
-        self.heap: list = []           # (-length, seq, task, seg): biggest first
+        self.heap: list = []           # (rank, -length, seq, task, seg): first ranges, then biggest first
         self.seq = 0
-        self.current: tuple[Task, Seg] | None = None
+        self.current: tuple[Task, Seg, int] | None = None  # the segment the copy threads cut, and its rank
+        self.first_news = False        # a task's first ranges just came in: the status says so at once
         self.to_close: list[Task] = []
         self.retry: list[tuple[Task, int]] = []
         self.copied = 0
@@ -246,11 +256,27 @@ class Filler:
         t.segs = segs
         for s in segs:
             self._push(t, s)
-        self.current = None
+        if self.current is not None and self.current[0] is t:
+            self.current = None  # (another task's range being cut stays: it is out of the heap)
 
     def _push(self, t: Task, s: Seg) -> None:
         self.seq += 1
-        heapq.heappush(self.heap, (-s.length, self.seq, t, s))
+        heapq.heappush(self.heap, (self._rank(t, s.start, s.end), -s.length, self.seq, t, s))
+
+    @staticmethod
+    def _rank(t: Task, start: int, end: int) -> int:
+        """0 for a range in the task's first ranges (copied before any other), 1 otherwise."""
+        return 0 if t.first and not t.first_done and in_ranges(t.first, start, end) else 1
+
+    def _first_left(self, t: Task) -> bool:
+        """Under self.state: whether any of the task's first ranges is still to copy (remaining or in flight)."""
+        for a, b in t.first:
+            i = bisect.bisect_right(t.segs, a, key=_start) - 1
+            if i >= 0 and t.segs[i].end > a:
+                return True
+            if i + 1 < len(t.segs) and t.segs[i + 1].start < b:
+                return True
+        return any(j.alive and in_ranges(t.first, j.start, j.end) for j in t.flight)
 
     def _remove(self, t: Task, s: Seg) -> None:
         s.alive = False
@@ -285,7 +311,8 @@ class Filler:
             if pages.size < max(s.offset + s.length for s in proc.segments):
                 raise FillError(f"{proc.pages_file} is shorter than its pagemap says")
         with self.state:
-            t = Task(id=tid, vpid=vpid, fd=fd, pages=pages, segs=[], lazy_bytes=proc.lazy_bytes)
+            t = Task(id=tid, vpid=vpid, fd=fd, pages=pages, segs=[], lazy_bytes=proc.lazy_bytes,
+                     first=list(proc.first), first_bytes=proc.first_bytes)
             self.tasks[tid] = t
             self._set_segs(t, [Seg(s.start, s.end, s.offset, s.inherited) for s in proc.segments])
             self._check_done(t)
@@ -297,6 +324,10 @@ class Filler:
 
     def _check_done(self, t: Task) -> None:
         """Under self.state."""
+        if t.first and not t.first_done and not self._first_left(t):
+            t.first_done, t.t_first, t.copied_at_first = True, time.monotonic(), t.copied
+            self.first_news = True
+            self._wake()
         if not t.done and self.finished and not t.segs and not t.inflight:
             t.done, t.t_done = True, time.monotonic()
             self.to_close.append(t)
@@ -310,20 +341,24 @@ class Filler:
 
     # -- copy threads ----------------------------------------------------------------------------
     def _take(self) -> tuple[Task, int, int, int, bool] | None:
-        """Under self.state: the next background chunk, biggest remaining range first."""
+        """Under self.state: the next background chunk: first ranges before any other, then the
+        biggest remaining range first."""
         if not self.copying:
             return None
         cur = self.current
+        if cur is not None and cur[1].alive and cur[1].length > 0 and self.heap and self.heap[0][0] < cur[2]:
+            self._push(cur[0], cur[1])  # a first range came (a task added late): it goes before this one
+            cur = None
         while cur is None or not cur[1].alive or cur[1].length <= 0:
             if cur is not None and cur[1].alive:
-                self._remove(*cur)
+                self._remove(cur[0], cur[1])
             if not self.heap:
                 self.current = None
                 return None
-            _, _, t, s = heapq.heappop(self.heap)
-            cur = (t, s) if s.alive and not t.done else None
+            rank, _, _, t, s = heapq.heappop(self.heap)
+            cur = (t, s, rank) if s.alive and not t.done else None
         self.current = cur
-        t, s = cur
+        t, s, _ = cur
         n = min(self.chunk, s.length)
         job = self._fly(t, s.start, s.start + n, s.offset, s.inherited)
         s.start += n
@@ -554,6 +589,7 @@ class Filler:
             self.guard.sendmsg([f"K {tid}".encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fd.to_bytes(4, "little"))])
         except OSError:
             pass  # the guard is gone: we are the only holder now
+        # (the child holds no GPU state: no first ranges)
         # MADV_DONTFORK ranges: the child has no such mapping; MADV_WIPEONFORK ones: the child must
         # read zeros there (its faults get zero pages, as ranges outside every segment do)
         segs = [Seg(s.start, s.end, s.offset, True) for s in parent.segs if s.inherited]
@@ -624,6 +660,7 @@ class Filler:
                 for t in self.tasks.values():
                     self._check_done(t)
                 self.work.notify_all()
+            self.write_status("filling")  # restore_finished: what the restore's waits look at
         elif words[0] == "A":
             with self.state:
                 self.stop = True
@@ -645,8 +682,11 @@ class Filler:
                 closing, self.to_close = self.to_close, []
                 retry, self.retry = self.retry, []
                 all_done = self.finished and all(t.done for t in self.tasks.values())
+                first_news, self.first_news = self.first_news, False
             for t in closing:
                 self._close(t)
+            if first_news:  # a GPU restore waits for this (ops/pages.py MemoryReady)
+                self.write_status("filling")
             if all_done:
                 self.t_done = time.monotonic()
                 break
@@ -759,6 +799,10 @@ class Filler:
                 left += t_left
                 rec = {"lazy_bytes": t.lazy_bytes, "copied_bytes": t.copied, "done": t.done, "left_bytes": t_left,
                        "seconds": round(t.t_done - self.t0, 3) if t.t_done else None}
+                if t.first:
+                    rec.update(first_bytes=t.first_bytes, first_done=t.first_done,
+                               first_s=round(t.t_first - self.t0, 3) if t.t_first else None,
+                               copied_at_first=t.copied_at_first)
                 if t.forked_from is None:
                     pids[str(t.vpid)] = rec
                 else:

@@ -15,6 +15,15 @@ store commits the checkpoint: `record_beside()`): a restore decides eager or laz
 reading the images. The plan the filler works from is always made again from the images themselves
 (by the guard), and the restore's tree waits for it (ops/pages.py PlanCheck).
 
+GPU checkpoints add one thing: the driver keeps a checkpointed process's GPU memory in its host
+memory (one big private anonymous mapping), which is what its restore reads. The checkpoint's GPU
+record (migrt-gpu.json beside the images, written by migrt's GPU checkpoint: gpu/backing.py) says
+where, per process (`gpu_backing`, with the process's pid in its namespace, `ns_pid`, CRIU's key).
+plan() gives those ranges to their process (`ProcessPlan.first`, segments cut at their edges), and
+the filler copies them before anything else, over every copy thread, so that the process's GPU
+restore can start as soon as they are in (engine.py). Only an order: a record without it, or with
+ranges that are not lazy memory, changes nothing, and a malformed one is ignored.
+
 A small protobuf reader of our own (stdlib only, criu/protobuf.py) instead of pycriu: it reads the three message types
 needed in milliseconds, while importing pycriu costs ~0.25 s on the restore path; the unit tests
 check it against pycriu on images CRIU made.
@@ -121,6 +130,13 @@ class ProcessPlan:
     pid: int                      # the pid inside the container (CRIU's images are keyed by it)
     pages_file: str               # pages-<id>.img
     segments: list[Segment] = field(default_factory=list)
+    # [start, end) ranges to fill before any other (the GPU driver's host copy of its GPU memory)
+    first: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def first_bytes(self) -> int:
+        """Lazy bytes inside `first` (the segments are cut at its edges)."""
+        return sum(s.length for s in self.segments if in_ranges(self.first, s.start, s.end))
 
     @property
     def lazy_bytes(self) -> int:
@@ -197,11 +213,87 @@ def _append(segments: list[Segment], seg: Segment, vma: Vma) -> None:
 
 def plan(images: str, remote: bool = False) -> Plan:
     """The filler's work for a checkpoint's images; ImageError when it cannot do it. remote: a lazy
-    dump's images, whose lazy pages are fetched from the source (see process_plan)."""
+    dump's images, whose lazy pages are fetched from the source (see process_plan). Each process's
+    `first` ranges come from the GPU record beside the images (first_ranges)."""
     pids = read_pids(images)
     if not pids:
         raise ImageError("pstree.img lists no process")
-    return Plan(images=images, processes={pid: process_plan(images, pid, remote) for pid in pids})
+    out = Plan(images=images, processes={pid: process_plan(images, pid, remote) for pid in pids})
+    for pid, ranges in first_ranges(images).items():
+        proc = out.processes.get(pid)
+        if proc is not None and proc.segments:
+            proc.first = ranges
+            proc.segments = cut(proc.segments, ranges)
+    return out
+
+
+GPU_RECORD = "migrt-gpu.json"  # gpu/records.py IMAGE_FILE (read here as plain JSON: pagefill stays below gpu/)
+MAX_FIRST_RANGES = 256
+
+
+def first_ranges(images: str) -> dict[int, list[tuple[int, int]]]:
+    """{pid inside the container: sorted, merged [start, end) ranges} of the GPU driver's host copy of
+    each checkpointed process's GPU memory, from the checkpoint's GPU record (`processes[].ns_pid`,
+    `processes[].gpu_backing`). {} without a record or when it is malformed: an order, never a reason
+    to refuse a restore."""
+    import json
+
+    try:
+        with open(os.path.join(images, GPU_RECORD), encoding="utf-8") as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    out: dict[int, list[tuple[int, int]]] = {}
+    procs = record.get("processes") if isinstance(record, dict) else None
+    for p in procs if isinstance(procs, list) else []:
+        if not isinstance(p, dict):
+            continue
+        vpid, ranges = p.get("ns_pid"), p.get("gpu_backing")
+        if not _int(vpid) or vpid <= 0 or not isinstance(ranges, list) or not 0 < len(ranges) <= MAX_FIRST_RANGES:
+            continue
+        good = []
+        for r in ranges:
+            if not (isinstance(r, list) and len(r) == 2 and _int(r[0]) and _int(r[1]) and 0 <= r[0] < r[1] < 1 << 64):
+                good = []
+                break
+            good.append((r[0] & ~(PAGE - 1), -(-r[1] // PAGE) * PAGE))
+        if good:
+            out[vpid] = _merge(out.get(vpid, []) + good)
+    return out
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def in_ranges(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether [start, end) overlaps any of the ranges."""
+    return any(a < end and start < b for a, b in ranges)
+
+
+def cut(segments: list[Segment], ranges: list[tuple[int, int]]) -> list[Segment]:
+    """The segments cut at every edge of the ranges that falls inside one, so that each segment lies
+    wholly inside or wholly outside them (offsets follow: file offsets and source addresses alike)."""
+    edges = sorted({e for r in ranges for e in r})
+    out = []
+    for s in segments:
+        start = s.start
+        for e in edges:
+            if start < e < s.end:
+                out.append(Segment(start, e, s.offset + (start - s.start), s.inherited))
+                start = e
+        out.append(Segment(start, s.end, s.offset + (start - s.start), s.inherited))
+    return out
 
 
 FIELD = "pagefill"  # the manifest field that holds survey()

@@ -169,6 +169,24 @@ class PageFill:
             return set()
         return {int(p) for p, rec in (st.get("pids") or {}).items() if rec.get("done")}
 
+    def gpu_ready(self) -> dict[int, str] | None:
+        """Without waiting: the processes (pids inside the container) whose GPU restore may start, with
+        what was waited for: "gpu_backing" when the filler has copied their first ranges (the driver's
+        host copy of their GPU memory, engine.py), "memory" when all their memory is in; None once the
+        fill is over. Raises RuntimeFailed as completed() does."""
+        st = self.check()
+        if st.get("state") == "done":
+            return None
+        if st.get("state") == "aborted":
+            raise RuntimeFailed("the page filler stopped: the restore was aborted")
+        out = {}
+        for p, rec in (st.get("pids") or {}).items():
+            if rec.get("done") and st.get("restore_finished"):
+                out[int(p)] = "memory"
+            elif rec.get("first_done"):
+                out[int(p)] = "gpu_backing"
+        return out
+
     def planned(self, timeout: float = PLAN_WAIT_S, interval: float = 0.005) -> dict:
         """Until the guard has planned the images (status "planned", or later ones): that status. The
         plan is what the filler copies, made from the images themselves. Raises RuntimeFailed when it

@@ -147,6 +147,10 @@ class ScriptedFill:
         self.looks += 1
         return self.script(self.looks)
 
+    def gpu_ready(self):
+        done = self.completed()
+        return None if done is None else {v: "memory" for v in done}
+
     def wait(self, vpids=None, timeout=None):
         self.events.append("wait")
         return {"state": "done", "copied_bytes": 1}
