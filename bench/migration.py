@@ -16,7 +16,9 @@ target reports the container running), total_s, the phases -- and the applicatio
 app_gap_s, the longest gap between two consecutive ticks across the migration (minus the 10 ms
 period), i.e. how long the process really did not run.
 
-Modes: stop-and-copy (with --free-source-early: both "nodes" share this machine's memory), pre-dump
+Modes: stop-and-copy (with --free-source-early: both "nodes" share this machine's memory; --streams N
+connections, migration/bulk.py), direct (`migrate --direct`: the memory straight from the frozen source
+into the target's tasks, which run once all of it is in), pre-dump
 (run only where the kernel has soft-dirty tracking; otherwise reported as unavailable), lazy (post-copy:
 CRIU page server on the source, `criu lazy-pages` on the target).
 
@@ -55,7 +57,7 @@ from tests.helpers.twohosts import ADDR_B, in_ns, two_hosts  # noqa: E402
 CLI = shutil.which("migrt") or "/usr/local/bin/migrt"
 DEFAULT_JSON = os.path.join(REPO, "bench", "results", "migration.json")
 TICK = 0.010
-MODES = ("stop-and-copy", "pre-dump", "lazy")
+MODES = ("stop-and-copy", "pre-dump", "lazy", "direct")
 TARGETS = {1: 0.5, 8: 1.0}
 
 
@@ -160,14 +162,15 @@ def ticks(data: bytes) -> list[tuple[int, float]]:
     return out
 
 
-def one_run(lab: Lab, hosts: dict, mode: str, mib: int, port: int) -> dict:
+def one_run(lab: Lab, hosts: dict, mode: str, mib: int, port: int, streams: int | None = None) -> dict:
     cid = f"bench-{uuid.uuid4().hex[:6]}"
     out_file = os.path.join(lab.base, f"{cid}.out")
     log(f"  {mode} {mib} MiB: filling memory ...")
     src = Source(lab, cid, mib)
     recv = subprocess.Popen(
         in_ns(hosts["b"], CLI, "receive", "--listen", f"{ADDR_B}:{port}", "--once", "--json", "--restore",
-              lab.target_bundle, "--root", lab.nodes["b"]["root"], "--container-id", f"{cid}-b", "--output", out_file),
+              lab.target_bundle, "--root", lab.nodes["b"]["root"], "--container-id", f"{cid}-b", "--output", out_file,
+              *(["--streams", str(streams)] if streams else [])),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=lab.nodes["b"]["env"])
     try:
         deadline = time.monotonic() + 20
@@ -178,7 +181,8 @@ def one_run(lab: Lab, hosts: dict, mode: str, mib: int, port: int) -> dict:
             time.sleep(0.05)
         argv = in_ns(hosts["a"], CLI, "migrate", cid, "--to", f"{ADDR_B}:{port}", "--root", lab.nodes["a"]["root"],
                      "--json", "--pre-dump", "0")
-        argv += ["--lazy"] if mode == "lazy" else ["--free-source-early"]
+        argv += ["--lazy"] if mode == "lazy" else ["--direct"] if mode == "direct" else ["--free-source-early"]
+        argv += ["--streams", str(streams)] if streams and mode == "stop-and-copy" else []
         log(f"  {mode} {mib} MiB: migrating ...")
         res = subprocess.run(argv, capture_output=True, text=True, env=lab.nodes["a"]["env"], timeout=1800)
         recv_out, recv_err = recv.communicate(timeout=600)
@@ -260,6 +264,8 @@ def main() -> int:
     ap.add_argument("--sizes", help="GiB, comma-separated (default 1,4,8; quick 0.25,1)")
     ap.add_argument("--runs", type=int, help="runs per size and mode (default 3; quick 2)")
     ap.add_argument("--modes", default="stop-and-copy,pre-dump,lazy")
+    ap.add_argument("--streams", type=int, help="stop-and-copy: connections (migrate/receive --streams; "
+                                                 "default: migration_streams, 0 = half the CPUs)")
     ap.add_argument("--json-out", default=DEFAULT_JSON)
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -289,9 +295,10 @@ def main() -> int:
     try:
         lab = Lab(base, shm)
         with two_hosts("mbench") as hosts:
-            if "lazy" in modes and lazy_problem("source"):
-                notes["lazy"] = f"unavailable: {lazy_problem('source')}"
-                modes.remove("lazy")
+            for m in ("lazy", "direct"):
+                if m in modes and lazy_problem("source"):
+                    notes[m] = f"unavailable: {lazy_problem('source')}"
+                    modes.remove(m)
             for gib in sizes:
                 mib = int(gib * 1024)
                 need = mib * (2 << 20) + (1 << 30)  # one copy on each "node", plus slack
@@ -306,7 +313,7 @@ def main() -> int:
                         port += 1
                         wait_for_memory(need)
                         try:
-                            samples.append(one_run(lab, hosts, mode, mib, port))
+                            samples.append(one_run(lab, hosts, mode, mib, port, args.streams))
                         except Exception as exc:  # reported, not hidden: the point shows its failures
                             log(f"    FAILED: {exc}")
                             failures.append(str(exc))

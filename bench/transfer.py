@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """migrt's stop-and-copy transfer against the wire: a bare socket pump and migrt, side by side.
 
-    python bench/transfer.py [--gib 2] [--streams 1,2,4,8] [--runs 3] [--no-release] [--floor] [--v1]
+    python bench/transfer.py [--gib 2] [--streams 1,2,4,8] [--runs 3] [--no-release] [--floor] [--known] [--v1]
                              [--dir /dev/shm] [--json-out PATH]
 
 For each stream count, in the same run and alternating their order:
@@ -14,6 +14,9 @@ For each stream count, in the same run and alternating their order:
            commits the checkpoint: timed from the first byte until the receiver says `committed`;
   floor    (--floor) the pump whose receiver writes what arrives into a tmpfs file (mapped): the wire
            plus the store's writes, no hashing: what no integrity-checked transfer into a store beats;
+  known    (--known) migrt as it sends after a parallel dump (dump_pages: parallel, the default on 4+
+           CPUs): the sender has the chunk digests the dump's threads computed as they wrote the pages
+           (computed here before the clock starts) and does not hash; the receiver checks as always;
   v1       (--v1, one stream) migrt before bulk.py: one file after the other on the migration
            connection (Channel.send_file), the same receiver.
 Every side runs in its own process (two nodes' worth of GIL), on this machine's loopback.
@@ -25,7 +28,7 @@ socket; --no-release lets the kernel send the page cache's pages (sendfile) and 
 Prints a table (GiB/s, medians of the runs, ratio migrt / pump with as many streams, CPU seconds of
 both processes per GiB), writes JSON (every run; default bench/results/transfer.json) and ends with
 
-    transfer gib=<G> streams=<list> ratio=<migrt/pump per stream count>
+    transfer gib=<G> streams=<list> ratio=<migrt/pump per stream count> [ratio_known=<known/pump>]
 
 Target (issue 18): migrt >= 80 % of the raw pump with as many streams, on loopback.
 """
@@ -120,10 +123,17 @@ def role_pump_send(port: int, streams: int, size: int) -> None:
     print(json.dumps({"seconds": time.monotonic() - t0, "bytes": per * streams}), flush=True)
 
 
-def role_migrt_send(address: str, key_file: str, src: str, name: str, streams: int, release: bool, v1: bool) -> None:
+def role_migrt_send(address: str, key_file: str, src: str, name: str, streams: int, release: bool, v1: bool,
+                    known: bool = False) -> None:
     from migrt.migration import bulk
     from migrt.migration.wire import connect, load_key
     from migrt.store import manifest as mf
+
+    digests = None
+    if known:  # what the parallel dump's threads hand over: the pages file's chunk digests, hashed by the
+        # orchestrator before this process started (off its CPU time)
+        with open(os.path.join(os.path.dirname(src), "known.json")) as fh:
+            digests = {rel: [bytes.fromhex(d) for d in ds] for rel, ds in json.load(fh).items()}
 
     ch = connect(address, load_key(key_file), stall=60)
     ch.send({"type": "offer", "name": name, "mode": "stop-and-copy", "container_id": "bench", "schema": mf.SCHEMA})
@@ -137,7 +147,7 @@ def role_migrt_send(address: str, key_file: str, src: str, name: str, streams: i
     else:
         extra = bulk.open_streams(ch, ready["bulk"], streams - 1, tls=None, stall=60)
         used = 1 + len(extra)
-        meta = bulk.send([ch, *extra], files, release=release)
+        meta = bulk.send([ch, *extra], files, release=release, known=digests)
         for c in extra:
             c.close()
     t_sent = time.monotonic() - t0
@@ -221,10 +231,23 @@ class Lab:
             with open(os.path.join(self.src, rel), "wb") as fh:
                 fh.write(os.urandom(n))
         self.made = True
+        self.known_digests = None
 
-    def run(self, streams: int, release: bool, v1: bool, n: int) -> dict:
+    def write_known(self) -> None:
+        """The pages file's chunk digests, as a parallel dump would hand them to the sender."""
+        if self.known_digests is None:
+            from migrt.store import fsutil
+
+            chunks = fsutil.hash_chunks(self.src, ["images/pages-1.img"])
+            self.known_digests = {rel: [c[2].hex() for c in cs] for rel, cs in chunks.items()}
+        with open(os.path.join(self.base, "known.json"), "w") as fh:
+            json.dump(self.known_digests, fh)
+
+    def run(self, streams: int, release: bool, v1: bool, n: int, known: bool = False) -> dict:
         if release or not self.made:
             self.make_source()
+        if known:
+            self.write_known()
         port = _free_port()
         name = f"bench-{n}"
         recv = subprocess.Popen([sys.executable, "-c", "from migrt.cli.main import main; main()", "receive",
@@ -235,7 +258,8 @@ class Lab:
             raise RuntimeError(f"migrt receive did not start: {line}{recv.stderr.read()}")
         send = subprocess.Popen(_me("--role", "migrt-send", "--address", f"127.0.0.1:{port}", "--key", self.key,
                                     "--src", self.src, "--name", name, "--n", str(streams),
-                                    *(["--send-release"] if release else []), *(["--v1"] if v1 else [])),
+                                    *(["--send-release"] if release else []), *(["--v1"] if v1 else []),
+                                    *(["--known"] if known else [])),
                                 env=self.env, stdout=subprocess.PIPE, text=True)
         raw = send.stdout.readline()
         rc_s, cpu_s = _wait(send)
@@ -256,6 +280,7 @@ def main() -> int:
     ap.add_argument("--no-release", dest="release", action="store_false")
     ap.add_argument("--floor", action="store_true", help="also the pump writing into a tmpfs file")
     ap.add_argument("--v1", action="store_true", help="also migrt's file-by-file transfer (one stream)")
+    ap.add_argument("--known", action="store_true", help="also migrt with the dump's digests (no sender hashing)")
     ap.add_argument("--dir", default="/dev/shm", help="where the source, the store and the floor's file live")
     ap.add_argument("--json-out", default=DEFAULT_JSON)
     ap.add_argument("--role", help=argparse.SUPPRESS)
@@ -272,7 +297,7 @@ def main() -> int:
         role_pump_send(args.port, args.n, args.size)
         return 0
     if args.role == "migrt-send":
-        role_migrt_send(args.address, args.key, args.src, args.name, args.n, args.send_release, args.v1)
+        role_migrt_send(args.address, args.key, args.src, args.name, args.n, args.send_release, args.v1, args.known)
         return 0
     release = args.release
     size = int(args.gib * 2**30)
@@ -287,7 +312,8 @@ def main() -> int:
     try:
         for run in range(args.runs):
             for n in counts:
-                kinds = ["pump", "migrt"] + (["floor"] if args.floor else []) + (["v1"] if args.v1 and n == 1 else [])
+                kinds = ["pump", "migrt"] + (["known"] if args.known else []) + (["floor"] if args.floor else []) + \
+                    (["v1"] if args.v1 and n == 1 else [])
                 if run % 2:
                     kinds.reverse()
                 for kind in kinds:
@@ -296,32 +322,33 @@ def main() -> int:
                     elif kind == "floor":
                         r = run_pump(n, size, base)
                     else:
-                        r = lab.run(n, release, kind == "v1", len(results))
+                        r = lab.run(n, release, kind == "v1", len(results), known=kind == "known")
                     r.update(kind=kind, streams=n, run=run, loadavg=os.getloadavg()[0])
                     results.append(r)
                     log(f"  run {run} streams {n} {kind:5s} {r['gibps']:6.2f} GiB/s  cpu send {r['cpu_send_s']:.2f} s "
                         f"recv {r['cpu_recv_s']:.2f} s")
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    table, ratios = summarize(results, counts, size)
+    table, ratios, known_ratios = summarize(results, counts, size)
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
     with open(args.json_out, "w") as fh:
         json.dump({"machine": {**info, "loadavg_end": os.getloadavg()[0]}, "gib": args.gib, "release": release,
                    "runs": results}, fh, indent=2)
     print(f"transfer gib={args.gib:g} streams={','.join(map(str, counts))} "
-          f"ratio={','.join(f'{ratios[n]:.2f}' for n in counts)}")
+          f"ratio={','.join(f'{ratios[n]:.2f}' for n in counts)}"
+          + (f" ratio_known={','.join(f'{known_ratios[n]:.2f}' for n in counts)}" if args.known else ""))
     return 0
 
 
-def summarize(results: list[dict], counts: list[int], size: int) -> tuple[str, dict]:
+def summarize(results: list[dict], counts: list[int], size: int) -> tuple[str, dict, dict]:
     gib = size / 2**30
     lines = ["| streams | kind | GiB/s (median) | runs | CPU s per GiB, sender | receiver | x pump |",
              "|---:|---|---:|---|---:|---:|---:|"]
-    ratios = {}
+    ratios, known_ratios = {}, {}
     for n in counts:
         med = {}
-        for kind in ("pump", "floor", "migrt", "v1"):
+        for kind in ("pump", "floor", "migrt", "known", "v1"):
             rs = [r for r in results if r["streams"] == n and r["kind"] == kind]
             if not rs:
                 continue
@@ -332,7 +359,8 @@ def summarize(results: list[dict], counts: list[int], size: int) -> tuple[str, d
             x = med[kind] / med["pump"] if "pump" in med else float("nan")
             lines.append(f"| {n} | {kind} | {med[kind]:.2f} | {runs} | {cs:.2f} | {cr:.2f} | {x:.2f} |")
         ratios[n] = med.get("migrt", 0) / med["pump"] if med.get("pump") else float("nan")
-    return "\n".join(lines), ratios
+        known_ratios[n] = med.get("known", 0) / med["pump"] if med.get("pump") else float("nan")
+    return "\n".join(lines), ratios, known_ratios
 
 
 if __name__ == "__main__":
