@@ -81,7 +81,8 @@ class Node:
         return out
 
     def bundle(self, name: str, args: list[str], data: Path, gpu_indices: list[int], env: list[str] | None = None,
-               annotations: dict | None = None, mounts: list[dict] | None = None) -> str:
+               annotations: dict | None = None, mounts: list[dict] | None = None, netns: str | None = None,
+               criu_config: str | None = None) -> str:
         gpus = [self.gpus[i] for i in gpu_indices]
         path = self.base / "bundles" / name
         if path.exists():
@@ -94,7 +95,7 @@ class Node:
         envs += [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("WORKLOAD_")]  # e.g. dry runs
         return rig.make_bundle(str(path), args=args, data_dir=str(data), needed=self.needed,
                                gpu_minors=[g.minor for g in gpus], env=envs + list(env or []),
-                               annotations=annotations, mounts=mounts)
+                               annotations=annotations, mounts=mounts, netns=netns, criu_config=criu_config)
 
     def data_dir(self, name: str) -> Path:
         d = self.base / "data" / name

@@ -7,6 +7,15 @@ systems is dumped, and on restore each one is mounted again from the new config'
 (non-recursive) binds, one per needed directory, because CRIU refuses mounts it would have to dump
 that it cannot (e.g. a squashfs under an rbind). The directories needed are found by asking the
 workload's Python where it and torch live, plus LD_LIBRARY_PATH and libcuda's directory.
+
+Network: by default the host's network namespace (CRIU locks a container's own netns with iptables,
+and the GPU machine's kernel lacks xt_mark). A two-node rig (tests/gpu/twonodes.py) gives each
+node's container the node's network namespace instead (`netns`: joined by path, /run/netns/<name>),
+so that a frozen source and its restored copy never share abstract unix sockets; runc declares such
+a namespace external to CRIU and joins the new bundle's on restore. Where CRIU's iptables lock cannot
+work (`network_lock_problem()`), `criu_config_file()` writes a CRIU configuration with `network-lock
+skip` that the bundle names in its `org.criu.config` annotation (runc hands it to CRIU as the RPC
+config file, for that container's checkpoints and restores only; nothing node-wide).
 """
 
 from __future__ import annotations
@@ -113,8 +122,10 @@ def nvidia_devices(minors: list[int]) -> list[dict]:
 
 def make_bundle(path: str, *, args: list[str], data_dir: str, needed: list[str], gpu_minors: list[int] | None,
                 env: list[str] | None = None, annotations: dict | None = None, runc: str = "runc",
-                mounts: list[dict] | None = None) -> str:
-    """A bundle at `path` whose rootfs is made of binds of the host's directories."""
+                mounts: list[dict] | None = None, netns: str | None = None, criu_config: str | None = None) -> str:
+    """A bundle at `path` whose rootfs is made of binds of the host's directories. netns: the name of
+    a network namespace (/run/netns/<name>) the container joins (None: the host's); criu_config: a
+    CRIU configuration file for its checkpoints and restores (the org.criu.config annotation)."""
     rootfs = os.path.join(path, "rootfs")
     os.makedirs(rootfs, exist_ok=True)
     binds, links = bind_sources(needed)
@@ -143,14 +154,52 @@ def make_bundle(path: str, *, args: list[str], data_dir: str, needed: list[str],
         cfg["mounts"].append(m)
     devices = nvidia_devices(gpu_minors) if gpu_minors is not None else []
     linux = cfg.setdefault("linux", {})
-    # The host's network namespace: CRIU locks a container's own netns with iptables, and the GPU
-    # machine's kernel lacks xt_mark ("Locking network failed: iptables-restore returned -1").
+    # The host's network namespace unless one is named: CRIU locks a container's own netns with
+    # iptables, and the GPU machine's kernel lacks xt_mark ("Locking network failed: iptables-restore
+    # returned -1"); a named one is joined by path (external to CRIU), see the module doc.
     linux["namespaces"] = [ns for ns in linux.get("namespaces", []) if ns.get("type") != "network"]
+    if netns:
+        linux["namespaces"].append({"type": "network", "path": f"/run/netns/{netns}"})
     linux["devices"] = devices
     rules = linux.setdefault("resources", {}).setdefault("devices", [{"allow": False, "access": "rwm"}])
     rules += [{"allow": True, "type": "c", "major": d["major"], "minor": d["minor"], "access": "rwm"} for d in devices]
+    annotations = dict(annotations or {})
+    if criu_config:
+        annotations[CRIU_CONFIG_ANNOTATION] = criu_config
     if annotations:
         cfg["annotations"] = annotations
     with open(cfg_path, "w") as fh:
         json.dump(cfg, fh, indent=2)
     return path
+
+
+CRIU_CONFIG_ANNOTATION = "org.criu.config"  # runc: the CRIU configuration file for this container
+# CRIU's own lock (criu/net.c iptables_network_lock_internal; SOCCR_MARK 0xC114)
+CRIU_LOCK_RULES = ("*filter\n:CRIU - [0:0]\n-I INPUT -j CRIU\n-I OUTPUT -j CRIU\n"
+                   "-A CRIU -m mark --mark 0xC114 -j ACCEPT\n-A CRIU -j DROP\nCOMMIT\n")
+
+
+def network_lock_problem() -> str | None:
+    """Why CRIU's iptables network lock would fail here (None: it works): CRIU's own rules, applied
+    with iptables-restore in a network namespace of their own that vanishes with the command."""
+    try:
+        r = subprocess.run(["unshare", "--net", "iptables-restore"], input=CRIU_LOCK_RULES, capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run iptables-restore: {exc}"
+    if r.returncode:
+        return f"iptables-restore of CRIU's lock rules failed: {(r.stderr or r.stdout).strip()[-300:]}"
+    return None
+
+
+def criu_config_file(directory: str, *, force_skip: bool = False) -> tuple[str | None, str]:
+    """(a CRIU configuration file saying `network-lock skip`, or None when CRIU's iptables lock works
+    here; what the network lock is, in words). For the rig's bundles (org.criu.config) only."""
+    problem = "asked for" if force_skip else network_lock_problem()
+    if problem is None:
+        return None, "iptables (CRIU's default)"
+    path = os.path.join(directory, "criu-rig.conf")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("# the GPU rig's containers only (tests/gpu/rig.py): CRIU's iptables lock cannot work here\n"
+                 "network-lock skip\n")
+    return path, f"skip (org.criu.config {path}; {problem})"
