@@ -60,8 +60,8 @@ SMALL_FILES = {"images/core-1.img": 20_000, "images/mm-1.img": 8_000, "images/pa
 
 # -- roles (each in its own process) -------------------------------------------------------------
 
-def role_pump_recv(port: int, streams: int, write_to: str | None, size: int) -> None:
-    srv = socket.create_server(("127.0.0.1", port))
+def role_pump_recv(port: int, streams: int, write_to: str | None, size: int, host: str = "127.0.0.1") -> None:
+    srv = socket.create_server((host, port))
     print("ready", flush=True)
     conns = [srv.accept()[0] for _ in range(streams)]
     per = size // streams
@@ -99,8 +99,8 @@ def role_pump_recv(port: int, streams: int, write_to: str | None, size: int) -> 
         os.unlink(write_to)
 
 
-def role_pump_send(port: int, streams: int, size: int) -> None:
-    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+def role_pump_send(port: int, streams: int, size: int, host: str = "127.0.0.1") -> None:
+    socks = [socket.create_connection((host, port)) for _ in range(streams)]
     per = size // streams
 
     def send(s: socket.socket) -> None:
@@ -179,13 +179,20 @@ def _me(*args: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), *args]
 
 
-def run_pump(streams: int, size: int, write_dir: str | None) -> dict:
+def run_pump(streams: int, size: int, write_dir: str | None, *, host: str = "127.0.0.1",
+             recv_in: list[str] | None = None, send_in: list[str] | None = None) -> dict:
+    """The raw pump over `host` (loopback by default); recv_in/send_in: a command prefix each side
+    runs under (e.g. nsenter into a network namespace: bench/gpu_migration.py's veth pair)."""
     port = _free_port()
-    recv = subprocess.Popen(_me("--role", "pump-recv", "--port", str(port), "--n", str(streams), "--size", str(size),
-                                *(["--write-to", os.path.join(write_dir, "pump.dst")] if write_dir else [])),
+    where = ["--host", host]
+    recv = subprocess.Popen([*(recv_in or []), *_me("--role", "pump-recv", "--port", str(port), "--n", str(streams),
+                                                    "--size", str(size), *where,
+                                                    *(["--write-to", os.path.join(write_dir, "pump.dst")]
+                                                      if write_dir else []))],
                             stdout=subprocess.PIPE, text=True)
     assert recv.stdout.readline().strip() == "ready"
-    send = subprocess.Popen(_me("--role", "pump-send", "--port", str(port), "--n", str(streams), "--size", str(size)),
+    send = subprocess.Popen([*(send_in or []), *_me("--role", "pump-send", "--port", str(port), "--n", str(streams),
+                                                    "--size", str(size), *where)],
                             stdout=subprocess.PIPE, text=True)
     out = json.loads(send.stdout.readline())
     rc_s, cpu_s = _wait(send)
@@ -286,15 +293,16 @@ def main() -> int:
     ap.add_argument("--role", help=argparse.SUPPRESS)
     for a in ("--port", "--n", "--size"):
         ap.add_argument(a, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     for a in ("--write-to", "--address", "--key", "--src", "--name"):
         ap.add_argument(a, help=argparse.SUPPRESS)
     ap.add_argument("--send-release", action="store_true", help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
     if args.role == "pump-recv":
-        role_pump_recv(args.port, args.n, args.write_to, args.size)
+        role_pump_recv(args.port, args.n, args.write_to, args.size, args.host)
         return 0
     if args.role == "pump-send":
-        role_pump_send(args.port, args.n, args.size)
+        role_pump_send(args.port, args.n, args.size, args.host)
         return 0
     if args.role == "migrt-send":
         role_migrt_send(args.address, args.key, args.src, args.name, args.n, args.send_release, args.v1, args.known)
