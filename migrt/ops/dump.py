@@ -41,7 +41,7 @@ from migrt.gpu import procs
 from migrt.progress import Progress, null_progress
 from migrt.runtime import control
 from migrt.runtime.runc import LowerRuntime
-from migrt.store.fsutil import fold_chunks, make_entry
+from migrt.store.fsutil import TREE_CHUNK, fold_chunks, make_entry
 
 ENV = "MIGRT_DUMP_PAGES"
 THREADS_ENV = "MIGRT_DUMP_THREADS"
@@ -154,8 +154,8 @@ def _parallel(runtime: LowerRuntime, root: str, cid: str, *, images: str, work: 
         pids = container_pids(root, cid)
         progress("phase", name="pages", total_bytes=dump_plan.total_bytes)
         t1 = time.monotonic()
-        stats = pagedump.write(dump_plan, pids, threads,
-                               progress=lambda n: progress("bytes", name="pages", bytes=n))
+        stats = pagedump.write(dump_plan, pids, threads, progress=lambda n: progress("bytes", name="pages", bytes=n),
+                               chunk=TREE_CHUNK)  # hashed in the store's digest chunks
         pagedump.install(dump_plan)
     except (pagedump.PlanError, pagedump.ReadError) as exc:
         raise _Fallback(str(exc)) from exc

@@ -25,11 +25,11 @@ from migrt.pagedump.memory import ReadError, discard, install, write
 __all__ = ["DumpPlan", "PlanError", "ReadError", "complete", "discard", "install", "plan", "write"]
 
 
-def complete(images: str, pids: dict[int, int], threads: int, progress=None) -> dict:
+def complete(images: str, pids: dict[int, int], threads: int, progress=None, chunk: int | None = None) -> dict:
     """Complete a lazy dump's images in place. pids: pid inside the container -> host pid. Raises
     PlanError (images it does not handle; nothing was changed), ReadError (a task's memory; nothing
     was changed) or OSError (the image directory)."""
     p = plan(images)
-    stats = write(p, pids, threads, progress)
+    stats = write(p, pids, threads, progress, chunk)
     install(p)
     return {**stats, "lazy_bytes": p.lazy_bytes, "criu_bytes": p.criu_bytes, "processes": len(p.files)}

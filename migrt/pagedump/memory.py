@@ -44,9 +44,8 @@ import threading
 import time
 
 from migrt.pagedump.images import NEW_SUFFIX, PAGE, DumpPlan, PagesFile
-from migrt.store import fsutil
 
-PIECE = 64 << 20   # about the unit of work a thread takes (a TREE_CHUNK): the room a full store must have left
+PIECE = 64 << 20   # the unit of work a thread takes and hashes: the store's digest chunk (fsutil.TREE_CHUNK)
 BUF = 4 << 20      # a thread's buffer (stays in the caches between the read and the write)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -172,11 +171,10 @@ def _copy_file(reader: Reader, src: int, dst: int, length: int, src_off: int, ds
         done += k
 
 
-def _pieces(files: list[PagesFile]) -> list[tuple[int, int, int, list[tuple[int, int, int, int | None]]]]:
-    """(file index, chunk offset, chunk length, its segments) for every TREE_CHUNK-aligned chunk of
-    every new file, biggest first; a segment is (dst, length, src, vpid): the part of one planned copy
-    that falls into the chunk, in file order (the copies cover the file without gaps)."""
-    unit = fsutil.TREE_CHUNK
+def _pieces(files: list[PagesFile], unit: int) -> list[tuple[int, int, int, list[tuple[int, int, int, int | None]]]]:
+    """(file index, chunk offset, chunk length, its segments) for every `unit`-aligned chunk of every
+    new file, biggest first; a segment is (dst, length, src, vpid): the part of one planned copy that
+    falls into the chunk, in file order (the copies cover the file without gaps)."""
     out = []
     for i, f in enumerate(files):
         segs: dict[int, list] = {}
@@ -197,12 +195,14 @@ def new_path(f: PagesFile) -> str:
     return f.path + NEW_SUFFIX
 
 
-def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None) -> dict:
+def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None, chunk: int | None = None) -> dict:
     """Write every new pages file (not yet installed). pids: pid inside the container -> host pid, for
     every process whose memory is read. progress(bytes) is called from this thread. Raises
     ReadError (a task's memory) or OSError (the files); the new files are removed then. The stats'
-    `digests` map each pages file's name to the sha256 of its TREE_CHUNK chunks, in order, hashed
-    from what was written (fsutil.fold_chunks of them is its manifest digest)."""
+    `digests` map each pages file's name to the sha256 of its `chunk`-sized chunks (default PIECE: the
+    store's TREE_CHUNK), in order, hashed from what was written (fsutil.fold_chunks of them is its
+    manifest digest)."""
+    chunk = chunk or PIECE
     missing = [v for v in plan.vpids if v not in pids]
     if missing:
         raise ReadError(f"the dumped processes {missing} are not in the container any more")
@@ -228,8 +228,8 @@ def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None) -> 
             os.ftruncate(fd, f.size)
         maps = _map(files, dst_fds) if WRITE == "mmap" else None
         try:
-            stats = _run(files, _pieces(files), dst_fds, src_fds, pids, max(1, threads), progress, maps,
-                         plan.images)
+            stats = _run(files, _pieces(files, chunk), dst_fds, src_fds, pids, max(1, threads), progress, maps,
+                         plan.images, chunk)
         finally:
             for (addr, size) in maps or []:
                 if addr:
@@ -272,7 +272,7 @@ def _view(addr: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(addr)).cast("B").toreadonly()
 
 
-def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, directory=".") -> dict:
+def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, directory=".", chunk: int = PIECE) -> dict:
     lock = threading.Lock()
     todo = iter(pieces)
     failed = threading.Event()
@@ -337,7 +337,7 @@ def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, di
         progress(done[0] - reported)
     names = {}
     for i, f in enumerate(files):
-        names[os.path.basename(f.path)] = [digests[(i, start)] for start in range(0, f.size, fsutil.TREE_CHUNK)] \
+        names[os.path.basename(f.path)] = [digests[(i, start)] for start in range(0, f.size, chunk)] \
             or [hashlib.sha256().digest()]
     return {"bytes": done[0], "threads": n, "via_proc_mem_bytes": via_mem[0], "digests": names}
 

@@ -94,7 +94,8 @@ def test_lazy_pagemap_becomes_the_normal_dumps_byte_for_byte(tmp_path):
 
 @pytest.mark.parametrize("threads, how", [(1, "mmap"), (3, "mmap"), (3, "pwrite")])
 def test_complete_writes_every_page_in_pagemap_order(tmp_path, monkeypatch, threads, how):
-    monkeypatch.setattr(fsutil, "TREE_CHUNK", 5 * PAGE)  # many pieces (digest chunks), several threads at once
+    monkeypatch.setattr(pd_memory, "PIECE", 5 * PAGE)  # many pieces (digest chunks), several threads at once
+    monkeypatch.setattr(fsutil, "TREE_CHUNK", 5 * PAGE)  # the store's digest of the same chunks
     monkeypatch.setattr(pd_memory, "BUF", 2 * PAGE)
     monkeypatch.setattr(pd_memory, "WRITE", how)
     mem = Memory(64)
