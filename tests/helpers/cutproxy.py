@@ -3,15 +3,15 @@
     python cutproxy.py LISTEN_HOST:PORT TARGET_HOST:PORT SPEC
 
 It forwards every connection to TARGET, parsing migrt's frames on the way (type u8 | length u32 |
-payload; a sealed payload is a 32-byte MAC then JSON, readable; a `file` message is followed by that
-many raw bytes). The FIRST connection is cut (both sockets closed at once) at the point SPEC names;
+payload; a sealed payload is a 32-byte MAC then JSON, readable; a `file` or `chunk` message is
+followed by that many raw bytes). The FIRST connection is cut (both sockets closed at once) at the point SPEC names;
 later connections (a sender asking again with `query`) pass untouched. SPEC:
 
     bytes:N                 after N bytes from the sender (e.g. inside the handshake)
     up:TYPE:before|after    around the sender's message of that type (offer, commit, restore, bye ...)
     down:TYPE:before|after  around the receiver's message of that type (ready, committed, restored, done)
-    file:FRACTION           inside the first file of 64 KiB or more (the memory pages are sent last),
-                            after FRACTION of its bytes (e.g. 0.5)
+    file:FRACTION           inside the first file (or a stop-and-copy's chunk, migration/bulk.py) of
+                            64 KiB or more on this connection, after FRACTION of its bytes (e.g. 0.5)
 
 Prints "listening" once ready, then one JSON line per connection when it ends ({"conn", "cut", "up",
 "down", "where"}).
@@ -100,7 +100,7 @@ class Stream:
                 self.where = f"before {self.direction} {mtype}"
                 raise Cut(bytes(out))
             out += frame
-            if mtype == "file" and isinstance(msg.get("size"), int):
+            if mtype in ("file", "chunk") and isinstance(msg.get("size"), int):  # chunk: migration/bulk.py
                 self.file_left = self.file_size = msg["size"]
             if self._check(f"{self.direction}:{mtype}:after"):
                 self.where = f"after {self.direction} {mtype}"
