@@ -43,9 +43,38 @@ def path() -> str | None:
 def _read_environ(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
-            return [e.decode(errors="replace") for e in fh.read().split(b"\0") if e]
+            raw = fh.read()
     except OSError:
-        return []
+        raw = b""
+    if not raw:  # a lazily restored process whose environment page is not in yet: see _environ_by_vm
+        raw = _environ_by_vm(pid)
+    return [e.decode(errors="replace") for e in raw.split(b"\0") if e]
+
+
+def _environ_by_vm(pid: int) -> bytes:
+    """The process's environment block read with process_vm_readv. /proc/PID/environ reads through a
+    remote access that cannot wait for a userfaultfd (the kernel answers it with an error), so a
+    process restored with lazy pages shows no environment until its page is copied in; process_vm_readv
+    faults the page in through its userfaultfd like the process's own access, served by the filler."""
+    import ctypes
+
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (stat fields 50 and 51)
+    except (OSError, IndexError, ValueError):
+        return b""
+    if not 0 < start < end or end - start > 1 << 20:
+        return b""
+
+    class Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    buf = ctypes.create_string_buffer(end - start)
+    local, remote = Iovec(ctypes.addressof(buf), end - start), Iovec(start, end - start)
+    libc = ctypes.CDLL(None, use_errno=True)
+    got = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    return buf.raw[:got] if got > 0 else b""
 
 
 def _start(pid: int) -> int | None:

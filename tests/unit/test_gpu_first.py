@@ -249,3 +249,48 @@ def test_a_task_added_while_a_range_is_cut_loses_nothing_of_that_range(tmp_path)
     assert taken == {1: size, 2: MiB}
     ours.close()
     theirs.close()
+
+
+# -- the simulated GPU node (CI's stand-in for the driver) -------------------------------------------------------
+def _child(code: str):
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_the_simulated_checkpoint_has_the_workload_make_its_host_copy(tmp_path, monkeypatch):
+    from migrt.gpu import fakenode
+    from migrt.gpu.backend import GpuError
+
+    ack = tmp_path / "gpu-copy"
+    state = tmp_path / "gpu.json"
+    state.write_text(json.dumps({"checkpoint_signal": 10, "checkpoint_ack": str(ack)}))
+    p = _child(f"import signal, time\nsignal.signal(10, lambda *a: open({str(ack)!r}, 'w').close())\n"
+               "print('ready', flush=True)\ntime.sleep(30)")
+    try:
+        fakenode.host_copy(str(state), p.pid)  # returns once the workload said it is done
+        assert ack.exists()
+    finally:
+        p.kill()
+        p.wait()
+    monkeypatch.setattr(fakenode, "HOST_COPY_WAIT_S", 0.3)
+    p = _child("import signal, time\nsignal.signal(10, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(30)")
+    try:
+        with pytest.raises(GpuError, match="did not map its host copy"):
+            fakenode.host_copy(str(state), p.pid)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_the_simulated_node_reads_an_environment_through_process_vm_readv():
+    """A lazily restored process's environment page may not be in yet: /proc/PID/environ then reads
+    nothing (seen in bench/gpu_migration.py --simulate: 'found 0 checkpointed CUDA process(es)' in 2
+    lazy runs of 3), process_vm_readv faults it in through the filler. Same bytes."""
+    from migrt.gpu import fakenode
+
+    with open("/proc/self/environ", "rb") as fh:
+        assert fakenode._environ_by_vm(os.getpid()) == fh.read()
