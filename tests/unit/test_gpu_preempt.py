@@ -446,3 +446,26 @@ def test_py_shim_pause_marker_lookup_refuses_paths(gpu_node, tmp_path):
     r = subprocess.run([str(PY_SHIM), "--root", str(gpu_node.runc_root / "x"), "pause", ".."],
                        env=gpu_node.env.env, capture_output=True)
     assert r.returncode == 0 and gpu_node.env.fake.argvs()[-1][-2:] == [b"pause", b".."]
+
+
+def test_a_lock_still_stuck_in_the_driver_keeps_the_record_and_is_not_queried(gpu_node, monkeypatch):
+    """gpu.session names a lock call that never returned (`pending`): the suspend fails at once,
+    keeps its record for 'migrt gpu resume' and asks the driver nothing more (a state query on such a
+    process can block as its lock does)."""
+    from migrt.gpu.backend import GpuError as Err
+
+    box = gpu_node.box()
+    pids = box.pids()
+
+    def stuck(pids, backend, timeout_ms):
+        err = Err(f"GPU lock of {len(pids)} process(es) failed: cuCheckpointProcessLock of pid(s) {pids[1]} did "
+                  "not return within 40 s", call="cuCheckpointProcessLock", pid=pids[1])
+        err.pending = [pids[1]]
+        raise err
+
+    monkeypatch.setattr(gpu_preempt, "suspend_all", stuck)
+    monkeypatch.setattr(gpu_preempt, "_state_or_none", lambda b, p: pytest.fail(f"state of {p} asked"))
+    with pytest.raises(GpuError, match=f"did not return within 40 s; 'migrt gpu resume {CID}' retries bringing "
+                                       f"pids {pids[1]} back"):
+        gpu_preempt.suspend(cfg(), CID, str(gpu_node.runc_root))
+    assert gpu_preempt.read_record(str(gpu_node.runc_root), CID)["status"] == gpu_preempt.SUSPENDING
