@@ -12,11 +12,12 @@ On a failure before the target runs, the source is thawed first and `resume` the
 unlocks the processes on their own GPU; once the target runs, the source is destroyed, which frees
 its GPU.
 
-Lazy mode takes the same GPU steps: the GPU checkpoint before the freeze, the GPU restore right after
-`runc restore --lazy-pages` returns on the target. The driver's restore then reads each process's
-GPU backing memory (in the process's host memory, still on the source): those pages come first,
-through the target's userfaultfd faults, while `criu lazy-pages` streams the rest in the background.
-Nothing prefetches the GPU ranges explicitly (CRIU's images do not say which ranges they are).
+Lazy mode takes the same GPU steps: the GPU checkpoint before the freeze, the GPU restore on the
+target once `runc restore --lazy-pages` has returned. The driver's restore reads each process's GPU
+memory from the host copy its checkpoint made in the process (still on the source, frozen): the GPU
+record says where (`gpu_backing`, gpu/backing.py), the target's page filler fetches those ranges
+before any other memory over every stream, and each process's GPU restore starts as soon as its own
+are in (ops/pages.py MemoryReady); the rest of the memory follows, faults first.
 """
 
 from __future__ import annotations
