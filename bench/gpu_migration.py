@@ -207,7 +207,7 @@ def summary(rows: list[dict], pump: dict[int, dict]) -> tuple[list[str], bool]:
                 lines.append(f"{mode:5s} {gb:>5g} no run: {[r.get('error') or r.get('skipped') for r in mine]}")
                 continue
             ok &= all(r["identical"] for r in good) and len(good) == len([r for r in mine if "skipped" not in r])
-            med = {k: _median(good, k) for k in keys}
+            med = {k: _r(_median(good, k)) for k in keys}
             streams = _median(good, "streams")
             p = pump.get(int(streams)) if streams else None
             pg = p["gibps"] if p else None
