@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu import harness
+from tests.gpu import harness, rig
 from tests.gpu.harness import Container
 
 pytestmark = pytest.mark.gpu
@@ -400,8 +400,12 @@ class Rank:
 class Job:
     """The container and its two ranks; every wait bounded by the test's Steps."""
 
-    def __init__(self, node, st: Steps, tag: str, gb: float, env: list[str], hook: bool) -> None:
+    def __init__(self, node, st: Steps, tag: str, gb: float, env: list[str], hook: bool,
+                 criu_config: str | None = None) -> None:
+        """criu_config: a CRIU configuration file for the container's checkpoints and restores
+        (rig.criu_config_file: `network-lock skip` where CRIU's iptables lock cannot work)."""
         self.node, self.st, self.tag, self.gb = node, st, tag, gb
+        self.criu_config = criu_config
         self.data = node.data_dir(tag)
         shutil.copy(WORKLOAD, self.data / "ddp_workload.py")
         shutil.copy(APPHOOK, self.data / "apphook.py")  # what an application does: carry the helper
@@ -413,7 +417,7 @@ class Job:
         st.jobs.append(self)
         cid = f"{tag}-src"
         bundle = node.bundle(cid, [node.python, "/data/ddp_workload.py", "--job", str(gb)], self.data, [0, 1],
-                             env=self.env, mounts=self.mounts)
+                             env=self.env, mounts=self.mounts, criu_config=criu_config)
         st.log(f"job {tag}: starting container {cid}, 2 ranks x {gb:g} GiB, env {' '.join(env) or '(NCCL defaults)'}"
                f"{', application hook' if hook else ''}")
         self.container = st.container("runc create", cid, ["runc", "--root", str(node.runc_root), "create",
@@ -510,7 +514,8 @@ class Job:
         ann = {"migrt.io/restore-gpus": f"{g[1].uuid},{g[0].uuid}"} if swapped else None
         cid = f"{self.tag}-dst"
         bundle = node.bundle(cid, [node.python, "/data/ddp_workload.py", "--job", "0"], self.data, [0, 1],
-                             env=[*self.env, f"MIGRT_RESTORE={name}"], annotations=ann, mounts=self.mounts)
+                             env=[*self.env, f"MIGRT_RESTORE={name}"], annotations=ann, mounts=self.mounts,
+                             criu_config=self.criu_config)
         log = os.path.join(bundle, "log.json")
         st.log(f"restore {name} into {cid}: GPUs {'swapped' if swapped else 'as they were'}")
         self.ended_before = "\n".join(_read_lines(self.data / "job.log"))
@@ -673,13 +678,20 @@ def test_multi_b_restore_p2p_and_shm_off_checkpoint_and_restore_onto_swapped_gpu
     tag = tag_of("mbr", gb)
 
     def body(st: Steps) -> None:
-        job = Job(node, st, tag, gb, OFF, hook=False)
+        # NCCL's TCP sockets between the ranks go through the dump (--tcp-established); CRIU locks each
+        # connection with an iptables rule matching a mark, which the GPU machine's kernel cannot load
+        # (no xt_mark): then the rig's `network-lock skip` (both ends are in the dump, frozen)
+        conf_dir = node.base / f"criu-{tag}"
+        conf_dir.mkdir(exist_ok=True)
+        conf, lock = rig.criu_config_file(str(conf_dir))
+        st.log(f"CRIU network lock: {lock}")
+        job = Job(node, st, tag, gb, OFF, hook=False, criu_config=conf)
         ev = job.evidence()
         st.log(f"evidence: findings {ev['findings']}")
-        out = checkpoint_restore_swapped(node, st, job, tag, "--tcp-established")  # NCCL's sockets between ranks
+        out = checkpoint_restore_swapped(node, st, job, tag, "--tcp-established")
         assert out["swapped"], out["gpus_after"]
         node.record("multi (b) P2P/SHM off: checkpoint + restore onto swapped GPUs", gb=gb, processes=2,
-                    counting_again_after_s=out.pop("going_on_after_s"), evidence=ev, **out)
+                    counting_again_after_s=out.pop("going_on_after_s"), evidence=ev, network_lock=lock, **out)
 
     case(node, "multi (b) P2P/SHM off, checkpoint + restore", tag, "restore", gb, body)
 
