@@ -232,15 +232,17 @@ def test_gpu_restore_failing_on_the_target_resumes_the_source(nodes, hosts):
     src.close()
 
 
-def test_lazy_migration_moves_the_gpu_state_too(nodes, hosts):
+@pytest.mark.parametrize("mode, port", [("lazy", 7936), ("direct", 7938)])
+def test_lazy_migration_moves_the_gpu_state_too(nodes, hosts, mode, port):
+    """Lazy, and direct (the same path, the target's tree held until every page is in: issue 18)."""
     src = Counter(nodes)
-    out = nodes["base"] / "target-lazy.out"
+    out = nodes["base"] / f"target-{mode}.out"
     with lazy_pipe_limit():
-        recv = Receiver(nodes, hosts, 7936, "--restore", target_bundle(nodes), "--root", nodes["b"]["root"],
+        recv = Receiver(nodes, hosts, port, "--restore", target_bundle(nodes), "--root", nodes["b"]["root"],
                         "--container-id", f"{src.cid}-b", "--output", str(out))
         try:
-            argv = in_ns(hosts["a"], CLI, "migrate", src.cid, "--to", f"{ADDR_B}:7936", "--root", nodes["a"]["root"],
-                         "--lazy", "--json")
+            argv = in_ns(hosts["a"], CLI, "migrate", src.cid, "--to", f"{ADDR_B}:{port}", "--root", nodes["a"]["root"],
+                         f"--{mode}", "--json")
             res = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=_env(nodes["a"]))
             assert res.returncode == 0, res.stderr
             assert recv.proc.wait(60) == 0
@@ -249,7 +251,7 @@ def test_lazy_migration_moves_the_gpu_state_too(nodes, hosts):
     data = json.loads(res.stdout)
     before = src.read_for(0.3)
     src.close()
-    assert data["mode"] == "lazy" and data["restored"] and src.status() is None
+    assert data["mode"] == mode and data["restored"] and src.status() is None
     assert data["gpu"]["pairs"] == [{"old": UA, "new": UB}] and data["phases"]["gpu_checkpoint_s"] >= 0
     pid = init_pid(nodes["b"]["root"], f"{src.cid}-b")
     p = driver(nodes["b"]["gpu"])["processes"][str(pid)]
