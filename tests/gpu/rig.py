@@ -151,6 +151,8 @@ def make_bundle(path: str, *, args: list[str], data_dir: str, needed: list[str],
     cfg["mounts"].append({"destination": "/data", "type": "bind", "source": data_dir, "options": ["bind", "rw"]})
     for m in mounts or []:  # e.g. a tmpfs (CRIU dumps its contents: what is in it comes back with a restore)
         os.makedirs(os.path.join(rootfs, m["destination"].lstrip("/")), exist_ok=True)
+        # one of runc spec's own (e.g. /dev/shm, 64 MiB) is replaced, not mounted over
+        cfg["mounts"] = [x for x in cfg["mounts"] if x.get("destination") != m["destination"]]
         cfg["mounts"].append(m)
     devices = nvidia_devices(gpu_minors) if gpu_minors is not None else []
     linux = cfg.setdefault("linux", {})

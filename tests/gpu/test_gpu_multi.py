@@ -55,6 +55,8 @@ APPHOOK = harness.REPO / "migrt" / "apphook.py"
 # loopback, whatever network plugin or interface the host's /etc/nccl.conf names
 OFF = ["NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_IB_DISABLE=1", "NCCL_NET=Socket", "NCCL_SOCKET_IFNAME=lo"]
 COMMON = ["TORCH_NCCL_ENABLE_MONITORING=0", "NCCL_RAS_ENABLE=0", "NCCL_DEBUG=INFO"]
+DEV_SHM = {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+           "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=1g"]}
 HOOK_TMPFS = {"destination": "/run/migrt", "type": "tmpfs", "source": "tmpfs",
               "options": ["nosuid", "nodev", "mode=755", "size=1m"]}
 LOCK_TIMEOUT_MS = 10_000  # a lock held up by a collective fails (and is retried once) in 10 s, not 30
@@ -410,7 +412,9 @@ class Job:
         shutil.copy(WORKLOAD, self.data / "ddp_workload.py")
         shutil.copy(APPHOOK, self.data / "apphook.py")  # what an application does: carry the helper
         self.env = [*COMMON, *env, *(["WORKLOAD_HOOK=1"] if hook else [])]
-        self.mounts = [HOOK_TMPFS] if hook else []
+        # NCCL's socket transport keeps its proxy buffers in /dev/shm (34 MB a segment; runc spec's
+        # 64 MiB /dev/shm failed with ENOSPC on the H200 pair): 1 GiB, as pods give NCCL jobs
+        self.mounts = [DEV_SHM] + ([HOOK_TMPFS] if hook else [])
         self.ranks = [Rank(self.data, r) for r in (0, 1)]
         self.host_pids: list[int] = []
         self.ended_before = ""  # job.log as it was when the current container started
