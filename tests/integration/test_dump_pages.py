@@ -265,8 +265,8 @@ print("DUMPED")
 def test_parallel_dump_under_a_low_descriptor_limit(runc_root, migrt_config, binaries, tmp_path):
     """A lazy dump held two descriptors per CRIU page pipe (min(fs.pipe-max-size, 3.2 MiB) of memory
     each): 32 GiB under the GPU machine's hard limit of 20000 could not be dumped in parallel. Scaled
-    down here: 1 GiB of memory, migrt, runc and CRIU under a hard limit of about half the descriptors
-    CRIU's page pipes would take, without CAP_SYS_RESOURCE to raise it. CRIU's own way
+    down here: migrt, runc and CRIU under a hard limit of 1024, without CAP_SYS_RESOURCE to raise it,
+    and memory that CRIU's page pipes would need 1.3 times as many descriptors for. CRIU's own way
     (MIGRT_CRIU_LAZY_NO_PIPES=0) runs out of descriptors, and migrt refuses it before the freeze; migrt's
     CRIU (packaging/criu/patches/0001) keeps no page pipes: the dump runs, and restores the same memory."""
     from migrt.criu import lazy as lazy_mod
@@ -274,9 +274,11 @@ def test_parallel_dump_under_a_low_descriptor_limit(runc_root, migrt_config, bin
 
     assert lazy_mod.unpiped_lazy_dump(os.environ.get("MIGRT_CRIU") or None), \
         "the CRIU in use is not migrt's build with its patches (packaging/build-criu.sh)"
-    mib = 1024
+    # an ordinary hard limit, and the memory that takes 1.3 times as many descriptors in CRIU's pipes
+    # (1 MiB pipes: 666 MiB; 3.2 MiB pipes, fs.pipe-max-size 4 MiB: 2130 MiB)
+    limit = 1024
     pipe = max(4096, min(lazy_mod.pipe_max_size(), lazy_mod.CRIU_PIPE_MAX))
-    limit = max(256, (2 * (mib << 20) // pipe) // 2)
+    mib = int(1.3 * limit * pipe / 2) >> 20
     low = ["prlimit", f"--nofile={limit}:{limit}", "--"]
     sid = _uid("fd")
     src = _start(runc_root, sid, _bundle(str(tmp_path / "s"), ["/bin/memhog", str(mib)], binaries))
