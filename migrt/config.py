@@ -2,6 +2,7 @@
 
 Keys (all optional):
   runtime: runc                      lower runtime: a path or a name on PATH (never migrt-runc)
+  criu: (none)                       CRIU binary (default: migrt's own build, /opt/migrt/criu/sbin/criu)
   store: /var/lib/migrt              checkpoint store root
   restore_failure_policy: fail       fail | fresh (on a failed restore, run the original create)
   log_file: /var/log/migrt/migrt.log migrt's own debug log (JSON lines)
@@ -44,6 +45,8 @@ Keys (all optional):
   dump_pages: auto                   auto | parallel | criu: who writes a checkpoint's memory (docs/dump-pages.md);
                                      MIGRT_DUMP_PAGES in the environment overrides it per call
   dump_threads: 0                    writer threads of the parallel dump (0: min(8, CPUs))
+  criu_ghost_limit_mib: 256          deleted files the tasks hold open (NCCL's /dev/shm segments) are dumped
+                                     whole up to this size each (CRIU's --ghost-limit; its default is 1 MiB)
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from migrt import trust
 from migrt.errors import ConfigError
 from migrt.runtime.lower import config_path, resolve
 
@@ -69,7 +73,7 @@ _REGISTRY_PATTERN = re.compile(r"(?:[A-Za-z0-9*?](?:[A-Za-z0-9*?.-]*[A-Za-z0-9*?
 RESTORE_PAGES = ("auto", "lazy", "eager")
 PAGE_KEYS = ("restore_pages", "fill_threads", "fill_min_mib")
 DUMP_PAGES = ("auto", "parallel", "criu")
-DUMP_KEYS = ("dump_pages", "dump_threads")
+DUMP_KEYS = ("dump_pages", "dump_threads", "criu_ghost_limit_mib")
 
 
 @dataclass
@@ -85,9 +89,9 @@ class Config:
     migration_key_file: str | None = None
     migration_tls: dict[str, str] | None = None
     migration_stall_timeout: float = 10.0
+    migration_streams: int = 0
     agent_listen: str = "0.0.0.0:7070"
     migrate_any_container: bool = False
-    migration_streams: int = 0
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
     gpu_hook_timeout_s: float = 30.0
@@ -105,6 +109,7 @@ class Config:
     fill_min_mib: int = 256
     dump_pages: str = "auto"
     dump_threads: int = 0
+    criu_ghost_limit_mib: int = 256
     loaded: bool = False  # False when the file did not exist (defaults in use)
 
     def runtime_path(self) -> str:
@@ -114,6 +119,7 @@ class Config:
                 f"lower runtime {self.runtime!r} (config {self.path}) is not an executable file on PATH; "
                 "install runc or set 'runtime:'"
             )
+        trust.check(path, "lower runtime")  # it runs as root
         return path
 
 
@@ -181,8 +187,7 @@ def load(path: str | None = None) -> Config:
     path = path or config_path()
     cfg = Config(path=path)
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        text = trust.read(path, "migrt config").decode("utf-8")  # Untrusted: another user could have written it
     except FileNotFoundError:
         return cfg
     except (OSError, UnicodeDecodeError) as exc:
@@ -202,7 +207,8 @@ def load(path: str | None = None) -> Config:
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
              "allow_cross_namespace_restore", "allow_unbound_checkpoints", "migration_key_file", "migration_tls", "store_space_check",
-             "migration_stall_timeout", "migration_streams", "agent_listen", "migrate_any_container"}
+             "migration_stall_timeout", "migration_streams", "agent_listen", "migrate_any_container",
+             "criu"}  # criu: read as one line by migrt.criu.binary (which CRIU migrt uses)
     known |= set(REGISTRY_KEYS)
     known |= set(GPU_KEYS) | set(PAGE_KEYS) | set(DUMP_KEYS)
     unknown = sorted(set(data) - known)
@@ -260,11 +266,11 @@ def load(path: str | None = None) -> Config:
     if not isinstance(stall, (int, float)) or isinstance(stall, bool) or not 1 <= stall <= 3600:
         raise ConfigError(f"config {path}: 'migration_stall_timeout' must be a number of seconds from 1 to 3600")
     cfg.migration_stall_timeout = float(stall)
-    _load_agent(cfg, data, path)
     streams = data.get("migration_streams", cfg.migration_streams)
     if not isinstance(streams, int) or isinstance(streams, bool) or not 0 <= streams <= 64:
         raise ConfigError(f"config {path}: 'migration_streams' must be an integer from 0 (auto) to 64")
     cfg.migration_streams = streams
+    _load_agent(cfg, data, path)
     return cfg
 
 
@@ -341,3 +347,7 @@ def _load_dump(cfg: Config, data: dict, path: str) -> None:
     if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val <= 256:
         raise ConfigError(f"config {path}: 'dump_threads' must be an integer from 0 to 256")
     cfg.dump_threads = val
+    val = data.get("criu_ghost_limit_mib", cfg.criu_ghost_limit_mib)
+    if isinstance(val, bool) or not isinstance(val, int) or not 1 <= val <= 1 << 20:
+        raise ConfigError(f"config {path}: 'criu_ghost_limit_mib' must be an integer from 1 to {1 << 20}")
+    cfg.criu_ghost_limit_mib = val

@@ -108,6 +108,9 @@ def dump(cfg: Config, runtime: LowerRuntime, root: str, cid: str, *, images: str
     `chunk_digests` their 64 MiB chunks' sha256 (bytes), for a migration's sender (migration/bulk.py);
     callers pop both before recording the rest."""
     record = dict(decision)
+    # Files the tasks hold open but that are deleted (NCCL's and PyTorch's /dev/shm segments, 34 MB
+    # each under NCCL's socket transport) are dumped whole up to CRIU's ghost limit (1 MiB by default).
+    env = control.criu_config_env(env, work, [f"ghost-limit {cfg.criu_ghost_limit_mib}M"], "criu-dump.conf")
     if decision["mode"] == "parallel":
         before = set(os.listdir(images))
         try:

@@ -89,12 +89,11 @@ def loopback_page_server() -> PagePort:
     return PagePort(s)
 
 
-def criu_address_env(env: dict | None, host: str, work_path: str) -> dict:
-    """The environment for runc and its CRIU, with CRIU_CONFIG_FILE saying `address HOST`. CRIU's RPC
-    service takes only the port of a lazy dump's page server (cr-service.c ignores the address when
-    lazy_pages is set), so its page server listened on every address of the node. CRIU reads the file
-    CRIU_CONFIG_FILE names after its global config and before the RPC options; a file the environment
-    already named is carried over, its lines first."""
+def criu_config_env(env: dict | None, work_path: str, lines: list[str], name: str) -> dict:
+    """The environment for runc and its CRIU with CRIU_CONFIG_FILE naming `<work_path>/<name>`, which
+    holds `lines` after those of the file the environment already named (carried over, first). CRIU
+    reads that file after its global config and before the RPC options, in swrk mode too (runc passes
+    its environment on), so no config.json, /etc/criu or node-wide setting changes."""
     base = dict(os.environ if env is None else env)
     text = ""
     if base.get("CRIU_CONFIG_FILE"):
@@ -105,11 +104,18 @@ def criu_address_env(env: dict | None, host: str, work_path: str) -> dict:
             text = ""
         if text and not text.endswith("\n"):
             text += "\n"
-    path = os.path.join(work_path, "criu-page-server.conf")
+    path = os.path.join(work_path, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(f"{text}address {host}\n")
+        fh.write(text + "".join(f"{line}\n" for line in lines))
     return {**base, "CRIU_CONFIG_FILE": path}
+
+
+def criu_address_env(env: dict | None, host: str, work_path: str) -> dict:
+    """The environment for runc and its CRIU, with CRIU_CONFIG_FILE saying `address HOST`. CRIU's RPC
+    service takes only the port of a lazy dump's page server (cr-service.c ignores the address when
+    lazy_pages is set), so its page server listened on every address of the node."""
+    return criu_config_env(env, work_path, [f"address {host}"], "criu-page-server.conf")
 
 
 def end_page_server(address: tuple[str, int], timeout: float) -> None:
