@@ -403,11 +403,14 @@ class Job:
     """The container and its two ranks; every wait bounded by the test's Steps."""
 
     def __init__(self, node, st: Steps, tag: str, gb: float, env: list[str], hook: bool,
-                 criu_config: str | None = None) -> None:
+                 criu_config: str | None = None, netns: tuple[str, str] | None = None) -> None:
         """criu_config: a CRIU configuration file for the container's checkpoints and restores
-        (rig.criu_config_file: `network-lock skip` where CRIU's iptables lock cannot work)."""
+        (rig.criu_config_file: `network-lock skip` where CRIU's iptables lock cannot work); netns:
+        network namespaces (names under /run/netns) for the source and the restored container, as two
+        pods have (None: the host's)."""
         self.node, self.st, self.tag, self.gb = node, st, tag, gb
         self.criu_config = criu_config
+        self.netns = netns
         self.data = node.data_dir(tag)
         shutil.copy(WORKLOAD, self.data / "ddp_workload.py")
         shutil.copy(APPHOOK, self.data / "apphook.py")  # what an application does: carry the helper
@@ -421,7 +424,8 @@ class Job:
         st.jobs.append(self)
         cid = f"{tag}-src"
         bundle = node.bundle(cid, [node.python, "/data/ddp_workload.py", "--job", str(gb)], self.data, [0, 1],
-                             env=self.env, mounts=self.mounts, criu_config=criu_config)
+                             env=self.env, mounts=self.mounts, criu_config=criu_config,
+                             netns=netns[0] if netns else None)
         st.log(f"job {tag}: starting container {cid}, 2 ranks x {gb:g} GiB, env {' '.join(env) or '(NCCL defaults)'}"
                f"{', application hook' if hook else ''}")
         self.container = st.container("runc create", cid, ["runc", "--root", str(node.runc_root), "create",
@@ -519,7 +523,7 @@ class Job:
         cid = f"{self.tag}-dst"
         bundle = node.bundle(cid, [node.python, "/data/ddp_workload.py", "--job", "0"], self.data, [0, 1],
                              env=[*self.env, f"MIGRT_RESTORE={name}"], annotations=ann, mounts=self.mounts,
-                             criu_config=self.criu_config)
+                             criu_config=self.criu_config, netns=self.netns[1] if self.netns else None)
         log = os.path.join(bundle, "log.json")
         st.log(f"restore {name} into {cid}: GPUs {'swapped' if swapped else 'as they were'}")
         self.ended_before = "\n".join(_read_lines(self.data / "job.log"))
@@ -689,10 +693,21 @@ def test_multi_b_restore_p2p_and_shm_off_checkpoint_and_restore_onto_swapped_gpu
         conf_dir.mkdir(exist_ok=True)
         conf, lock = rig.criu_config_file(str(conf_dir))
         st.log(f"CRIU network lock: {lock}")
-        job = Job(node, st, tag, gb, OFF, hook=False, criu_config=conf)
-        ev = job.evidence()
-        st.log(f"evidence: findings {ev['findings']}")
-        out = checkpoint_restore_swapped(node, st, job, tag, "--tcp-established")
+        # Each container in its own network namespace, as two pods: the ranks' TCP connections (NCCL's
+        # socket transport on lo) come back in the new one. In the host's, the killed source's ports
+        # were still taken ("Can't bind inet socket: Address already in use", H200 pair).
+        names = (f"{tag}-nsa", f"{tag}-nsb")
+        for n in names:
+            subprocess.run(["ip", "netns", "add", n], check=True, capture_output=True, timeout=30)
+            subprocess.run(["ip", "-n", n, "link", "set", "lo", "up"], check=True, capture_output=True, timeout=30)
+        try:
+            job = Job(node, st, tag, gb, OFF, hook=False, criu_config=conf, netns=names)
+            ev = job.evidence()
+            st.log(f"evidence: findings {ev['findings']}")
+            out = checkpoint_restore_swapped(node, st, job, tag, "--tcp-established")
+        finally:
+            for n in names:
+                subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=30)
         assert out["swapped"], out["gpus_after"]
         node.record("multi (b) P2P/SHM off: checkpoint + restore onto swapped GPUs", gb=gb, processes=2,
                     counting_again_after_s=out.pop("going_on_after_s"), evidence=ev, network_lock=lock, **out)
