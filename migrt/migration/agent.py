@@ -176,3 +176,5 @@ class Agent:
         out.update(name=res["name"], to=to, restored=res["restored"], target=res["target"],
                    downtime_s=res["downtime_s"], pages=res.get("pages"), handover=res.get("handover"),
                    timings={**res["phases"], "downtime_s": res["downtime_s"]})
+        if res.get("gpu"):  # a GPU container: which GPUs it went to (the pairs), as `migrt migrate --json` says
+            out["gpu"] = res["gpu"]

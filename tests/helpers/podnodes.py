@@ -170,20 +170,24 @@ def _write_node(base: str, name: str, addr: str, secret: str, root: str, extra_c
 
 
 @contextlib.contextmanager
-def pod_nodes(base, cri_stubs, extra_config: str = ""):
-    """Nodes A and B (dict "a", "b"), containerds running, agents serving, CRI clients ready."""
+def pod_nodes(base, cri_stubs, extra_config: str = "", env: dict | None = None):
+    """Nodes A and B (dict "a", "b"), containerds running, agents serving, CRI clients ready. `env`:
+    {"a": {...}, "b": {...}}, what each node's containerd (so its migrt-runc) and agent get besides
+    MIGRT_CONFIG (MIGRT_FAKE_GPU for a simulated GPU node)."""
     tag = uuid.uuid4().hex[:6]
     secret = os.urandom(32).hex()
     nodes = {}
     for name, addr in (("a", ADDR_A), ("b", ADDR_B)):
         root = f"/run/migrt-pods-{tag}-{name}/{CRI_NAMESPACE}"  # what the shim makes of Root
         nodes[name] = _write_node(str(base / name), name, addr, secret, root, extra_config)
+        nodes[name].extra_env = dict((env or {}).get(name, {}))
     with contextlib.ExitStack() as stack:
         for node in nodes.values():
             top = os.path.dirname(node.root)
             stack.callback(shutil.rmtree, top, True)  # last: after containerd removed its pods
             node.ctd = stack.enter_context(running_containerd(
-                lambda root, net, n=node, top=top: NodeContainerd(root, net, {"MIGRT_CONFIG": n.config}, top),
+                lambda root, net, n=node, top=top: NodeContainerd(root, net, {"MIGRT_CONFIG": n.config, **n.extra_env},
+                                                                  top),
                 base / node.name / "ctd", cri_stubs))
             node.cri = new_client(node.ctd, cri_stubs, os.path.join(node.base, "kubelet"))
             stack.callback(node.cri.close)
