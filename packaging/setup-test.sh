@@ -9,7 +9,7 @@
 #    $MIGRT_DEPS (default /opt/migrt-deps), with a private apt configuration ($MIGRT_DEPS/apt: its own
 #    sources, lists and cache; /etc/apt is not touched): runc 1.3 and containerd 2.1 (sid), containerd
 #    1.7 (trixie), checkpointctl (sid), the CRI API's proto files (sid's Go source packages);
-#    $MIGRT_DEPS/bin links runc, containerd, ctr, containerd-shim-runc-v2 and checkpointctl there:
+#    $MIGRT_DEPS/bin hard-links runc, containerd, ctr, containerd-shim-runc-v2 and checkpointctl there:
 #    scripts/test.sh puts it first on PATH, so the tests run runc 1.3 and containerd 2.1 by default.
 # Options (environment): MIGRT_DEPS, MIGRT_SKIP_APT=1 (everything already there).
 set -eu
@@ -93,10 +93,13 @@ private_libc() {  # BINARY: make it run here
 }
 private_libc "$deps/runc-1.3/usr/sbin/runc"
 private_libc "$deps/checkpointctl/usr/bin/checkpointctl"
+# Hard links, not symbolic ones: migrt-runc's fast path hands every call whose runtime path holds a
+# symbolic link to Python (its trust rule), which would make every pass-through call of the tests slow.
 mkdir -p "$deps/bin"
-ln -sfn "$deps/runc-1.3/usr/sbin/runc" "$deps/bin/runc"
-for b in containerd ctr containerd-shim-runc-v2; do ln -sfn "$deps/containerd-2.1/usr/bin/$b" "$deps/bin/$b"; done
-ln -sfn "$deps/checkpointctl/usr/bin/checkpointctl" "$deps/bin/checkpointctl"
+put() { rm -f "$2"; ln "$1" "$2" 2>/dev/null || cp -p "$1" "$2"; }
+put "$deps/runc-1.3/usr/sbin/runc" "$deps/bin/runc"
+for b in containerd ctr containerd-shim-runc-v2; do put "$deps/containerd-2.1/usr/bin/$b" "$deps/bin/$b"; done
+put "$deps/checkpointctl/usr/bin/checkpointctl" "$deps/bin/checkpointctl"
 # The CRI proto files, merged in one tree (tests/helpers/cri.py generates its stubs from it).
 mkdir -p "$deps/gocode"
 cp -a "$deps/cri-api/usr/share/gocode/src/." "$deps/gocode/"

@@ -10,8 +10,8 @@ The first of these that is an executable file wins:
 runc has no other way to be told (runc >= 1.4 dropped `--criu`; containerd's shim never passes it): it
 runs `criu` from PATH. So migrt's entry points (the CLI and the migrt-runc shim, after its pass-through
 decision) call use_migrt_criu() with the config's `criu:` value, which puts the chosen CRIU's directory
-first on their own PATH and records the choice in MIGRT_CRIU; runc, CRIU, its action scripts and the
-rest of the process inherit both. The node's PATH and its /usr/sbin/criu stay as they are.
+first on their own PATH (runc, CRIU and its action scripts inherit it) and records the choice for the
+rest of the process. The node's PATH and its /usr/sbin/criu stay as they are.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ _chosen: tuple[str | None, str] | None = None  # what use_migrt_criu picked in t
 
 
 def criu_binary() -> str | None:
-    return choose()[0]
+    return chosen()[0]
 
 
 def chosen(cfg: str | None = None) -> tuple[str | None, str]:
@@ -78,14 +78,14 @@ def chosen(cfg: str | None = None) -> tuple[str | None, str]:
 
 
 def use_migrt_criu(cfg: str | None = None) -> str | None:
-    """Record the chosen CRIU in MIGRT_CRIU and put its directory first on this process's PATH (for
-    runc and every child) unless `criu` on PATH already is that file. Returns the chosen path."""
+    """Record the chosen CRIU for this process (chosen(), criu_binary()) and put its directory first on
+    this process's PATH (for runc and every child) unless `criu` on PATH already is that file. Returns
+    the chosen path."""
     global _chosen
     _chosen = choose(cfg)
     path = _chosen[0]
     if not path:
         return None
-    os.environ[ENV] = path
     current = _on_path("criu")
     if current and os.path.realpath(current) == os.path.realpath(path):
         return path

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 import time
 
 from migrt import faults
@@ -107,10 +109,21 @@ def dump(cfg: Config, runtime: LowerRuntime, root: str, cid: str, *, images: str
     checkpoint: images/pages-N.img), hashed as they were written, for Staging.commit(known=...), and
     `chunk_digests` their 64 MiB chunks' sha256 (bytes), for a migration's sender (migration/bulk.py);
     callers pop both before recording the rest."""
-    record = dict(decision)
     # Files the tasks hold open but that are deleted (NCCL's and PyTorch's /dev/shm segments, 34 MB
     # each under NCCL's socket transport) are dumped whole up to CRIU's ghost limit (1 MiB by default).
-    env = control.criu_config_env(env, work, [f"ghost-limit {cfg.criu_ghost_limit_mib}M"], "criu-dump.conf")
+    # The config file lives outside the checkpoint (the work directory travels with it).
+    conf_dir = tempfile.mkdtemp(prefix="migrt-criu-dump.")
+    try:
+        env = control.criu_config_env(env, conf_dir, [f"ghost-limit {cfg.criu_ghost_limit_mib}M"], "criu-dump.conf")
+        return _dump(cfg, runtime, root, cid, images=images, work=work, options=options, env=env, journal=journal,
+                     decision=decision, progress=progress)
+    finally:
+        shutil.rmtree(conf_dir, ignore_errors=True)
+
+
+def _dump(cfg: Config, runtime: LowerRuntime, root: str, cid: str, *, images: str, work: str, options: CriuOptions,
+          env: dict | None, journal, decision: dict, progress: Progress) -> dict:
+    record = dict(decision)
     if decision["mode"] == "parallel":
         before = set(os.listdir(images))
         try:

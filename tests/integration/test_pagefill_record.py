@@ -18,6 +18,7 @@ import uuid
 
 import pytest
 
+from migrt.criu import protobuf as protobuf_mod
 from migrt.pagefill import images as images_mod
 from tests.integration.conftest import SHIM, run_cli
 from tests.integration.test_pagefill import Lines, _bundle, _gone, binaries, runc_root  # noqa: F401 (fixtures)
@@ -116,7 +117,7 @@ def _flag_a_lazy_entry_in_parent(path: str) -> None:
     """Set PE_PARENT on the first lazy entry of a pagemap image, in place (flags is a one-byte varint
     before and after): the filler refuses such images (a pre-dump chain)."""
     data = bytearray(open(path, "rb").read())
-    i = 8 if struct.unpack_from("<I", data)[0] in (images_mod._MAGIC_COMMON, images_mod._MAGIC_SERVICE) else 4
+    i = 8 if struct.unpack_from("<I", data)[0] in (protobuf_mod.MAGIC_COMMON, protobuf_mod.MAGIC_SERVICE) else 4
     first = True
     while i < len(data):
         (n,) = struct.unpack_from("<I", data, i)
