@@ -69,18 +69,23 @@ def read_entries(path: str) -> list[bytes]:
             data = fh.read()
     except OSError as exc:
         raise ImageError(f"cannot read {os.path.basename(path)}: {exc.strerror}") from exc
+    return split_entries(data, os.path.basename(path))[1]
+
+
+def split_entries(data: bytes, name: str) -> tuple[bytes, list[bytes]]:
+    """(the magic header, the entries) of a CRIU image's bytes: magic(s), then u32 size + message,
+    repeated. ImageError naming `name` when it is cut short."""
     if len(data) < 4:
-        raise ImageError(f"{os.path.basename(path)} is too short")
-    i = 4
-    if struct.unpack_from("<I", data)[0] in (MAGIC_COMMON, MAGIC_SERVICE):
-        i = 8
+        raise ImageError(f"{name} is too short")
+    head = 8 if struct.unpack_from("<I", data)[0] in (MAGIC_COMMON, MAGIC_SERVICE) else 4
     out = []
+    i = head
     while i < len(data):
         if i + 4 > len(data):
-            raise ImageError(f"{os.path.basename(path)}: truncated entry header")
+            raise ImageError(f"{name}: truncated entry header")
         (n,) = struct.unpack_from("<I", data, i)
         if i + 4 + n > len(data):
-            raise ImageError(f"{os.path.basename(path)}: truncated entry")
+            raise ImageError(f"{name}: truncated entry")
         out.append(data[i + 4:i + 4 + n])
         i += 4 + n
-    return out
+    return data[:head], out

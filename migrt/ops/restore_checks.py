@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 
 from migrt.errors import MigrtError
+from migrt.runtime import control
 
 BACKGROUND_MIN_BYTES = 1 << 20  # image files at least this large are hashed while CRIU restores
 GATE_TIMEOUT_S = 1800  # the gate gives up (abort) if migrt never gives a verdict (or at once if it is gone)
@@ -117,24 +118,11 @@ class RestoreChecks:
         """runc's environment with the gate armed (base None: ours)."""
         env = dict(os.environ if base is None else base)
         gate = os.path.join(self.work, "restore-gate.sh")
-        conf = os.path.join(self.work, "criu-gate.conf")
         with open(gate, "w", encoding="utf-8") as fh:
             fh.write(_GATE.format(ok=shlex.quote(self._ok), failed=shlex.quote(self._failed),
                                   ran=shlex.quote(self._ran), polls=GATE_TIMEOUT_S * 100, owner=os.getpid()))
         os.chmod(gate, 0o700)
-        lines = []
-        previous = env.get("CRIU_CONFIG_FILE")
-        if previous:
-            try:
-                with open(previous, encoding="utf-8") as fh:
-                    lines.append(fh.read().rstrip("\n"))
-            except OSError as exc:
-                raise MigrtError(f"CRIU_CONFIG_FILE {previous} is set but unreadable: {exc}") from exc
-        lines.append(f"action-script {gate}")
-        with open(conf, "w", encoding="utf-8") as fh:
-            fh.write("\n".join(lines) + "\n")
-        env["CRIU_CONFIG_FILE"] = conf
-        return env
+        return control.criu_config_env(env, self.work, [f"action-script {gate}"], "criu-gate.conf")
 
     @property
     def pending(self) -> bool:

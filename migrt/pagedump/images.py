@@ -20,10 +20,9 @@ import os
 import struct
 from dataclasses import dataclass, field
 
-from migrt.pagefill.images import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, ImageError, read_pids
+from migrt.pagefill.images import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, ImageError, read_pids, split_entries
 from migrt.pagefill.images import _varint as _read_varint
 
-_MAGIC_COMMON, _MAGIC_SERVICE = 0x54564319, 0x55105940
 _FLAGS = 4  # PagemapEntry.flags (criu/images/pagemap.proto: vaddr 1, compat_nr_pages 2, in_parent 3, flags 4, nr_pages 5)
 _NR_PAGES, _COMPAT_NR_PAGES, _VADDR = 5, 2, 1
 NEW_SUFFIX = ".migrt-new"  # files being written; renamed over CRIU's once all pages are in
@@ -108,18 +107,10 @@ def split_image(data: bytes, name: str) -> tuple[bytes, list[bytes]]:
     """(the magic header, the entries) of a CRIU image file: magic(s), then u32 size + message, repeated."""
     if len(data) < 8:
         raise PlanError(f"{name} is too short")
-    head = 8 if struct.unpack_from("<I", data)[0] in (_MAGIC_COMMON, _MAGIC_SERVICE) else 4
-    entries = []
-    i = head
-    while i < len(data):
-        if i + 4 > len(data):
-            raise PlanError(f"{name}: truncated entry header")
-        (n,) = struct.unpack_from("<I", data, i)
-        if i + 4 + n > len(data):
-            raise PlanError(f"{name}: truncated entry")
-        entries.append(data[i + 4:i + 4 + n])
-        i += 4 + n
-    return data[:head], entries
+    try:
+        return split_entries(data, name)
+    except ImageError as exc:
+        raise PlanError(str(exc)) from exc
 
 
 def join_image(head: bytes, entries: list[bytes]) -> bytes:

@@ -93,15 +93,16 @@ def criu_config_env(env: dict | None, work_path: str, lines: list[str], name: st
     """The environment for runc and its CRIU with CRIU_CONFIG_FILE naming `<work_path>/<name>`, which
     holds `lines` after those of the file the environment already named (carried over, first). CRIU
     reads that file after its global config and before the RPC options, in swrk mode too (runc passes
-    its environment on), so no config.json, /etc/criu or node-wide setting changes."""
+    its environment on), so no config.json, /etc/criu or node-wide setting changes. A file named there
+    that cannot be read is an error (RuntimeFailed), never silently left out."""
     base = dict(os.environ if env is None else env)
     text = ""
     if base.get("CRIU_CONFIG_FILE"):
         try:
             with open(base["CRIU_CONFIG_FILE"], encoding="utf-8") as fh:
                 text = fh.read()
-        except OSError:
-            text = ""
+        except OSError as exc:  # dropping it would change what CRIU does behind the caller's back
+            raise RuntimeFailed(f"CRIU_CONFIG_FILE {base['CRIU_CONFIG_FILE']} is set but unreadable: {exc}") from exc
         if text and not text.endswith("\n"):
             text += "\n"
     path = os.path.join(work_path, name)
