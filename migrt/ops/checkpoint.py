@@ -141,7 +141,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                     if key in dumped:
                         timings[key] = dumped.pop(key)
                 known = dumped.pop("digests", None)  # the pages files, hashed as they were written
-                dumped.pop("chunk_digests", None)
+                known_chunks = dumped.pop("chunk_digests", None)  # their 64 MiB chunks' digests (manifest `chunks`)
                 journal.update("dumped")
                 res.settle()  # the images are on disk now
                 record_beside(staging)  # the images' survey for the restore's choice, taken while the commit hashes
@@ -168,7 +168,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                 progress("phase", name="commit", total_bytes=total)
                 t0 = time.monotonic()
                 data = staging.commit(fields, progress=lambda n: progress("bytes", name="commit", bytes=n),
-                                      known=known)
+                                      known=known, known_chunks=known_chunks)
                 timings["commit_s"] = round(time.monotonic() - t0, 3)
                 journal.update("committed")
                 progress("done", name="commit", seconds=timings["commit_s"])

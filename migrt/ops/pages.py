@@ -130,18 +130,48 @@ def _usable_survey(recorded: object, pages_bytes: int | None) -> dict | None:
     return None
 
 
+VERIFY_ENV = "MIGRT_RESTORE_VERIFY"  # "background": hash whole pages images before the tree runs (bench/)
+
+
+def verify_as_filled(decision: dict, manifest: dict, unhashed: list[str], name: str) -> dict | None:
+    """What a lazy restore's filler verifies chunk by chunk instead of the restore hashing it before
+    the tree may run (docs/restore-pages.md, "What is verified when"): the pages images among
+    `unhashed` (the large files left for the background) whose 64 MiB chunk digests the manifest gives
+    (store/manifest.py file_chunks). Returns the filler's hand-over ({"checkpoint", "files": {basename:
+    {"rel", "size", "chunks"}}}) or None; the decision records the split (`verify`)."""
+    from migrt.store import manifest as mf
+
+    if decision["mode"] != "lazy":
+        return None
+    files = {}
+    if os.environ.get(VERIFY_ENV) != "background":
+        for rel in unhashed:
+            base = rel.rsplit("/", 1)[-1]
+            if not (rel == f"images/{base}" and base.startswith("pages-") and base.endswith(".img")):
+                continue
+            chunks = mf.file_chunks(manifest, rel)
+            if chunks is not None:
+                files[base] = {"rel": rel, "size": manifest["files"][rel]["size"],
+                               "chunks": "".join(c.hex() for c in chunks)}
+    rest = [r for r in unhashed if r.rsplit("/", 1)[-1] not in files]
+    decision["verify"] = {"as_filled": sorted(f["rel"] for f in files.values()), "before_run": rest}
+    return {"checkpoint": name, "files": files} if files else None
+
+
 def start(decision: dict, images: str, *, container_id: str, root: str, runc_log: str | None, log_format: str,
-          log_file: str | None, post_restore: str | None = None):
+          log_file: str | None, post_restore: str | None = None, verify: dict | None = None):
     """The page filler for a restore decided lazy (None otherwise); it must be running before CRIU.
     post_restore: a file that appears when CRIU reaches post-restore (the restore gate holds the tree
-    there while the checkpoint's pages are still being hashed): the filler starts copying then."""
+    there while the checkpoint's pages are still being hashed): the filler starts copying then.
+    verify: the pages images it verifies chunk by chunk as it fills (verify_as_filled)."""
     if decision["mode"] != "lazy":
         return None
     from migrt.pagefill import PageFill
 
     try:
         return PageFill.start(images, threads=decision["threads"], container_id=container_id, root=root,
-                              runc_log=runc_log, log_format=log_format, log_file=log_file, post_restore=post_restore)
+                              runc_log=runc_log, log_format=log_format, log_file=log_file, post_restore=post_restore,
+                              verify=verify)
     except RuntimeFailed as exc:
         if decision["requested"] == "lazy":
             raise
@@ -183,6 +213,44 @@ class PlanCheck:
             # what the filler copies, not what chose it (a record from other images, or altered)
             self.decision["decided_on_lazy_bytes"] = self.decision.get("lazy_bytes")
             self.decision["lazy_bytes"] = planned
+
+
+class EagerVerified:
+    """A restore check of a lazy restore whose filler verifies the pages images as it fills them
+    (verify_as_filled): the parts of those images that CRIU reads itself while it restores (every
+    64 MiB chunk holding a byte that is not lazy) are verified by the filler first, and the gate holds
+    the restored tree until they all are (the filler's status `verify.eager_done`). A mismatch there,
+    or anywhere the filler looked before, fails the restore with the file and the bytes."""
+
+    def __init__(self, name: str, timeout: float = 1800.0) -> None:
+        self.name = name
+        self.fill = None
+        self.timeout = timeout
+
+    def __call__(self) -> dict | None:
+        if self.fill is None:
+            return None
+        deadline = time.monotonic() + self.timeout
+        while True:
+            st = self.fill.status()
+            ver = st.get("verify") or {}
+            if ver.get("error"):
+                raise verify_failed(self.name, ver["error"])
+            if st.get("state") in ("failed", "aborted", "done") or ver.get("eager_done"):
+                if st.get("state") == "failed":
+                    raise RuntimeFailed(f"restore failed: the page filler failed: {st.get('error') or 'unknown error'}")
+                if st.get("state") == "aborted":
+                    raise RuntimeFailed("restore failed: the page filler stopped before it verified the images")
+                return {k: ver.get(k) for k in ("eager", "chunks", "eager_s") if k in ver}
+            if time.monotonic() > deadline:
+                raise RuntimeFailed(f"restore failed: the page filler has not verified the images after "
+                                    f"{self.timeout:.0f} s")
+            time.sleep(0.005)
+
+
+def verify_failed(name: str, error: str) -> CheckpointInvalid:
+    return CheckpointInvalid(f"{error}; the restore stopped, the container was removed and checkpoint {name} is "
+                             f"unchanged; run 'migrt inspect --verify {name}'")
 
 
 class FilledFirst:
@@ -235,28 +303,39 @@ def _all_in(st: dict) -> bool:
             and st.get("left_bytes") == 0 and all(p.get("left_bytes") == 0 for p in procs.values()))
 
 
-def after_restore(fill, pid: int) -> None:
+def after_restore(fill, pid: int, name: str | None = None) -> None:
     """runc restore returned: fail now if the filler already failed, hand it the init pid. The
     restore then waits for every page only when asked to (`--wait-pages`: wait_all); a GPU restore
     waits for each CUDA process's own memory (MemoryReady)."""
-    check(fill)
+    check(fill, name)
     fill.restored(pid)
 
 
-def check(fill) -> None:
-    """Fail now if the filler already failed."""
+def check(fill, name: str | None = None) -> None:
+    """Fail now if the filler already failed (a chunk that did not verify: CheckpointInvalid)."""
     try:
         fill.check()
     except RuntimeFailed as exc:
+        _raise_verify(fill, name, exc)
         raise RuntimeFailed(f"restore failed: {exc.message}") from exc
 
 
-def wait_all(fill, decision: dict, timings: dict) -> None:
+def _raise_verify(fill, name: str | None, exc: Exception) -> None:
+    error = (fill.status().get("verify") or {}).get("error")
+    if error and name:
+        raise verify_failed(name, error) from exc
+
+
+def wait_all(fill, decision: dict, timings: dict, name: str | None = None) -> None:
     """Until every page is in (the fill's figures go into the decision)."""
     t0 = time.monotonic()
-    st = fill.wait()
+    try:
+        st = fill.wait()
+    except RuntimeFailed as exc:
+        _raise_verify(fill, name, exc)
+        raise
     timings["pages_wait_s"] = round(time.monotonic() - t0, 3)
-    decision["fill"] = {k: st.get(k) for k in ("copied_bytes", "fill_s", "counts") if k in st}
+    decision["fill"] = {k: st.get(k) for k in ("copied_bytes", "fill_s", "counts", "verify") if k in st}
 
 
 class MemoryReady:

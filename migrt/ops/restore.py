@@ -129,6 +129,14 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
         if global_tokens is None:
             log_path = os.path.join(work, "runc.log")
             global_tokens = ["--root", target.root, "--log", log_path, "--log-format", "json"]
+        # pages images the filler verifies chunk by chunk as it fills them (each chunk before any page
+        # of it is copied, the chunks CRIU reads itself before the tree runs) instead of the whole file
+        # being hashed before the tree may run (docs/restore-pages.md, "What is verified when")
+        as_filled = pages.verify_as_filled(page_mode, ckpt.manifest, background, name) \
+            if target.fill is None else None
+        if as_filled:
+            handed = {f["rel"] for f in as_filled["files"].values()}
+            background = [r for r in background if r not in handed]
         if background:
             checks.add("verify_background", lambda: ckpt.verify_hashes(background))
         # a lazy restore's tree waits at the gate for the guard's own plan of the images (the choice
@@ -136,17 +144,26 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
         plan_check = pages.PlanCheck(page_mode, name) if target.fill is None and page_mode["mode"] == "lazy" else None
         if plan_check is not None:
             checks.add("pages_plan", plan_check, deferred=True)
+        eager_check = pages.EagerVerified(name) if as_filled else None
+        if eager_check is not None:
+            checks.add("pages_verify_eager", eager_check, deferred=True)
         if target.fill is not None and target.fill_first:  # nothing runs before all of its memory is in
             page_mode["fill_first"] = True
             checks.add("pages_in", pages.FilledFirst(target.fill, checks, stall=target.fill_first), deferred=True)
-        checks.start()
         # the page filler (lazy restore) must listen before CRIU starts
         fill = target.fill if target.fill is not None else pages.start(
             page_mode, ckpt.images, container_id=target.container_id, root=target.root,
             runc_log=target.log_path if target.global_tokens is not None else None,
-            log_format=target.log_format, log_file=cfg.log_file, post_restore=checks.ran_path)
+            log_format=target.log_format, log_file=cfg.log_file, post_restore=checks.ran_path, verify=as_filled)
+        if as_filled and fill is None:  # the filler could not start (auto: eager): hashed before the tree runs
+            late = sorted(f["rel"] for f in as_filled["files"].values())
+            checks.add("verify_background_pages", lambda: ckpt.verify_hashes(late))
+            page_mode["verify"] = {"as_filled": [], "before_run": sorted(background + late)}
+        checks.start()
         if plan_check is not None:
             plan_check.fill = fill
+        if eager_check is not None:
+            eager_check.fill = fill
         if (ckpt.manifest.get("rootfs") or {}).get("captured"):
             t0 = time.monotonic()
             rootfs.apply_checkpoint(ckpt.path, ckpt.manifest, target.bundle.rootfs)
@@ -190,7 +207,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                 checks.raise_failure()  # CRIU's gate already held the tree for it; this is the second lock
                 progress("done", name="restore", seconds=timings["restore_s"])
                 if fill:
-                    pages.after_restore(fill, pid)
+                    pages.after_restore(fill, pid, name)
                 if has_gpu:
                     entry.update("gpu-restore", pid=pid)
                     gpu = checks.value("gpu_preflight")
@@ -201,7 +218,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                     early = os.environ.get("MIGRT_GPU_RESTORE_EARLY") == "1"  # experiment seam (pages.py)
                     timings.update(gpu.resume(pid, progress, pages.MemoryReady(fill, early) if fill else None))
                 if fill and target.wait_pages:
-                    pages.wait_all(fill, page_mode, timings)
+                    pages.wait_all(fill, page_mode, timings, name)
             except (MigrtError, OSError) as exc:
                 if os.path.exists(state_dir):  # ours: it did not exist before
                     from migrt.runtime.cleanup import unmount_under

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from migrt.pagefill import uffd
 from migrt.pagefill.images import PAGE, Plan, in_ranges
 from migrt.pagefill.remote import FetchError, RemotePages
+from migrt.pagefill.verify import Verifier, VerifyError, mmap_reader
 
 CHUNK = 4 << 20
 FAULT_WINDOW = 64 << 10
@@ -212,9 +213,14 @@ def _remap(segs: list[Seg], frm: int, to: int, length: int) -> list[Seg]:
 
 class Filler:
     def __init__(self, plan: Plan, *, threads: int, guard: socket.socket, status_path: str | None,
-                 post_restore: str | None = None, remote: RemotePages | None = None) -> None:
+                 post_restore: str | None = None, remote: RemotePages | None = None,
+                 verifier: Verifier | None = None) -> None:
         self.plan = plan
         self.remote = remote           # pages on the source node (lazy migration), else the local images
+        # local images handed over unverified: each 64 MiB chunk is verified before a page of it is
+        # copied, the chunks CRIU reads itself (eager) first (verify.py)
+        self.verifier = None if remote else verifier
+        self.verify_news = False
         self.chunk = REMOTE_CHUNK if remote else CHUNK
         self.fault_window = REMOTE_FAULT_WINDOW if remote else FAULT_WINDOW
         self.nthreads = max(1, threads)
@@ -306,8 +312,7 @@ class Filler:
         if proc.segments and self.remote:
             pages = self.remote
         elif proc.segments:
-            pages = self.files.get(proc.pages_file) or PagesFile(proc.pages_file)
-            self.files[proc.pages_file] = pages
+            pages = self._map(proc.pages_file)
             if pages.size < max(s.offset + s.length for s in proc.segments):
                 raise FillError(f"{proc.pages_file} is shorter than its pagemap says")
         with self.state:
@@ -316,6 +321,14 @@ class Filler:
             self.tasks[tid] = t
             self._set_segs(t, [Seg(s.start, s.end, s.offset, s.inherited) for s in proc.segments])
             self._check_done(t)
+
+    def _map(self, path: str) -> PagesFile:
+        pages = self.files.get(path)
+        if pages is None:
+            pages = self.files[path] = PagesFile(path)
+            if self.verifier is not None and self.verifier.checks(path) and pages.size:
+                self.verifier.reader(path, mmap_reader(pages.base))  # the very bytes UFFDIO_COPY reads
+        return pages
 
     def _all_copied(self) -> bool:
         with self.state:
@@ -397,12 +410,35 @@ class Filler:
         buffer). None after a fetch failure (fatal)."""
         t = job.t
         try:
+            if self.verifier is not None:  # a chunk not verified yet: hashed now (or waited for), once
+                self.verifier.ensure(t.pages.path, job.offset, job.end - job.start)
             return t.pages.address(t.vpid, job.offset, job.end - job.start)
-        except FetchError as exc:
+        except (FetchError, VerifyError) as exc:
             with self.state:
-                self._fail(f"pid {t.vpid}: {exc}")
+                self._fail(str(exc) if isinstance(exc, VerifyError) else f"pid {t.vpid}: {exc}")
                 self._finish(job)
             return None
+
+    def _sweeper(self) -> None:
+        """Verify the handed-over chunks ahead of the copies: the eager ones (the restore's gate waits
+        for them) at the process's priority, the rest at the copy threads' (verify.py)."""
+        niced = False
+        try:
+            while not self.stop:
+                if not niced and self.verifier.eager_done:
+                    niced = True
+                    with contextlib.suppress(OSError):
+                        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+                if not self.verifier.sweep_one():
+                    return
+        except VerifyError as exc:
+            with self.state:
+                self._fail(str(exc))
+
+    def _eager_verified(self) -> None:
+        with self.state:
+            self.verify_news = True
+        self._wake()
 
     def _land(self, job: Job, src: int, *, patient: bool) -> int:
         """Copy a fetched job into its task, holding the lock shared for each attempt. EAGAIN (an event
@@ -670,6 +706,16 @@ class Filler:
     # -- main loop -------------------------------------------------------------------------------
     def run(self) -> int:
         workers = [threading.Thread(target=self._worker, name=f"fill-{i}", daemon=True) for i in range(self.nthreads)]
+        if self.verifier is not None:
+            try:
+                for path in self.verifier.files:
+                    self._map(path)
+            except (OSError, FillError) as exc:
+                with self.state:
+                    self._fail(f"cannot map the pages images to verify them: {exc}")
+            self.verifier.on_eager_done = self._eager_verified
+            workers += [threading.Thread(target=self._sweeper, name=f"verify-{i}", daemon=True)
+                        for i in range(self.nthreads)]
         for w in workers:
             w.start()
         self._connect()  # this (event) thread's stream serves the faults
@@ -683,9 +729,10 @@ class Filler:
                 retry, self.retry = self.retry, []
                 all_done = self.finished and all(t.done for t in self.tasks.values())
                 first_news, self.first_news = self.first_news, False
+                first_news, self.verify_news = first_news or self.verify_news, False
             for t in closing:
                 self._close(t)
-            if first_news:  # a GPU restore waits for this (ops/pages.py MemoryReady)
+            if first_news:  # a GPU restore waits for this (ops/pages.py MemoryReady), the gate for verify
                 self.write_status("filling")
             if all_done:
                 self.t_done = time.monotonic()
@@ -813,6 +860,8 @@ class Filler:
                    "seconds": round(now - self.t0, 3),
                    "fill_s": round(now - self.t_finished, 3) if self.t_finished else None,
                    "pids": pids, "forks": forks, "counts": dict(self.counts), "filler_pid": os.getpid()}
+        if self.verifier is not None:
+            out["verify"] = self.verifier.snapshot()
         if error:
             out["error"] = error
         return out

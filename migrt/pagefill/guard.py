@@ -37,6 +37,8 @@ import time
 from migrt.pagefill import images as images_mod
 from migrt.pagefill.engine import REMOTE_CHUNK, Filler, write_json
 from migrt.pagefill.remote import RemotePages
+from migrt.pagefill.verify import VerifyError
+from migrt.pagefill.verify import build as build_verifier
 
 RESTORE_FINISHED = 0x52535446
 KILL_WAIT_S = 10.0
@@ -87,9 +89,19 @@ class Guard:
             write_json(self.status_path, {"state": "failed", "error": f"the images cannot be filled: {exc}",
                                           "plan_error": str(exc)})
             return False
+        verifier = None
+        if self.args.get("verify") and remote is None:  # pages images to verify chunk by chunk as they are filled
+            try:
+                with open(self.args["verify"], encoding="utf-8") as fh:
+                    verifier = build_verifier(plan, json.load(fh))
+            except (OSError, ValueError, KeyError, TypeError, VerifyError) as exc:
+                write_json(self.status_path, {"state": "failed", "error": f"the restore's chunk digests are "
+                                              f"unusable: {exc!r}"})
+                return False
         # before the fork: the filler's own status ("filling") comes after this one
         write_json(self.status_path, {"state": "planned", "lazy_bytes": plan.lazy_bytes,
-                                      "processes": len(plan.processes)})
+                                      "processes": len(plan.processes),
+                                      **({"verify": verifier.snapshot()} if verifier else {})})
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:  # the filler
@@ -103,7 +115,8 @@ class Guard:
                         fh.write("0")
                 code = Filler(plan, threads=self.args["threads"], guard=theirs, status_path=self.status_path,
                               post_restore=self.args.get("post_restore"),
-                              remote=RemotePages(remote, REMOTE_CHUNK) if remote else None).run()
+                              remote=RemotePages(remote, REMOTE_CHUNK) if remote else None,
+                              verifier=verifier).run()
             except BaseException as exc:  # noqa: BLE001 - report anything, then die
                 with contextlib.suppress(OSError):
                     theirs.send(f"E filler crashed: {exc!r}".encode()[:4000])

@@ -50,13 +50,16 @@ class PageFill:
     @classmethod
     def start(cls, images: str, *, threads: int, container_id: str | None = None, root: str | None = None,
               runc_log: str | None = None, log_format: str = "json", log_file: str | None = None,
-              post_restore: str | bool | None = None, remote: dict | None = None) -> PageFill:
+              post_restore: str | bool | None = None, remote: dict | None = None,
+              verify: dict | None = None) -> PageFill:
         """Start the guard (and through it the filler) for a restore from `images`. post_restore: a
         file that appears once every task is restored (not resumed): copying may start then, before
         CRIU's end-of-restore message; True: one in the run directory, for the caller to create
         (`fill.post_restore`; a direct migration's restore does, ops/pages.py FilledFirst). remote: the
         pages are on the source node (lazy migration):
-        {"address", "port", "key" (hex), "tls" (None or {cert, key, ca}), "timeout"} (remote.py)."""
+        {"address", "port", "key" (hex), "tls" (None or {cert, key, ca}), "timeout"} (remote.py).
+        verify: pages images not verified yet, which the filler verifies chunk by chunk before it copies
+        from them: {"checkpoint": name, "files": {basename: {"rel", "size", "chunks"}}} (verify.py)."""
         run = _run_dir()
         if post_restore is True:
             post_restore = os.path.join(run, "post-restore")
@@ -71,6 +74,11 @@ class PageFill:
                     "status": os.path.join(run, "status.json"), "threads": threads, "container_id": container_id,
                     "root": root, "runc_log": runc_log, "log_format": log_format, "log_file": log_file,
                     "run_dir": run, "post_restore": post_restore}
+            if verify is not None:  # in a file of our 0700 run directory (too big for argv)
+                args["verify"] = os.path.join(run, "verify.json")
+                fd = os.open(args["verify"], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    json.dump(verify, fh)
             if remote is not None:  # in a file of our 0700 run directory: the key stays off argv
                 args["remote"] = os.path.join(run, "remote.json")
                 fd = os.open(args["remote"], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

@@ -287,8 +287,41 @@ def fold_chunks(chunks: list[bytes]) -> str:
 
 
 def hash_tree(top: str, rel_paths: list[str], *, fsync: bool = False, workers: int | None = None,
-              progress=None) -> dict[str, dict]:
-    """{rel: {"size", "sha256" | "sha256_tree"}}, every 64 MiB chunk hashed in parallel."""
+              progress=None, chunk_out: dict[str, list[bytes]] | None = None) -> dict[str, dict]:
+    """{rel: {"size", "sha256" | "sha256_tree"}}, every 64 MiB chunk hashed in parallel. chunk_out:
+    receives {rel: [chunk digest, ...]} too (what a manifest's chunk record holds: chunk_record)."""
     chunks = hash_chunks(top, rel_paths, fsync=fsync, workers=workers, progress=progress)
+    if chunk_out is not None:
+        chunk_out.update({rel: [c[2] for c in chunks[rel]] for rel in rel_paths})
     return {rel: make_entry(sum(c[1] for c in chunks[rel]), fold_chunks([c[2] for c in chunks[rel]]))
             for rel in rel_paths}
+
+
+# A manifest's `chunks` field keeps, for every file of more than one TREE_CHUNK, the sha256 of each of
+# its 64 MiB chunks (hex, concatenated, in order): what a restore needs to verify one chunk at a time
+# (the page filler verifies each chunk of a pages image before it installs a page from it). It adds
+# no trust of its own: a record is used only when it folds into the file's manifest digest.
+
+
+def chunk_record(chunks: list[bytes]) -> str:
+    return "".join(c.hex() for c in chunks)
+
+
+def chunk_digests(entry: dict, record: object) -> list[bytes] | None:
+    """The 64 MiB chunk digests of the file whose manifest entry is `entry`: for a file of one chunk
+    its plain sha256; for a larger one the manifest's chunk record (`record`), when it has one digest
+    per chunk and folds into the entry's tree digest. None when they cannot be known (no record, or
+    one that is malformed or of other content: the caller hashes the whole file instead)."""
+    size, digest = entry.get("size"), digest_of(entry)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str):
+        return None
+    if size <= TREE_CHUNK:
+        return [bytes.fromhex(digest)] if entry.get("sha256") == digest and len(digest) == 64 else None
+    count = -(-size // TREE_CHUNK)
+    if not isinstance(record, str) or len(record) != 64 * count:
+        return None
+    try:
+        chunks = [bytes.fromhex(record[i:i + 64]) for i in range(0, len(record), 64)]
+    except ValueError:
+        return None
+    return chunks if entry.get("sha256_tree") == digest and fold_chunks(chunks) == digest else None

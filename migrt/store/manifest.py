@@ -11,7 +11,11 @@ Schema 1:
   pagefill (optional: the page filler's survey of the images, {rules, fillable, lazy_bytes | reason},
   taken beside the commit's hashing; a restore under restore_pages auto chooses eager or lazy from it
   without reading the images, and plans them when it is absent, malformed or of other rules:
-  migrt/pagefill/images.py survey, migrt/ops/pages.py decide).
+  migrt/pagefill/images.py survey, migrt/ops/pages.py decide),
+  chunks (optional: {relpath: the sha256 of each 64 MiB chunk, hex, concatenated} for every file of
+  more than one chunk, written at commit from the hashing that made its sha256_tree; used only when it
+  folds into that digest: a restore through the page filler verifies each chunk of a pages image
+  before it installs a page from it, docs/restore-pages.md; fsutil.chunk_digests).
 Optional fields are added within a schema: readers ignore fields they do not know, so an older migrt
 reads a newer manifest of the same schema. A manifest from a newer schema is refused rather than misread.
 """
@@ -24,11 +28,25 @@ import os
 import stat
 
 from migrt.errors import CheckpointInvalid
-from migrt.store.fsutil import digest_of, hash_tree, walk_files, write_json_atomic
+from migrt.store.fsutil import chunk_digests, chunk_record, digest_of, hash_tree, walk_files, write_json_atomic
 
 SCHEMA = 1
 MANIFEST = "manifest.json"
 REQUIRED = ("schema", "name", "created", "files")
+CHUNKS = "chunks"
+
+
+def chunk_records(files: dict, chunks: dict[str, list[bytes]]) -> dict[str, str]:
+    """The manifest's `chunks` field: the chunk digests of every file of more than one 64 MiB chunk."""
+    return {rel: chunk_record(chunks[rel]) for rel in sorted(files) if len(chunks.get(rel) or ()) > 1}
+
+
+def file_chunks(data: dict, rel: str) -> list[bytes] | None:
+    """The 64 MiB chunk digests of file `rel` as the manifest `data` records them (fsutil.chunk_digests),
+    or None when they are not known."""
+    entry = (data.get("files") or {}).get(rel)
+    record = data.get(CHUNKS)
+    return chunk_digests(entry, record.get(rel) if isinstance(record, dict) else None) if isinstance(entry, dict) else None
 
 
 def load(path: str, name: str) -> dict:

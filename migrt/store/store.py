@@ -215,11 +215,13 @@ class Staging:
         self._beside.start(field, fn)
 
     def commit(self, fields: dict, *, progress: Callable[[int], None] | None = None,
-               fault: Callable[[str], None] | None = None, known: dict[str, dict] | None = None) -> dict:
+               fault: Callable[[str], None] | None = None, known: dict[str, dict] | None = None,
+               known_chunks: dict[str, list[bytes]] | None = None) -> dict:
         """Hash, fsync and publish. `known`: manifest entries of files whose writer hashed them as it
         wrote them (the parallel dump's pages files: pagedump/memory.py), taken instead of reading the
-        files again when the file still has that size (any other is hashed here). `fault(step)` is a
-        test seam to simulate a crash between steps."""
+        files again when the file still has that size (any other is hashed here); `known_chunks`: their
+        64 MiB chunk digests, for the manifest's chunk record (field `chunks`, manifest.py). `fault(step)`
+        is a test seam to simulate a crash between steps."""
         step = fault or (lambda _s: None)
         shutil.rmtree(self.work, ignore_errors=True)
         rels = mf.list_payload(self.path)
@@ -227,7 +229,9 @@ class Staging:
         t0 = time.monotonic()
         taken = {rel: dict(e) for rel, e in (known or {}).items()
                  if rel in rels and e.get("size") == os.path.getsize(os.path.join(self.path, rel))}
-        hashed = hash_tree(self.path, [r for r in rels if r not in taken], fsync=True, progress=progress)
+        chunks = {rel: list(c) for rel, c in (known_chunks or {}).items() if rel in taken}
+        hashed = hash_tree(self.path, [r for r in rels if r not in taken], fsync=True, progress=progress,
+                           chunk_out=chunks)
         fsync_files(self.path, list(taken))
         for e in taken.values():
             if progress:
@@ -238,6 +242,11 @@ class Staging:
         data.update(schema=mf.SCHEMA, name=self.name, files=files,
                     size_bytes=sum(f["size"] for f in files.values()))
         data.setdefault("timings", {})["checksum_s"] = round(time.monotonic() - t0, 3)
+        record = mf.chunk_records(files, chunks)
+        if record:
+            data[mf.CHUNKS] = record
+        else:
+            data.pop(mf.CHUNKS, None)
         self._beside.record(data)
         mf.write(self.path, data)
         step("manifest-written")

@@ -1,0 +1,278 @@
+"""Verify as filled: the page filler checks each 64 MiB chunk of a pages image against the checkpoint's
+manifest before it installs any page from that chunk, so the restored tree need not wait for the
+whole image to be hashed. The rule it keeps: no restored task ever runs on (or can observe) a byte
+that was not verified against the manifest.
+
+- A lazy page reaches a task only through UFFDIO_COPY from the filler, and the filler calls
+  `Verifier.ensure()` for the range first (its background copies and the page faults it serves
+  alike). A fault on a chunk not verified yet waits for that one chunk's hash.
+- The rest of a pages image is read by CRIU itself while it restores (non-lazy pages: each thread's
+  stack page, file-backed private pages, images no process plan lists such as shared memory). Every
+  chunk holding a byte that is not lazy (the complement of the plan's lazy segments, so nothing
+  CRIU may read is missed) is "eager": the sweep hashes those first, and the restore's gate holds the
+  tree until they are all verified (status `verify.eager_done`: ops/pages.py EagerVerified).
+- The sweep threads then verify the remaining chunks ahead of the copies, in the copy order (a
+  process's first ranges, then the biggest segments), so that copies seldom wait.
+- Each chunk is hashed once: the first caller that needs it claims it; any other (a copy thread, a
+  fault, the sweep) waits for that verdict. A mismatch is final: every later `ensure()` fails too,
+  and the filler fails (the guard kills the restored tasks before they can touch the chunk).
+
+Only files the restore hands over with their chunk digests (the manifest's per-chunk record, or the
+plain sha256 of a file of one chunk) are checked here; the restore hashes every other file itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+TREE_CHUNK = 64 << 20  # store/fsutil.py TREE_CHUNK (the manifest's chunk size); pagefill stays below store/
+
+
+class VerifyError(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class FileChunks:
+    """One pages image: its digests, and per chunk None (not claimed), an Event (being hashed), True (verified)."""
+    path: str                     # as the plan names it (the key of `Verifier.files`)
+    rel: str                      # as the manifest names it, for messages
+    size: int
+    digests: list[bytes]
+    state: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.state = [None] * len(self.digests)
+
+    def span(self, i: int) -> tuple[int, int]:
+        return i * TREE_CHUNK, min(self.size, (i + 1) * TREE_CHUNK)
+
+
+def mmap_reader(base: int) -> Callable[[int, int], object]:
+    """A reader of n bytes at offset from a file mapped at `base` (what the filler copies from)."""
+    def read(offset: int, n: int):
+        return memoryview((ctypes.c_char * n).from_address(base + offset)).cast("B")
+    return read
+
+
+class Verifier:
+    def __init__(self, files: list[FileChunks], *, what: str = "the checkpoint",
+                 eager: list[tuple[FileChunks, int]] | None = None,
+                 order: list[tuple[FileChunks, int]] | None = None) -> None:
+        self.files = {f.path: f for f in files}
+        self.what = what
+        self.lock = threading.Lock()
+        self.error: str | None = None
+        self.readers: dict[str, Callable[[int, int], object]] = {}
+        self.eager = list(eager or [])
+        todo = self.eager + list(order or []) + [(f, i) for f in files for i in range(len(f.digests))]
+        seen: set[tuple[int, int]] = set()
+        self.order = []  # the sweep's order: eager chunks first, then as the copies will need them
+        for f, i in todo:
+            if (id(f), i) not in seen:
+                seen.add((id(f), i))
+                self.order.append((f, i))
+        self._next = 0
+        self.counts = {"chunks": len(self.order), "eager": len(self.eager), "verified": 0, "bytes": 0,
+                       "waits": 0, "by_sweep": 0, "by_copy": 0}
+        self.hash_s = 0.0
+        self.t_eager: float | None = None
+        self.t_all: float | None = None
+        self.on_eager_done: Callable[[], None] | None = None
+        self._t0 = time.monotonic()
+        if not self.eager:
+            self.t_eager = self._t0
+
+    def reader(self, path: str, read: Callable[[int, int], object]) -> None:
+        """Where the bytes of `path` are read from (the filler's mapping of it)."""
+        self.readers[path] = read
+
+    def checks(self, path: str) -> bool:
+        return path in self.files
+
+    @property
+    def eager_done(self) -> bool:
+        return self.t_eager is not None
+
+    # -- one chunk ---------------------------------------------------------------------------------
+    def ensure(self, path: str, offset: int, length: int) -> None:
+        """Return once every chunk of [offset, offset+length) of `path` is verified (hashing those no
+        one has claimed, waiting for those another thread is hashing); VerifyError on a mismatch (of
+        these chunks or any earlier one). A file not handed over passes."""
+        f = self.files.get(path)
+        if f is None or length <= 0:
+            return
+        for i in range(offset // TREE_CHUNK, (offset + length - 1) // TREE_CHUNK + 1):
+            self._chunk(f, i, "by_copy")
+
+    def _chunk(self, f: FileChunks, i: int, who: str) -> None:
+        with self.lock:
+            if self.error:
+                raise VerifyError(self.error)
+            st = f.state[i]
+            if st is True:
+                return
+            mine = st is None
+            if mine:
+                st = f.state[i] = threading.Event()
+            else:
+                self.counts["waits"] += 1
+        if not mine:
+            st.wait()
+            with self.lock:
+                if f.state[i] is True:
+                    return
+                raise VerifyError(self.error or f"{self.what}: chunk {i} of {f.rel} could not be verified")
+        self._hash(f, i, st, who)
+
+    def _hash(self, f: FileChunks, i: int, ev: threading.Event, who: str) -> None:
+        a, b = f.span(i)
+        ok, why = False, None
+        t0 = time.monotonic()
+        try:
+            read = self.readers.get(f.path)
+            data = read(a, b - a) if read else _pread(f.path, a, b - a)
+            ok = len(data) == b - a and hashlib.sha256(data).digest() == f.digests[i]
+            del data
+        except (OSError, ValueError) as exc:
+            why = f"cannot read it: {exc}"
+        finally:
+            with self.lock:
+                self.hash_s += time.monotonic() - t0
+                if ok:
+                    f.state[i] = True
+                    self.counts["verified"] += 1
+                    self.counts["bytes"] += b - a
+                    self.counts[who] += 1
+                elif not self.error:
+                    self.error = (f"{self.what}: sha256 mismatch in {f.rel} at bytes {a}-{b - 1} (64 MiB chunk {i} "
+                                  f"of {len(f.digests)})" + (f": {why}" if why else "")
+                                  + "; no restored process ran on it")
+                eager_now = ok and self.t_eager is None and all(g.state[j] is True for g, j in self.eager)
+                if eager_now:
+                    self.t_eager = time.monotonic()
+                if ok and self.counts["verified"] == len(self.order):
+                    self.t_all = time.monotonic()
+                ev.set()
+                error = self.error
+        if eager_now and self.on_eager_done is not None:
+            self.on_eager_done()
+        if not ok:
+            raise VerifyError(error)
+
+    # -- the sweep ---------------------------------------------------------------------------------
+    def _claim(self) -> tuple[FileChunks, int, threading.Event] | None:
+        with self.lock:
+            while self._next < len(self.order) and not self.error:
+                f, i = self.order[self._next]
+                self._next += 1
+                if f.state[i] is None:
+                    ev = f.state[i] = threading.Event()
+                    return f, i, ev
+            return None
+
+    def sweep_one(self) -> bool:
+        """Verify the next unclaimed chunk in the sweep's order; False when none is left (run it in
+        several threads). VerifyError on a mismatch."""
+        got = self._claim()
+        if got is None:
+            with self.lock:
+                if self.error:
+                    raise VerifyError(self.error)
+            return False
+        self._hash(*got, "by_sweep")
+        return True
+
+    def sweep(self, stop: Callable[[], bool] = lambda: False) -> None:
+        while not stop() and self.sweep_one():
+            pass
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            out = {**self.counts, "eager_done": self.t_eager is not None, "hash_s": round(self.hash_s, 3),
+                   "files": len(self.files)}
+            if self.t_eager is not None:
+                out["eager_s"] = round(self.t_eager - self._t0, 3)
+            if self.t_all is not None:
+                out["all_s"] = round(self.t_all - self._t0, 3)
+            if self.error:
+                out["error"] = self.error
+        return out
+
+
+def _pread(path: str, offset: int, n: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        out = bytearray()
+        while len(out) < n:
+            buf = os.pread(fd, n - len(out), offset + len(out))
+            if not buf:
+                break
+            out += buf
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+def build(plan, spec: dict) -> Verifier | None:
+    """The verifier of a restore from its plan (images.py) and the restore's hand-over (`spec`:
+    {"checkpoint": name, "files": {basename: {"rel", "size", "chunks": hex concatenated}}}); None when
+    nothing is handed over. Eager chunks: those with a byte outside every process's lazy segments;
+    then the chunks in the copy order (first ranges, then the biggest segments)."""
+    files: dict[str, FileChunks] = {}
+    for base, rec in (spec.get("files") or {}).items():
+        if os.path.basename(base) != base or not base:
+            raise VerifyError(f"bad file name {base!r} in the restore's verify hand-over")
+        hexs = rec["chunks"]
+        digests = [bytes.fromhex(hexs[k:k + 64]) for k in range(0, len(hexs), 64)]
+        size = int(rec["size"])
+        if len(digests) != max(1, -(-size // TREE_CHUNK)):
+            raise VerifyError(f"{rec.get('rel') or base}: {len(digests)} chunk digests for {size} bytes")
+        path = os.path.join(plan.images, base)
+        files[path] = FileChunks(path=path, rel=rec.get("rel") or base, size=size, digests=digests)
+    if not files:
+        return None
+    lazy: dict[str, list[tuple[int, int]]] = {p: [] for p in files}
+    ranked = []
+    for proc in plan.processes.values():
+        if proc.pages_file not in files:
+            continue
+        for s in proc.segments:
+            lazy[proc.pages_file].append((s.offset, s.offset + s.length))
+            first = any(a < s.end and s.start < b for a, b in proc.first)
+            ranked.append((0 if first else 1, -s.length, s.offset, proc.pages_file))
+    eager = []
+    for path, f in files.items():
+        eager += [(f, i) for i in eager_chunks(f.size, lazy[path])]
+    order = []
+    for _rank, neg, off, path in sorted(ranked):
+        f = files[path]
+        order += [(f, i) for i in range(off // TREE_CHUNK, (off - neg - 1) // TREE_CHUNK + 1)]
+    return Verifier(list(files.values()), what=f"checkpoint {spec.get('checkpoint') or '?'}", eager=eager,
+                    order=order)
+
+
+def eager_chunks(size: int, lazy: list[tuple[int, int]]) -> list[int]:
+    """The chunks of a file of `size` bytes that hold a byte outside the `lazy` [start, end) ranges."""
+    merged: list[list[int]] = []
+    for a, b in sorted(lazy):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out = []
+    k = 0
+    for i in range(max(1, -(-size // TREE_CHUNK))):
+        a, b = i * TREE_CHUNK, min(size, (i + 1) * TREE_CHUNK)
+        while k < len(merged) and merged[k][1] <= a:
+            k += 1
+        # covered iff one merged range spans [a, b) (merged ranges never touch each other)
+        if not (k < len(merged) and merged[k][0] <= a and merged[k][1] >= b) or a == b:
+            out.append(i)
+    return out
