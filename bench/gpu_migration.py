@@ -3,7 +3,7 @@
 
     python bench/gpu_migration.py [--modes "copy lazy"] [--gbs "4 16"] [--runs 1] [--budget-s 0]
                                   [--pump-gib 4] [--pump-runs 3] [--network-lock auto|skip] [--simulate]
-                                  [--json-out PATH]
+                                  [--gpu-thp keep|always] [--json-out PATH]
 
 Node A and node B are network namespaces joined by a veth pair (tests/gpu/twonodes.py), each with
 its own config, key, store on /dev/shm and runc root, and each node's container in its own node's
@@ -21,6 +21,11 @@ then in A `migrt migrate --json` in one of the modes:
          to the target's page filler; the driver's host copy of each process's GPU memory (where the
          GPU checkpoint put it: `gpu_backing`, migrt/gpu/backing.py) comes first, the GPU restore
          starts as soon as it is in, the rest follows; the source is destroyed once every page is in.
+
+--gpu-thp always puts `gpu_checkpoint_thp: always` in both nodes' configs: the source's migrt switches
+THP to `always` only while the driver writes its checkpoint (docs/gpu.md, Faster driver checkpoints);
+each run records what the window did (`thp_window`: always, kept or failed; node A's gpu_suspended
+log event).
 
 Then the workload's checksum over all its GPU memory must equal the one it had at start, on the new
 GPU. Runs go size by size, the modes alternating their order from run to run.
@@ -50,7 +55,8 @@ GPU. Targets (issue 18): downtime <= 10 s and total <= 20 s at 16 GiB, downtime 
 Prints a table, writes JSON, and as its last lines, per mode and size:
 
     gpu_migration mode=<m> gb=<g> downtime_s=<median> app_gap_s=<median> total_s=<median> sent_gib=<median>
-        wire_gibps=<median> pump_gibps=<same streams> identical=<bool> [<target> met|missed ...]
+        wire_gibps=<median> pump_gibps=<same streams> identical=<bool> gpu_thp=<keep|always>
+        [<target> met|missed ...]
 """
 
 from __future__ import annotations
@@ -81,9 +87,14 @@ def _r(x, nd=3):
     return round(x, nd) if isinstance(x, (int, float)) else None
 
 
-def one_run(node, hosts, gb: float, mode: str, port: int, n: int, criu_config: str | None) -> dict:
+def one_run(node, hosts, gb: float, mode: str, port: int, n: int, criu_config: str | None,
+            gpu_thp: str = "keep") -> dict:
     tag = f"bmig-{mode}-{gb:g}-{n}".replace(".", "p")
     nodes = twonodes.make(node, node.base / tag)
+    if gpu_thp != "keep":
+        for side in ("a", "b"):
+            with open(nodes[side]["config"], "a", encoding="utf-8") as fh:
+                fh.write(f"gpu_checkpoint_thp: {gpu_thp}\n")
     dst = 1 if len(node.gpus) > 1 and node.gpus[1].name == node.gpus[0].name else 0
     own = hosts["netns"]
     t0 = time.monotonic()
@@ -109,12 +120,28 @@ def one_run(node, hosts, gb: float, mode: str, port: int, n: int, criu_config: s
             keep_logs(nodes, tag)
         return {"mode": mode, "gb": gb, **figures(mode, out, rec), "app_gap_s": gap, "same_gpu": dst == 0,
                 "netns": own, "identical": check["checksum"] == ready["checksum"],
-                "run_s": _r(time.monotonic() - t0)}
+                "thp_window": thp_window(nodes["a"]["dir"] / "migrt.log"), "run_s": _r(time.monotonic() - t0)}
     finally:
         twonodes.remove(nodes["a"]["root"], src.cid)
         twonodes.remove(nodes["b"]["root"], target_cid)
         shutil.rmtree(nodes["a"]["dir"] / "store", ignore_errors=True)
         shutil.rmtree(nodes["b"]["dir"] / "store", ignore_errors=True)
+
+
+def thp_window(log: Path) -> str | None:
+    """What the source's last GPU checkpoint did with THP (its gpu_suspended event): always, kept, failed."""
+    found = None
+    try:
+        with open(log, encoding="utf-8") as fh:
+            for line in fh:
+                if '"gpu_suspended"' in line:
+                    try:
+                        found = json.loads(line).get("thp", found)
+                    except ValueError:
+                        continue
+    except OSError:
+        return None
+    return found
 
 
 def keep_logs(nodes: dict, tag: str) -> str | None:
@@ -192,7 +219,7 @@ def _median(rows: list[dict], key: str):
     return statistics.median(vals) if vals else None
 
 
-def summary(rows: list[dict], pump: dict[int, dict]) -> tuple[list[str], bool]:
+def summary(rows: list[dict], pump: dict[int, dict], gpu_thp: str = "keep") -> tuple[list[str], bool]:
     keys = ("downtime_s", "app_gap_s", "total_s", "gpu_checkpoint_s", "dump_s", "transfer_s", "restore_s",
             "gpu_restore_s", "sent_gib", "wire_gibps")
     lines = ["mode   GiB " + " ".join(f"{k[:-2] if k.endswith('_s') else k:>12}" for k in keys)
@@ -219,7 +246,7 @@ def summary(rows: list[dict], pump: dict[int, dict]) -> tuple[list[str], bool]:
                                for k, v in TARGETS.get(gb, {}).items())
             finals.append(f"gpu_migration mode={mode} gb={gb:g} downtime_s={med['downtime_s']} "
                           f"app_gap_s={med['app_gap_s']} total_s={med['total_s']} sent_gib={med['sent_gib']} "
-                          f"wire_gibps={med['wire_gibps']} pump_gibps={pg} identical={identical}"
+                          f"wire_gibps={med['wire_gibps']} pump_gibps={pg} identical={identical} gpu_thp={gpu_thp}"
                           + (f" {verdict}" if verdict else ""))
     return lines + finals, ok
 
@@ -234,6 +261,9 @@ def main() -> int:
     ap.add_argument("--pump-runs", type=int, default=3)
     ap.add_argument("--network-lock", choices=("auto", "skip"), default="auto")
     ap.add_argument("--simulate", action="store_true", help="simulated GPU nodes (no GPU needed)")
+    ap.add_argument("--gpu-thp", choices=("keep", "always"), default="keep",
+                    help="gpu_checkpoint_thp in both nodes' configs: always = THP always only while the driver "
+                    "writes its checkpoint (default keep)")
     ap.add_argument("--json-out", default=os.path.join(os.environ.get("OUT", "."), "gpu_migration.json"))
     args = ap.parse_args()
     modes = args.modes.split()
@@ -252,7 +282,7 @@ def main() -> int:
     rows: list[dict] = []
     info: dict = {"gpu": node.gpus[0].name, "gpus": len(node.gpus), "driver": node.driver, "torch": node.torch,
                   "simulated": args.simulate, "kernel": platform.release(), "cpus": os.cpu_count(),
-                  "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"), "modes": modes}
+                  "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"), "gpu_thp": args.gpu_thp, "modes": modes}
     port = 7960
 
     def save() -> None:
@@ -286,7 +316,7 @@ def main() -> int:
                             print(json.dumps(rows[-1]), flush=True)
                             continue
                         port += 1
-                        rows.append(one_run(node, hosts, gb, mode, port, n, conf))
+                        rows.append(one_run(node, hosts, gb, mode, port, n, conf, args.gpu_thp))
                         print(json.dumps(rows[-1]), flush=True)
                         save()
     finally:
@@ -299,8 +329,9 @@ def main() -> int:
             r["pump_gibps"], r["wire_vs_pump"] = p["gibps"], round(r["wire_gibps"] / p["gibps"], 2)
     info["wall_s"] = round(time.monotonic() - t_start, 1)
     save()
-    lines, ok = summary(rows, pump)
-    print(f"{info['gpu']} x{info['gpus']}, driver {info['driver']}, THP {info['thp']}, network lock: "
+    lines, ok = summary(rows, pump, args.gpu_thp)
+    print(f"{info['gpu']} x{info['gpus']}, driver {info['driver']}, THP {info['thp']} (gpu_checkpoint_thp "
+          f"{args.gpu_thp}), network lock: "
           f"{info.get('network_lock')}; pump over {'the veth pair' if info.get('netns') else 'loopback'}: "
           + ", ".join(f"{k} stream(s) {v['gibps']} GiB/s" for k, v in sorted(pump.items())))
     print("\n".join(lines))

@@ -3,7 +3,7 @@
 
     python bench/gpu_roundtrip.py [--sizes 8,16,32] [--thp madvise,always] [--runs 3]
                                   [--rows gpu,cpu] [--budget-s 520] [--json-out PATH]
-                                  [--restore-pages lazy] [--dump criu,parallel]
+                                  [--restore-pages lazy] [--dump criu,parallel] [--gpu-thp keep|always]
     python bench/gpu_roundtrip.py --report RESULT.json...    (one table from several runs)
 
 On the GPU machine, as root (bench/run_gpu_roundtrip_on_device.sh sets it up). For each THP
@@ -23,6 +23,11 @@ on cuda:0, a counter advanced on the GPU every step, an exact checksum on reques
   dump is the config's default (`dump_pages: auto`: migrt's parallel dump from 256 MiB on);
   --dump MODE[,MODE] adds paths migrt/dump=MODE whose checkpoints run with MIGRT_DUMP_PAGES=MODE
   (criu: CRIU writes the memory, one thread; parallel: docs/dump-pages.md), on the same container.
+--gpu-thp always puts `gpu_checkpoint_thp: always` in the node's migrt config: migrt then switches THP
+to `always` only while the driver writes its checkpoint (docs/gpu.md, Faster driver checkpoints), so
+`--thp madvise --gpu-thp always` measures that window against the node's madvise (the raw path's
+checkpoint is the bare driver call and runs at --thp). Each migrt run records what its window did
+(`thp_window`: always, kept or failed, from the manifest's gpu.thp).
 CPU rows: the same two paths for bench/cpuhog.py (N GiB of private anonymous memory, no GPU), so
 that CRIU's part is visible alone.
 
@@ -36,6 +41,7 @@ is printed); ratio = migrt / raw of the same run.
 Prints the table; writes JSON (--json-out); the last line:
 
     gpu_roundtrip gb=<N> migrt_s=<round trip> baseline_s=<round trip> restore_s=<migrt restore only>
+                  path=<fastest migrt path> gpu_thp=<keep|always>
 
 for the largest size run at THP madvise (else the first THP setting run). A time budget
 (--budget-s) ends a size's runs early rather than overrun the device's 10-minute call limit: the
@@ -252,7 +258,7 @@ class MigrtBox:
                "dump_pages": manifest.get("dump_pages"), "commit_s": ct.get("commit_s"), "checkpoint_s": ck_wall, "image_bytes": manifest.get("size_bytes"),
                "verify_s": rt.get("verify_s"), "criu_restore_s": rt.get("restore_s"),
                "gpu_restore_s": rt.get("gpu_restore_s"), "create_s": create_wall, "restore_s": rs_wall,
-               "round_trip_s": ck_wall + rs_wall}
+               "round_trip_s": ck_wall + rs_wall, "thp_window": (manifest.get("gpu") or {}).get("thp")}
         for key, value in rt.items():  # whatever else migrt records (e.g. the shim's start)
             out.setdefault(f"m_{key}", value)
         out["restore_gate"] = restored.get("restore_gate")
@@ -289,7 +295,8 @@ def one_size(node, args, gb: float, thp: str, kind: str, budget: Budget) -> dict
     dumps = [m for m in (args.dump or "").split(",") if m]
     paths = ["raw", *(["raw@hugetmpfs"] if args.raw_huge_images else []), "migrt", *(f"migrt+{m}" for m in modes),
              *(f"migrt/dump={m}" for m in dumps)]
-    res = {"gb": gb, "thp": thp, "kind": kind, "paths": paths, "errors": [], **{p: [] for p in paths}}
+    res = {"gb": gb, "thp": thp, "gpu_thp": args.gpu_thp, "kind": kind, "paths": paths, "errors": [],
+           **{p: [] for p in paths}}
     boxes = []
     t_start = time.monotonic()
     try:
@@ -391,7 +398,8 @@ def table(results: list[dict]) -> list[str]:
             meds = {k: median(rows, k) for k, _ in COLS}
             gbps = (median(rows, "image_bytes") or 0) / 1e9 / meds["restore_s"] if meds["restore_s"] else None
             ratio = f"{meds['round_trip_s'] / base:.2f}" if base else "-"
-            lines.append(f"| {r['gb']:g} | {r['thp']} | {r['kind']} | {path} | {len(rows)} | "
+            thp = r["thp"] + (" (ckpt always)" if r.get("gpu_thp") == "always" and path.startswith("migrt") else "")
+            lines.append(f"| {r['gb']:g} | {thp} | {r['kind']} | {path} | {len(rows)} | "
                          + " | ".join(fmt(meds[k]) for k, _ in COLS) + f" | {fmt(gbps)} | {ratio} |")
     return lines
 
@@ -407,7 +415,7 @@ def summary_line(results: list[dict]) -> str:
                key=lambda p: median(r[p], "round_trip_s"))
     return (f"gpu_roundtrip gb={r['gb']:g} migrt_s={median(r[best], 'round_trip_s'):.2f} "
             f"baseline_s={median(r['raw'], 'round_trip_s'):.2f} restore_s={median(r[best], 'restore_s'):.2f} "
-            f"path={best}")
+            f"path={best} gpu_thp={r.get('gpu_thp', 'keep')}")
 
 
 def report(paths: list[str]) -> int:
@@ -477,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw-huge-images", help="also run the raw steps with the image in DIR (a huge=always tmpfs "
                     "the runner mounts privately), as path raw@hugetmpfs")
     ap.add_argument("--raw-images", default="/dev/shm", help="where the raw path's images go (default /dev/shm)")
+    ap.add_argument("--gpu-thp", choices=("keep", "always"), default="keep",
+                    help="gpu_checkpoint_thp in the node's migrt config: always = THP always only while the driver "
+                    "writes its checkpoint (default keep)")
     ap.add_argument("--json-out", help="write the results here")
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print one table from result files and exit")
     args = ap.parse_args(argv)
@@ -492,9 +503,13 @@ def main(argv: list[str] | None = None) -> int:
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the raw process comes back to us after criu restore
     budget = Budget(args.budget_s)
     node = make_node(args.rows.split(","))
+    if args.gpu_thp != "keep":
+        with open(node.env["MIGRT_CONFIG"], "a", encoding="utf-8") as fh:
+            fh.write(f"gpu_checkpoint_thp: {args.gpu_thp}\n")
     info = {"machine": machine(), "gpu": node.gpus[0].name if node.gpus else "no GPU", "driver": node.driver, "torch": node.torch,
-            "thp_before": thp_current(), "args": vars(args)}
-    log(f"gpu_roundtrip: {info['gpu']}, driver {node.driver}, torch {node.torch}, THP {info['thp_before']}")
+            "thp_before": thp_current(), "gpu_thp": args.gpu_thp, "args": vars(args)}
+    log(f"gpu_roundtrip: {info['gpu']}, driver {node.driver}, torch {node.torch}, THP {info['thp_before']}, "
+        f"gpu_checkpoint_thp {args.gpu_thp}")
     results: list[dict] = []
     rc = 0
     try:
@@ -532,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(info, indent=1))
     print(f"{info['gpu']}, driver {node.driver}, torch {node.torch}; THP before {info['thp_before']}, "
-          f"after {info['thp_after']}; medians of the runs given")
+          f"after {info['thp_after']}; gpu_checkpoint_thp {args.gpu_thp}; medians of the runs given")
     print("\n".join(table(results)))
     for r in results:
         for e in r["errors"]:

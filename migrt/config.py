@@ -14,6 +14,10 @@ Keys (all optional):
   gpu_hook_timeout_s: 30             how long a process that registered the application hook may take to
                                      answer (docs/gpu.md, Multi-GPU jobs)
   gpu_peer_check: refuse             refuse | warn: CUDA processes with peer state the driver cannot restore
+  gpu_checkpoint_thp: keep           keep | always: always switches transparent huge pages (node-wide) to
+                                     `always` only while the driver writes its checkpoint, then puts the
+                                     value back: a faster driver checkpoint (docs/gpu.md, Faster driver
+                                     checkpoints); keep never touches /sys
   allow_cross_namespace_restore: false  restore a pod's checkpoint into another Kubernetes namespace
   allow_unbound_checkpoints: false   restore a checkpoint that records no Kubernetes namespace (not taken
                                      from a pod, or made by hand) into a pod container
@@ -62,8 +66,9 @@ from migrt.runtime.lower import config_path, resolve
 POLICIES = ("fail", "fresh")
 LEVELS = ("debug", "info", "warning", "error")
 CRIU_OPTION_KEYS = ("tcp_established", "ext_unix_sk", "file_locks", "shell_job")
-GPU_KEYS = ("gpu_backend", "gpu_lock_timeout_ms", "gpu_hook_timeout_s", "gpu_peer_check")
+GPU_KEYS = ("gpu_backend", "gpu_lock_timeout_ms", "gpu_hook_timeout_s", "gpu_peer_check", "gpu_checkpoint_thp")
 GPU_PEER_CHECKS = ("refuse", "warn")
+GPU_CHECKPOINT_THP = ("keep", "always")  # migrt/gpu/thp.py SETTINGS
 GPU_BACKENDS = ("auto", "cuda", "none")
 REGISTRY_KEYS = ("registry_auth_file", "registry_ca_file", "registry_parallel", "registry_timeout",
                  "restore_registries")
@@ -96,6 +101,7 @@ class Config:
     gpu_lock_timeout_ms: int = 30_000
     gpu_hook_timeout_s: float = 30.0
     gpu_peer_check: str = "refuse"
+    gpu_checkpoint_thp: str = "keep"
     allow_cross_namespace_restore: bool = False
     allow_unbound_checkpoints: bool = False
     store_space_check: bool = True
@@ -324,6 +330,11 @@ def _load_gpu(cfg: Config, data: dict, path: str) -> None:
     if check not in GPU_PEER_CHECKS:
         raise ConfigError(f"config {path}: 'gpu_peer_check' must be one of {GPU_PEER_CHECKS}, got {check!r}")
     cfg.gpu_peer_check = check
+    thp = data.get("gpu_checkpoint_thp", cfg.gpu_checkpoint_thp)
+    if thp not in GPU_CHECKPOINT_THP:
+        raise ConfigError(f"config {path}: 'gpu_checkpoint_thp' must be one of {GPU_CHECKPOINT_THP}, got {thp!r} "
+                          "(always: transparent huge pages node-wide while the driver writes its checkpoint)")
+    cfg.gpu_checkpoint_thp = thp
 
 
 def _load_pages(cfg: Config, data: dict, path: str) -> None:

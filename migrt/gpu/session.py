@@ -1,11 +1,13 @@
 """Suspend and resume every CUDA process of a container, in parallel, with undo.
 
 suspend_all: lock all (so that no process submits work to a peer that is already frozen), then
-checkpoint all. On any failure every process already touched is brought back (restore, unlock)
-so the workload goes on, and the first error is raised with what the undo could not do. Locks that
-time out while others succeeded are tried once more after the undo: processes that talk to each
-other (NCCL collectives without the application hook) can have work in flight that waits for a peer
-locked a moment earlier, which never completes while that peer stays locked; unlocked, it does.
+checkpoint all (inside `checkpoint_window` when given: the caller's context for the driver's
+writing of its host copy, e.g. gpu/thp.py's huge pages; the undo runs outside it). On any failure
+every process already touched is brought back (restore, unlock) so the workload goes on, and the
+first error is raised with what the undo could not do. Locks that time out while others succeeded
+are tried once more after the undo: processes that talk to each other (NCCL collectives without
+the application hook) can have work in flight that waits for a peer locked a moment earlier, which
+never completes while that peer stays locked; unlocked, it does.
 A lock call is given its timeout plus LOCK_GRACE_S to return (in a daemon thread: a driver call
 cannot be interrupted, and migrt must be able to exit): one that does not is stuck in the driver
 (NVIDIA/cuda-checkpoint#30: while one process of an NCCL job is locked, every call on its peer can
@@ -24,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from migrt import log as log_mod
@@ -81,11 +84,13 @@ def _bring_back(backend: GpuBackend, pid: int, known: str) -> None:
 
 
 def suspend_all(pids: list[int], backend: GpuBackend, timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS, *,
-                parallel: bool = True, retries: int = LOCK_RETRIES) -> None:
+                parallel: bool = True, retries: int = LOCK_RETRIES,
+                checkpoint_window: AbstractContextManager | None = None) -> None:
     pids = list(dict.fromkeys(pids))
+    window = checkpoint_window or nullcontext()
     for attempt in range(retries + 1):
         try:
-            return _suspend_once(pids, backend, timeout_ms, parallel)
+            return _suspend_once(pids, backend, timeout_ms, parallel, window)
         except _LockTimedOut as exc:
             if attempt == retries:
                 raise exc.error from exc.error.__cause__
@@ -173,14 +178,16 @@ def _lock_all(pids: list[int], backend: GpuBackend, timeout_ms: int, parallel: b
     raise error
 
 
-def _suspend_once(pids: list[int], backend: GpuBackend, timeout_ms: int, parallel: bool) -> None:
+def _suspend_once(pids: list[int], backend: GpuBackend, timeout_ms: int, parallel: bool,
+                  window: AbstractContextManager) -> None:
     phase = "lock"
     errors = _lock_all(pids, backend, timeout_ms, parallel)
     if errors:
         known = {p: (RUNNING if p in errors else LOCKED) for p in pids}
     else:
         phase = "checkpoint"
-        errors = _each(pids, backend.checkpoint, parallel)
+        with window:
+            errors = _each(pids, backend.checkpoint, parallel)
         if not errors:
             return
         known = {p: (LOCKED if p in errors else CHECKPOINTED) for p in pids}

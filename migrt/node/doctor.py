@@ -122,7 +122,7 @@ def run_checks() -> list[dict]:
     out.append(_check("iptables", "ok" if shutil.which("iptables") else "warn",
                       shutil.which("iptables") or "not found",
                       "CRIU needs iptables to lock the network of containers with their own netns"))
-    out += gpu_checks(runtime)
+    out += gpu_checks(runtime, thp_mode=cfg.gpu_checkpoint_thp if cfg else "keep")
     out.append(_check("kernel", "ok", kernel_version()))
     if cfg:
         out.append(_store_check(cfg.store))

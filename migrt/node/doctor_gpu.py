@@ -1,19 +1,18 @@
-"""`migrt doctor`'s GPU checks: driver and checkpoint API, persistence mode, transparent huge pages,
-the lower runtime for GPU containers, the CRIU hook. Without an NVIDIA driver: one 'warn: no GPU'."""
+"""`migrt doctor`'s GPU checks: driver and checkpoint API, persistence mode, transparent huge pages
+(and the window `gpu_checkpoint_thp: always` opens: one a migrt that died left at `always` is put back
+here), the lower runtime for GPU containers, the CRIU hook. Without an NVIDIA driver: one 'warn: no GPU'."""
 
 from __future__ import annotations
 
 import glob
 import os
-import re
 
 from migrt import trust
-from migrt.gpu import inventory
+from migrt.gpu import inventory, thp as thp_mod
 from migrt.gpu.cuda import LIBCUDA, CudaDriverBackend
 from migrt.node.doctor_install import SETUP, script_problem
 from migrt.node.launchers import read_installed
 
-THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 CRIU_CONFIGS = ("/etc/criu/runc.conf", "/etc/criu/default.conf")
 CDI_SPECS = ("/etc/cdi/nvidia*.yaml", "/etc/cdi/nvidia*.json", "/var/run/cdi/nvidia*.yaml", "/var/run/cdi/nvidia*.json")
 REMAP_DRIVER = (580,)  # restore onto other GPUs (UUID pairs) needs r580+
@@ -26,12 +25,7 @@ def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
 
 def thp_setting(path: str | None = None) -> str | None:
     """'always' | 'madvise' | 'never' (the bracketed one), None if unknown."""
-    try:
-        with open(path or THP, encoding="utf-8") as fh:
-            m = re.search(r"\[(\w+)\]", fh.read())
-    except OSError:
-        return None
-    return m.group(1) if m else None
+    return thp_mod.current(path)
 
 
 def action_script(configs: tuple[str, ...] | None = None) -> tuple[str, str] | None:
@@ -49,7 +43,8 @@ def action_script(configs: tuple[str, ...] | None = None) -> tuple[str, str] | N
 
 
 def gpu_checks(runtime: str | None = None, *, backend: CudaDriverBackend | None = None,
-               inv: inventory.Inventory | None = None) -> list[dict]:
+               inv: inventory.Inventory | None = None, thp_mode: str = "keep") -> list[dict]:
+    """thp_mode: the config's gpu_checkpoint_thp."""
     inv = inv or inventory.take(with_processes=False)
     if not inv.available:
         return [_check("gpu", "warn", f"no GPU: {inv.error}",
@@ -82,16 +77,55 @@ def gpu_checks(runtime: str | None = None, *, backend: CudaDriverBackend | None 
                           "when its last process stops, and every restore pays its initialisation again"))
     else:
         out.append(_check("gpu persistence mode", "ok", "on"))
-    thp = thp_setting()
-    if thp == "always":
-        out.append(_check("transparent huge pages", "ok", "always"))
-    else:
-        out.append(_check("transparent huge pages", "warn", f"{thp or 'unknown'}",
-                          "echo always > /sys/kernel/mm/transparent_hugepage/enabled: measured on an H200 with 16 GB "
-                          "on the GPU, the whole GPU round trip was 1.57x faster (37.4 s -> 23.8 s)"))
+    out += thp_checks(thp_mode)
     out.append(_runtime_check(runtime))
     out.append(_hook_check())
     out.append(_target_check(out, inv, version))
+    return out
+
+
+def thp_checks(mode: str) -> list[dict]:
+    """The THP setting, and the window of gpu_checkpoint_thp: one left by a migrt that died is put
+    back here (gpu/thp.py repair); one held by live migrt processes is said to be temporary."""
+    out, held = [], []
+    name = "gpu checkpoint THP window"
+    try:
+        found = thp_mod.repair()
+    except OSError as exc:
+        out.append(_check(name, "fail", f"{thp_mod.state_path()}: {exc}",
+                          f"run 'migrt doctor' as root: it puts back the value of {thp_mod.ENABLED} a migrt that "
+                          "died during a GPU checkpoint left at always"))
+    else:
+        held = [h.get("pid") for h in found["holders"]]
+        dead = ", ".join(str(h.get("pid")) for h in found["dropped"])
+        if found["put_back"]:
+            out.append(_check(name, "warn", f"THP left at always by a migrt that died (pid {dead}) during a GPU "
+                                             f"checkpoint: put back to {found['put_back']} now",
+                               "nothing left to do; the checkpoint of that migrt failed ('migrt recover')"))
+        elif found["dropped"]:
+            out.append(_check(name, "ok", f"dropped the record of migrt pid {dead} (died during a GPU checkpoint)"))
+    setting = thp_setting()
+    measured = ("measured on an H200 with 16 GB on the GPU: the driver's checkpoint 5.75 s instead of 8-10 s; with "
+                "always node-wide the whole GPU round trip was 1.57x faster (37.4 s -> 23.8 s)")
+    if held:
+        out.append(_check("transparent huge pages", "ok",
+                          f"always while migrt pid {', '.join(map(str, held))} checkpoints GPU processes "
+                          f"(gpu_checkpoint_thp), {found['before']} otherwise"))
+    elif setting == "always":
+        out.append(_check("transparent huge pages", "ok", "always"))
+    elif mode == "always" and not os.access(thp_mod.ENABLED, os.W_OK):
+        out.append(_check("transparent huge pages", "warn", f"{setting or 'unknown'}; gpu_checkpoint_thp: always, "
+                          f"but {thp_mod.ENABLED} is not writable here: checkpoints run at {setting or 'this setting'}",
+                          "run migrt as root with /sys writable (not read-only, as in a container), or set THP to "
+                          "always on the node"))
+    elif mode == "always":
+        out.append(_check("transparent huge pages", "ok", f"{setting or 'unknown'}; always while the NVIDIA driver "
+                          "writes a checkpoint (gpu_checkpoint_thp: always)"))
+    else:
+        out.append(_check("transparent huge pages", "warn", f"{setting or 'unknown'}",
+                          "set 'gpu_checkpoint_thp: always' in the migrt config: migrt then switches THP to always "
+                          "node-wide only while the driver writes its checkpoint and puts the value back (docs/gpu.md, "
+                          f"Faster driver checkpoints); {measured}"))
     return out
 
 

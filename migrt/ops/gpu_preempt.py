@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from migrt import log as log_mod
 from migrt.errors import Conflict, MigrtError, NotFound, PreconditionFailed
-from migrt.gpu import apphooks, gate, inventory, preflight, procs, records, select, visible
+from migrt.gpu import apphooks, gate, inventory, preflight, procs, records, select, thp, visible
 from migrt.gpu.backend import CHECKPOINTED, LOCKED, RUNNING, GpuBackend, GpuCannotRestore, GpuError
 from migrt.gpu.session import DEFAULT_LOCK_TIMEOUT_MS, suspend_all
 from migrt.oci.bundle import Bundle
@@ -151,9 +151,11 @@ def suspend(cfg, cid: str, root: str, *, by: str = "migrt gpu suspend", progress
         raise
     section.update(opened.record())
     progress("phase", name="gpu-suspend", processes=len(pids))
+    window = thp.window(cfg)  # huge pages while the driver writes its host copy
     t0 = time.monotonic()
     try:
-        suspend_all(pids, backend, int(getattr(cfg, "gpu_lock_timeout_ms", DEFAULT_LOCK_TIMEOUT_MS)))
+        suspend_all(pids, backend, int(getattr(cfg, "gpu_lock_timeout_ms", DEFAULT_LOCK_TIMEOUT_MS)),
+                    checkpoint_window=window)
     except GpuError as exc:
         pending = list(getattr(exc, "pending", None) or [])  # a lock call still in the driver: ask it nothing
         stuck = pending or [p for p in pids if _state_or_none(backend, p) not in (RUNNING, None)]
@@ -171,9 +173,10 @@ def suspend(cfg, cid: str, root: str, *, by: str = "migrt gpu suspend", progress
     rec.update(status=SUSPENDED, suspended_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                host_rss_bytes={"before": rss_before, "after": sum(_rss(p) or 0 for p in pids)})
     rec["timings"]["suspend_s"] = seconds
+    rec["thp"] = window.applied
     _write(rec)
     progress("done", name="gpu-suspend", seconds=seconds)
-    log_mod.get().info("gpu_suspended_in_place", container=cid, pids=pids, seconds=seconds, by=by)
+    log_mod.get().info("gpu_suspended_in_place", container=cid, pids=pids, seconds=seconds, by=by, thp=window.applied)
     return rec
 
 

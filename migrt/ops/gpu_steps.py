@@ -3,7 +3,8 @@ ops/restore.py and ops/gpu_runc.py (migrt-runc's own checkpoint/restore).
 
 Checkpoint:  suspend(...) finds the container's live CUDA processes; if any, asks the gate (peer
              state the driver cannot restore, the application hook's pre-checkpoint: gpu/gate.py;
-             a refusal touches nothing), then locks and checkpoints them all (undoing on failure).
+             a refusal touches nothing), then locks and checkpoints them all (undoing on failure;
+             the checkpoint calls inside gpu/thp.py's window: config gpu_checkpoint_thp).
              The returned GpuSuspension resumes them (and tells the hook "post-restore") when the
              container must keep running (--leave-running) or the dump failed.
 Restore:     plan_restore(...) is the preflight (before anything is touched); GpuRestore.resume(pid)
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 
 from migrt import log as log_mod
 from migrt.errors import MigrtError, PreconditionFailed
-from migrt.gpu import apphooks, backing, devnodes, gate, inventory, preflight, procs, records, select, session, visible
+from migrt.gpu import (apphooks, backing, devnodes, gate, inventory, preflight, procs, records, select, session, thp,
+                       visible)
 from migrt.gpu.backend import CHECKPOINTED, GpuBackend, GpuError
 from migrt.progress import Progress, null_progress
 
@@ -127,9 +129,10 @@ def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
     section.update(opened.record())
     progress("phase", name="gpu-checkpoint", processes=len(pids))
     before = backing.snapshot(pids)  # the driver's host copy of the GPU memory is what appears (gpu/backing.py)
+    window = thp.window(cfg)  # huge pages while the driver writes its host copy
     try:
         t0 = time.monotonic()
-        session.suspend_all(pids, backend, lock_timeout_ms(cfg))
+        session.suspend_all(pids, backend, lock_timeout_ms(cfg), checkpoint_window=window)
     except BaseException:  # every process was brought back by suspend_all: the hook's processes may rebuild
         opened.after(apphooks.ABORTED, f"container {container_id}")
         raise
@@ -139,8 +142,10 @@ def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
         if copies.get(proc.get("pid")):
             proc["gpu_backing"] = copies[proc["pid"]]  # a lazy restore fills these first (pagefill/images.py)
     section["timings"]["gpu_checkpoint_s"] = seconds
+    section["thp"] = window.applied  # always | kept | failed: benchmarks tell the runs apart by it
     progress("done", name="gpu-checkpoint", seconds=seconds)
-    log_mod.get().info("gpu_suspended", container=container_id, pids=pids, seconds=seconds, **opened.record())
+    log_mod.get().info("gpu_suspended", container=container_id, pids=pids, seconds=seconds, thp=window.applied,
+                       **opened.record())
     return GpuSuspension(pids=pids, backend=backend, section=section, timings={"gpu_checkpoint_s": seconds},
                          gate=opened, what=f"container {container_id}")
 

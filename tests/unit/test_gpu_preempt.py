@@ -457,7 +457,7 @@ def test_a_lock_still_stuck_in_the_driver_keeps_the_record_and_is_not_queried(gp
     box = gpu_node.box()
     pids = box.pids()
 
-    def stuck(pids, backend, timeout_ms):
+    def stuck(pids, backend, timeout_ms, checkpoint_window=None):
         err = Err(f"GPU lock of {len(pids)} process(es) failed: cuCheckpointProcessLock of pid(s) {pids[1]} did "
                   "not return within 40 s", call="cuCheckpointProcessLock", pid=pids[1])
         err.pending = [pids[1]]

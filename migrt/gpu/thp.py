@@ -1,0 +1,252 @@
+"""Transparent huge pages while the NVIDIA driver writes its checkpoint (config `gpu_checkpoint_thp`).
+
+The driver's checkpoint (cuCheckpointProcessCheckpoint) copies a process's GPU memory into one private
+anonymous mapping it creates inside the process, faulting it in as it writes (~2 GB/s). The mapping
+is not madvised, so under THP `madvise` (most distributions' default) it gets 4 KiB pages, under
+`always` 2 MiB ones: 16 GiB took 5.75 s instead of 8-10 s (H200). Nothing turns huge pages on for a
+mapping another program creates in a process (process_madvise refuses MADV_HUGEPAGE, prctl only turns
+them off), so `gpu_checkpoint_thp: always` writes `always` into the node-wide `enabled` file for the
+window in which the driver writes (the checkpoint calls, after the lock) and puts the value it found
+back right after. `keep` (the default) never touches it. `defrag` is left alone: under its default
+`madvise` a fault in a mapping that is not madvised takes a huge page only when one is free and never
+stalls to compact memory, so the window cannot slow the driver (or anyone else) down.
+
+The rule, for several migrt processes checkpointing at once and for any of them being killed:
+- a state file, STATE_DIR/thp.json, changed only under an flock on STATE_DIR/thp.lock, holds the
+  value found before the first holder switched (`before`) and who holds the window (`holders`:
+  pid, start time and a token per window, so that two windows of one process are told apart);
+- entering: holders whose process is gone (no such pid, or another start time) are dropped; the
+  first holder records `before` and itself, and only then writes `always` (a migrt killed between
+  the two leaves a record the next one settles); later holders add themselves;
+- leaving: the holder removes itself; the last one puts `before` back, unless the file no longer
+  says `always` (whoever changed it meanwhile is not overruled), and removes the state file;
+- `repair()` (`migrt doctor`) and every entry settle what dead holders left: with no live holder,
+  `before` goes back;
+- a file that cannot be written (read-only /sys in a container, not root; or STATE_DIR): one
+  warning per process, and the checkpoint goes on at the current setting.
+Tests point ENABLED and STATE_DIR at temporary files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import tempfile
+import uuid
+from collections.abc import Iterator
+
+from migrt import log as log_mod
+from migrt.gpu import procs
+
+ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"  # test seam
+STATE_DIR = "/run/migrt"  # test seam
+SETTINGS = ("keep", "always")
+ALWAYS, KEPT, FAILED = "always", "kept", "failed"  # what a window did (Window.applied)
+_warned = False
+
+
+def state_path() -> str:
+    return os.path.join(STATE_DIR, "thp.json")
+
+
+def current(path: str | None = None) -> str | None:
+    """'always' | 'madvise' | 'never' (the bracketed word of the kernel's file), None if unknown."""
+    try:
+        with open(path or ENABLED, encoding="ascii") as fh:
+            text = fh.read()
+    except (OSError, ValueError):
+        return None
+    m = re.search(r"\[(\w+)\]", text)
+    word = m.group(1) if m else text.strip()  # a stand-in file holds the word written last
+    return word if word.isalpha() else None
+
+
+def _set(value: str) -> None:
+    with open(ENABLED, "w", encoding="ascii") as fh:
+        fh.write(value)
+
+
+class Window:
+    """`with Window(setting):` around the driver's checkpoint calls; reusable (suspend_all retries).
+    `applied` says what the last window did: 'always' (in effect), 'kept' (setting keep) or 'failed'
+    (always asked for, not possible here: warned once, the checkpoint ran at the current setting)."""
+
+    def __init__(self, setting: str = "keep") -> None:
+        self.setting = setting
+        self.applied = KEPT
+        self._token: str | None = None
+
+    def __enter__(self) -> "Window":
+        self._token = None
+        if self.setting != ALWAYS:
+            self.applied = KEPT
+            return self
+        token = uuid.uuid4().hex
+        try:
+            held = _enter(token)
+        except OSError as exc:
+            _warn_once(f"cannot switch transparent huge pages to always for the GPU checkpoint: {exc}")
+            self.applied = FAILED
+            return self
+        self._token = token if held else None
+        self.applied = ALWAYS
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        if self._token:
+            token, self._token = self._token, None
+            try:
+                _leave(token)
+            except OSError as exc:
+                log_mod.get().error("gpu_checkpoint_thp_not_put_back", path=ENABLED, state=state_path(),
+                                    error=str(exc), fix="run 'migrt doctor' as root")
+        return False
+
+
+def window(cfg) -> Window:
+    """The window the config asks for (`gpu_checkpoint_thp`; keep without one)."""
+    return Window(getattr(cfg, "gpu_checkpoint_thp", "keep") or "keep")
+
+
+def repair() -> dict:
+    """Settle what migrt processes that died left (`migrt doctor`): {"holders": live holders,
+    "dropped": dead ones, "put_back": the value written back or None, "before": the recorded value}.
+    Raises OSError when the state cannot be read or the value cannot be written."""
+    if not os.path.exists(state_path()):
+        return {"holders": [], "dropped": [], "put_back": None, "before": None}
+    with _locked():
+        state = _read()
+        if state is None:
+            return {"holders": [], "dropped": [], "put_back": None, "before": None}
+        before = state.get("before")
+        state, done = _settle(state, changed=False)
+    return {"holders": state["holders"] if state else [], "before": before, **done}
+
+
+# -- under the lock ----------------------------------------------------------------------------------
+def _enter(token: str) -> bool:
+    """True when this window holds the switch (to be left), False when `always` was set already."""
+    with _locked():
+        state = _read()
+        if state is not None:
+            state, _ = _settle(state, changed=False)
+        me = {"pid": os.getpid(), "start_time": procs.start_time(os.getpid()), "token": token}
+        if state is not None:
+            state["holders"].append(me)
+            _save(state)
+            return True
+        now = current()
+        if now is None:
+            raise OSError(errno.ENOENT, "cannot read the setting", ENABLED)
+        if now == ALWAYS:
+            return False  # nothing to switch, nothing to put back
+        _save({"before": now, "holders": [me]})  # first: a migrt killed after the switch leaves the way back
+        try:
+            _set(ALWAYS)
+        except OSError:
+            _remove()
+            raise
+        log_mod.get().info("gpu_checkpoint_thp", switched="always", before=now, path=ENABLED)
+        return True
+
+
+def _leave(token: str) -> None:
+    with _locked():
+        state = _read()
+        if state is None:
+            return
+        state["holders"] = [h for h in state["holders"] if h.get("token") != token]
+        _settle(state, changed=True)
+
+
+def _settle(state: dict, changed: bool) -> tuple[dict | None, dict]:
+    """Drop the holders that died; with none left, put `before` back and remove the state file.
+    Returns (the state, None once removed; {"dropped": [...], "put_back": value or None})."""
+    live = [h for h in state["holders"] if _alive(h)]
+    dropped = [h for h in state["holders"] if h not in live]
+    if dropped:
+        log_mod.get().warning("gpu_checkpoint_thp_holder_gone", holders=dropped, before=state.get("before"))
+    if live:
+        state["holders"] = live
+        if changed or dropped:
+            _save(state)
+        return state, {"dropped": dropped, "put_back": None}
+    before, put_back = state.get("before"), None
+    if isinstance(before, str) and before != ALWAYS and current() == ALWAYS:
+        _set(before)
+        put_back = before
+        log_mod.get().info("gpu_checkpoint_thp", put_back=before, path=ENABLED)
+    _remove()
+    return None, {"dropped": dropped, "put_back": put_back}
+
+
+def _alive(holder: dict) -> bool:
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not procs.alive(pid):
+        return False
+    return holder.get("start_time") is None or procs.start_time(pid) == holder.get("start_time")
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    os.makedirs(STATE_DIR, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(STATE_DIR, "thp.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _read() -> dict | None:
+    """The state, None without one. One that cannot be parsed counts as holders gone and nothing
+    recorded (it is only ever replaced whole, so this means someone else wrote it)."""
+    try:
+        with open(state_path(), encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not isinstance(data.get("holders"), list):
+        log_mod.get().warning("gpu_checkpoint_thp_state_unreadable", path=state_path())
+        return {"before": None, "holders": []}
+    data["holders"] = [h for h in data["holders"] if isinstance(h, dict)]
+    return data
+
+
+def _save(state: dict) -> None:
+    """Whole or not at all (temp file, fsync, rename): a migrt killed while writing leaves the old state.
+    /run is tmpfs: nothing to fsync the directory for."""
+    fd, tmp = tempfile.mkstemp(prefix=".thp-", dir=STATE_DIR)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(state, fh, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, state_path())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _remove() -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(state_path())
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    log = log_mod.get()
+    if _warned:
+        log.debug("gpu_checkpoint_thp_unchanged", error=message, path=ENABLED)
+        return
+    _warned = True
+    log.warning("gpu_checkpoint_thp_unchanged", error=message, path=ENABLED,
+                note="the GPU checkpoint goes on at the current setting (gpu_checkpoint_thp: always needs root "
+                     "and a writable /sys)")
