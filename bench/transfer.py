@@ -2,7 +2,7 @@
 """migrt's stop-and-copy transfer against the wire: a bare socket pump and migrt, side by side.
 
     python bench/transfer.py [--gib 2] [--streams 1,2,4,8] [--runs 3] [--no-release] [--floor] [--known] [--v1]
-                             [--dir /dev/shm] [--json-out PATH]
+                             [--store tmpfs|huge] [--recv-write auto|map|pwrite] [--dir /dev/shm] [--json-out PATH]
 
 For each stream count, in the same run and alternating their order:
   pump     the raw wire: N connections over loopback, one thread per connection at each end (4 MiB
@@ -21,6 +21,13 @@ For each stream count, in the same run and alternating their order:
            connection (Channel.send_file), the same receiver.
 Every side runs in its own process (two nodes' worth of GIL), on this machine's loopback.
 
+Where the files live (--store): `tmpfs` (default), a directory under --dir (/dev/shm: a tmpfs in 4 KiB
+pages unless mounted otherwise); `huge`, a private tmpfs mounted for the run with huge=within_size
+(2 MiB pages: store/hugetmpfs.py) on a temporary directory, unmounted at the end whatever happens:
+the source, the receiver's store and the floor's file (then the floor in huge pages) all in it.
+--recv-write map|pwrite makes the receiver write through mappings, or with pwrite, with any number of
+streams (MIGRT_BULK_WRITE; auto: bulk.py's choice).
+
 By default the sender gives each sent range back to the file system as `migrt migrate` does
 (release: a tmpfs store does not hold the checkpoint twice), so its bytes are copied into the
 socket; --no-release lets the kernel send the page cache's pages (sendfile) and keeps the source.
@@ -28,7 +35,7 @@ socket; --no-release lets the kernel send the page cache's pages (sendfile) and 
 Prints a table (GiB/s, medians of the runs, ratio migrt / pump with as many streams, CPU seconds of
 both processes per GiB), writes JSON (every run; default bench/results/transfer.json) and ends with
 
-    transfer gib=<G> streams=<list> ratio=<migrt/pump per stream count> [ratio_known=<known/pump>]
+    transfer gib=<G> store=<tmpfs|huge> streams=<list> ratio=<migrt/pump per stream count> [ratio_known=<known/pump>]
 
 Target (issue 18): migrt >= 80 % of the raw pump with as many streams, on loopback.
 """
@@ -36,9 +43,11 @@ Target (issue 18): migrt >= 80 % of the raw pump with as many streams, on loopba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -72,6 +81,7 @@ def role_pump_recv(port: int, streams: int, write_to: str | None, size: int, hos
         fd = os.open(write_to, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.ftruncate(fd, per * streams)
         mm = mmap.mmap(fd, per * streams)
+        mm.madvise(mmap.MADV_HUGEPAGE)  # as migrt's writers do: 2 MiB pages where the tmpfs gives them
 
     def recv(i: int, s: socket.socket) -> None:
         if mm is not None:
@@ -279,6 +289,36 @@ class Lab:
         return {**out, "gibps": out["bytes"] / out["seconds"] / 2**30, "cpu_send_s": cpu_s, "cpu_recv_s": cpu_r}
 
 
+@contextlib.contextmanager
+def store_dir(kind: str, parent: str, size: int):
+    """The directory the run's files live in: under `parent` (tmpfs), or (huge) a private tmpfs with
+    huge=within_size mounted on a temporary directory, room for the source, the store's copy and the
+    floor's file; unmounted and removed when the block ends, whichever way (SIGTERM included)."""
+    if kind != "huge":
+        yield parent, {"kind": kind, "dir": parent}
+        return
+    point = tempfile.mkdtemp(prefix="migrt-bench-huge-")
+    room = 3 * size + (1 << 30)
+    opts = f"huge=within_size,size={room >> 20}m,mode=0700"
+    mounted = False
+    term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "migrt-bench-huge", point], check=True)
+        mounted = True
+        from migrt.store import hugetmpfs
+
+        m = hugetmpfs.mount_of(point)
+        if m is None or m.point != os.path.realpath(point) or not m.huge_pages:
+            raise RuntimeError(f"the tmpfs mounted on {point} gives no huge pages ({m})")
+        yield point, {"kind": kind, "dir": point, "options": opts, "shmem_enabled": m.shmem_enabled}
+    finally:
+        if mounted:
+            subprocess.run(["umount", point], check=False)
+        with contextlib.suppress(OSError):
+            os.rmdir(point)
+        signal.signal(signal.SIGTERM, term)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=2.0)
@@ -289,6 +329,10 @@ def main() -> int:
     ap.add_argument("--v1", action="store_true", help="also migrt's file-by-file transfer (one stream)")
     ap.add_argument("--known", action="store_true", help="also migrt with the dump's digests (no sender hashing)")
     ap.add_argument("--dir", default="/dev/shm", help="where the source, the store and the floor's file live")
+    ap.add_argument("--store", choices=("tmpfs", "huge"), default="tmpfs",
+                    help="huge: in a private tmpfs mounted with huge=within_size for the run")
+    ap.add_argument("--recv-write", choices=("auto", "map", "pwrite"), default="auto",
+                    help="how the receiver writes (auto: pwrite up to bulk.MAPPED_FROM streams, then mappings)")
     ap.add_argument("--json-out", default=DEFAULT_JSON)
     ap.add_argument("--role", help=argparse.SUPPRESS)
     for a in ("--port", "--n", "--size"):
@@ -310,12 +354,31 @@ def main() -> int:
     release = args.release
     size = int(args.gib * 2**30)
     counts = [int(x) for x in args.streams.split(",")]
-    base = tempfile.mkdtemp(prefix="migrt-bench-transfer-", dir=args.dir)
+    if args.recv_write != "auto":
+        os.environ["MIGRT_BULK_WRITE"] = args.recv_write  # the receiver's environment (Lab.env)
+    info = machine()
+    with store_dir(args.store, args.dir, size) as (parent, store):
+        results = measure(args, counts, size, parent, info)
+    table, ratios, known_ratios = summarize(results, counts, size)
+    print(table)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+    with open(args.json_out, "w") as fh:
+        json.dump({"machine": {**info, "loadavg_end": os.getloadavg()[0]}, "gib": args.gib, "release": release,
+                   "store": store, "recv_write": args.recv_write, "runs": results}, fh, indent=2)
+    print(f"transfer gib={args.gib:g} store={args.store} streams={','.join(map(str, counts))} "
+          f"ratio={','.join(f'{ratios[n]:.2f}' for n in counts)}"
+          + (f" ratio_known={','.join(f'{known_ratios[n]:.2f}' for n in counts)}" if args.known else ""))
+    return 0
+
+
+def measure(args, counts: list[int], size: int, parent: str, info: dict) -> list[dict]:
+    """Every run of every kind, in a temporary directory under `parent` (removed at the end)."""
+    release = args.release
+    base = tempfile.mkdtemp(prefix="migrt-bench-transfer-", dir=parent)
     os.chmod(base, 0o700)
     lab = Lab(base, size)
-    info = machine()
-    log(f"transfer: {args.gib} GiB, streams {counts}, {args.runs} runs, release={release}, in {base}; "
-        f"{info['cpus']} CPUs, load {info['loadavg_start']:.1f}")
+    log(f"transfer: {args.gib} GiB, streams {counts}, {args.runs} runs, release={release}, store {args.store} "
+        f"(receiver writes: {args.recv_write}), in {base}; {info['cpus']} CPUs, load {info['loadavg_start']:.1f}")
     results: list[dict] = []
     try:
         for run in range(args.runs):
@@ -337,16 +400,7 @@ def main() -> int:
                         f"recv {r['cpu_recv_s']:.2f} s")
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    table, ratios, known_ratios = summarize(results, counts, size)
-    print(table)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-    with open(args.json_out, "w") as fh:
-        json.dump({"machine": {**info, "loadavg_end": os.getloadavg()[0]}, "gib": args.gib, "release": release,
-                   "runs": results}, fh, indent=2)
-    print(f"transfer gib={args.gib:g} streams={','.join(map(str, counts))} "
-          f"ratio={','.join(f'{ratios[n]:.2f}' for n in counts)}"
-          + (f" ratio_known={','.join(f'{known_ratios[n]:.2f}' for n in counts)}" if args.known else ""))
-    return 0
+    return results
 
 
 def summarize(results: list[dict], counts: list[int], size: int) -> tuple[str, dict, dict]:

@@ -54,6 +54,7 @@ from migrt.migration import protocol as p
 from migrt.migration.channel import Channel, RemoteError, _io, _punch_hole, _sendall
 from migrt.migration.protocol import AuthError, TransferError
 from migrt.migration.tls import TLSFiles, wrap_client, wrap_server
+from migrt.store import hugetmpfs
 from migrt.store.fsutil import TREE_CHUNK, fold_chunks, make_entry
 
 PROTOCOL = "migrt-bulk/1"
@@ -603,6 +604,7 @@ class _Dest:
             addr = _libc.mmap(None, size, 3, 0x01, fd, 0)  # PROT_READ|PROT_WRITE, MAP_SHARED
             if addr not in (None, ctypes.c_void_p(-1).value):
                 self.addr = addr
+                hugetmpfs.advise(addr, size)  # 2 MiB pages where the store's tmpfs gives them
 
     def write(self, piece: tuple, n: int, off: int) -> None:
         """piece[:n] into the file at off. Through the mapping, its pages are allocated first (a store
@@ -620,6 +622,15 @@ class _Dest:
         if self.addr:
             _libc.munmap(self.addr, self.size)
             self.addr = 0
+
+
+def _mapped(streams: int) -> bool:
+    """Do the streams write through shared mappings (else pwrite)? MIGRT_BULK_WRITE=map|pwrite decides
+    instead (benchmarks)."""
+    way = os.environ.get("MIGRT_BULK_WRITE")
+    if way in ("map", "pwrite"):
+        return way == "map"
+    return streams > MAPPED_FROM
 
 
 def check_announcement(msg: dict) -> dict[str, int]:
@@ -641,7 +652,7 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
     by the pool) and compared with the sender's sum; CheckpointInvalid at the first mismatch,
     TransferError when a stream breaks."""
     dests: dict[str, _Dest] = {}
-    mapped = len(chs) > MAPPED_FROM
+    mapped = _mapped(len(chs))
     try:
         for rel, size in files.items():
             dests[rel] = _Dest(rel, size, create(rel, size), mapped)
@@ -770,7 +781,8 @@ def receive_import(ch: Channel, msg: dict, imp, listener: Listener, *, progress:
     for rel in files:
         check_relpath(rel)
     total = sum(files.values())
-    imp.ensure_space(total)
+    room = hugetmpfs.footprint(imp.path, files.values())  # a tmpfs with huge=always: whole 2 MiB pages
+    imp.ensure_space(room)
     extra = listener.take(n - 1)
     fds: list[int] = []
 
@@ -788,5 +800,5 @@ def receive_import(ch: Channel, msg: dict, imp, listener: Listener, *, progress:
                 os.close(fd)
     for rel, size in files.items():
         imp.record(rel, size, digests[rel])
-    imp.space.wrote(total)
+    imp.space.wrote(room)
     return total

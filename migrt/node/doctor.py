@@ -126,6 +126,7 @@ def run_checks() -> list[dict]:
     out.append(_check("kernel", "ok", kernel_version()))
     if cfg:
         out.append(_store_check(cfg.store))
+        out.append(_store_pages_check(cfg.store))
         out.append(_recovery_check(cfg.store))
     return out
 
@@ -189,3 +190,30 @@ def _store_check(root: str) -> dict:
     if why:
         return _check("store", "fail", f"{why}; every migrt command refuses this store", fix)
     return _check("store", "ok", f"{root} (root, 0700)")
+
+
+def _store_pages_check(root: str) -> dict:
+    """A tmpfs store in 4 KiB pages: every byte a receive or a parallel dump writes lands in a fresh
+    small page, which bounds them (store/hugetmpfs.py); its own tmpfs with huge=within_size does not."""
+    from migrt.store import hugetmpfs
+
+    m = hugetmpfs.mount_of(root)
+    if m is None:
+        return _check("store pages", "warn", "not checked: /proc/self/mountinfo cannot be read")
+    if not m.tmpfs:
+        return _check("store pages", "ok", f"{root} is on {m.fstype} (mounted on {m.point}), not tmpfs")
+    if m.huge_pages:
+        why = "shmem_enabled=force" if m.shmem_enabled == "force" else f"huge={m.huge}"
+        return _check("store pages", "ok", f"{root} is on a tmpfs with huge pages ({m.point}, {why})")
+    if m.shmem_enabled == "deny":
+        why = "shmem_enabled=deny"
+        fix = "/sys/kernel/mm/transparent_hugepage/shmem_enabled says deny: no tmpfs gets huge pages"
+    elif m.point == os.path.realpath(root):
+        why, fix = f"huge={m.huge}", f"mount -o remount,huge=within_size {m.point} (this mount only; docs/install.md)"
+    else:
+        why = f"huge={m.huge}"
+        fix = (f"give the store a tmpfs of its own, in huge pages (this mount only, not the node's; it hides what "
+               f"is under {root} now: empty it first): {hugetmpfs.mount_hint(root)} (docs/install.md)")
+    return _check("store pages", "warn",
+                  f"{root} is on a tmpfs in 4 KiB pages ({m.point}, {why}): receives and parallel dumps land every "
+                  "byte in a fresh 4 KiB page, about half the write rate of 2 MiB pages", fix)

@@ -44,6 +44,7 @@ import threading
 import time
 
 from migrt.pagedump.images import NEW_SUFFIX, PAGE, DumpPlan, PagesFile
+from migrt.store import hugetmpfs
 
 PIECE = 64 << 20   # the unit of work a thread takes and hashes: the store's digest chunk (fsutil.TREE_CHUNK)
 BUF = 4 << 20      # a thread's buffer (stays in the caches between the read and the write)
@@ -244,7 +245,8 @@ def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None, chu
 
 
 def _map(files, dst_fds) -> list[tuple[int, int]]:
-    """A shared writable mapping of each new file (0 where the file is empty)."""
+    """A shared writable mapping of each new file (0 where the file is empty), in huge pages where the
+    store's tmpfs gives them (store/hugetmpfs.py)."""
     out = []
     for f, fd in zip(files, dst_fds):
         addr = 0
@@ -256,6 +258,7 @@ def _map(files, dst_fds) -> list[tuple[int, int]]:
                     if a:
                         _libc.munmap(a, size)
                 raise OSError(err, f"cannot map {new_path(f)}: {os.strerror(err)}")
+            hugetmpfs.advise(addr, f.size)  # 2 MiB pages where the store's tmpfs gives them
         out.append((addr, f.size))
     return out
 
