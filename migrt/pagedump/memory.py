@@ -44,7 +44,6 @@ import threading
 import time
 
 from migrt.pagedump.images import NEW_SUFFIX, PAGE, DumpPlan, PagesFile
-from migrt.store import hugetmpfs
 
 PIECE = 64 << 20   # the unit of work a thread takes and hashes: the store's digest chunk (fsutil.TREE_CHUNK)
 BUF = 4 << 20      # a thread's buffer (stays in the caches between the read and the write)
@@ -64,6 +63,8 @@ _libc.fallocate.restype = ctypes.c_int
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_HUGEPAGE = 14
 WRITE = os.environ.get("MIGRT_DUMP_WRITE", "mmap")  # "pwrite": the buffer + pwrite way (benchmarks)
 
 
@@ -258,7 +259,8 @@ def _map(files, dst_fds) -> list[tuple[int, int]]:
                     if a:
                         _libc.munmap(a, size)
                 raise OSError(err, f"cannot map {new_path(f)}: {os.strerror(err)}")
-            hugetmpfs.advise(addr, f.size)  # 2 MiB pages where the store's tmpfs gives them
+            _libc.madvise(addr, f.size, MADV_HUGEPAGE)  # 2 MiB pages where the store's tmpfs gives them
+            # (store/hugetmpfs.advise: a tmpfs mounted huge=; EINVAL elsewhere, ignored)
         out.append((addr, f.size))
     return out
 
