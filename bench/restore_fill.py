@@ -11,10 +11,15 @@ data) runs under plain runc and is checkpointed once with `migrt checkpoint` int
                the process runs at once, the filler copies the memory with T threads.
 From each restore's own timings: verify (what is checked before runc starts), hash (the sha256 of the
 large image files, in the background while CRIU restores: the restore gate holds the tree until it
-is done, in both modes), `runc restore` (until the process runs again), the fill (until all memory is
+is done; a lazy restore leaves the pages images to the filler, which verifies each 64 MiB chunk before
+it copies from it, and the gate waits only for the chunks CRIU reads itself: "eager"), `runc restore` (until the process runs again), the fill (until all memory is
 in, after runc returned), the total, and the filler's own time (from its first background copy, which
 starts when CRIU reaches post-restore, to the last). After every restore
 SIGUSR1 makes memhog hash its memory again: it must print the checksum it printed before the dump.
+
+--verify as_filled,background adds, beside each lazy/T, lazy/T/bg: the same restore with
+MIGRT_RESTORE_VERIFY=background (the pages images hashed whole before the tree may run: the order
+before verify-as-filled), alternating in the same run.
 
 --raw measures the same restores without migrt's own steps: `runc restore` of a hard-link view of
 the images, eagerly or with --lazy-pages and the page filler driven through its API (what bounds
@@ -82,8 +87,8 @@ class Lab:
     def runc(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["runc", "--root", self.root, *args], capture_output=True, text=True, timeout=600)
 
-    def cli(self, *args: str) -> dict:
-        res = subprocess.run([CLI, *args, "--json"], capture_output=True, text=True, env=self.env, timeout=1800)
+    def cli(self, *args: str, env: dict | None = None) -> dict:
+        res = subprocess.run([CLI, *args, "--json"], capture_output=True, text=True, env=env or self.env, timeout=1800)
         if res.returncode != 0:
             raise RuntimeError(f"migrt {' '.join(args)} failed ({res.returncode}): {res.stderr.strip()[-1500:]}")
         return json.loads(res.stdout)
@@ -150,7 +155,7 @@ def checkpoint(lab: Lab, gib: float, raw: bool = False) -> tuple[str, str]:
     return name, ready
 
 
-def restore_once(lab: Lab, name: str, want: str, mode: str) -> dict:
+def restore_once(lab: Lab, name: str, want: str, mode: str, env: dict | None = None) -> dict:
     cid = f"rf-dst-{uuid.uuid4().hex[:6]}"
     out = os.path.join(lab.base, f"{cid}.out")
     bundle = lab.bundle(f"b-{cid}", ["true"])
@@ -158,7 +163,7 @@ def restore_once(lab: Lab, name: str, want: str, mode: str) -> dict:
     args += ["--pages", "eager"] if mode == "eager" else ["--pages", "lazy", "--wait-pages"]
     try:
         t0 = time.monotonic()
-        res = lab.cli(*args)
+        res = lab.cli(*args, env=env)
         wall = time.monotonic() - t0
         pid = json.loads(lab.runc("state", cid).stdout)["pid"]
         os.kill(pid, signal.SIGUSR1)
@@ -169,6 +174,7 @@ def restore_once(lab: Lab, name: str, want: str, mode: str) -> dict:
         fill = t.get("pages_wait_s", 0.0)
         engine = ((res.get("pages") or {}).get("fill") or {}).get("fill_s")
         return {"mode": mode, "verify_s": t.get("verify_s"), "hash_s": t.get("verify_background_s"),
+                "eager_s": t.get("pages_verify_eager_s"),
                 "runc_restore_s": t.get("restore_s"), "fill_s": fill, "filler_s": engine,
                 "memory_s": round(t.get("restore_s", 0) + fill, 3), "total_s": t.get("total_s"),
                 "cli_wall_s": round(wall, 3), "pages": res.get("pages"), "checksum_ok": True}
@@ -242,6 +248,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", default="1,2", help="fill_threads values for the lazy restores (default 1,2)")
     ap.add_argument("--json-out", default=DEFAULT_JSON)
+    ap.add_argument("--verify", default="as_filled",
+                    help="verify orders of the lazy restores, comma-separated: as_filled (default), background")
     ap.add_argument("--memhog", help="a prebuilt static memhog (default: built here with gcc)")
     ap.add_argument("--raw", action="store_true",
                     help="runc restore of the images without migrt's verify and gate (eager vs --lazy-pages + filler)")
@@ -261,17 +269,19 @@ def main() -> int:
             name, want = checkpoint(lab, gib, raw=a.raw)
             runs: dict[str, list[dict]] = {}
             try:
-                modes = ["eager"] + [f"lazy/{t}" for t in threads]
+                orders = a.verify.split(",")
+                modes = ["eager"] + [f"lazy/{t}" + ("/bg" if o == "background" else "") for t in threads for o in orders]
                 for i in range(a.runs):
                     for mode in modes:
                         t = int(mode.split("/")[1]) if "/" in mode else 0
+                        env = {**lab.env, "MIGRT_RESTORE_VERIFY": "background"} if mode.endswith("/bg") else None
                         lab.threads(t)
                         if a.raw:
                             r = restore_raw(lab, name, want, "eager" if mode == "eager" else "lazy", t)
                         else:
-                            r = restore_once(lab, name, want, "eager" if mode == "eager" else "lazy")
+                            r = restore_once(lab, name, want, "eager" if mode == "eager" else "lazy", env)
                         runs.setdefault(mode, []).append(r)
-                        log(f"  {gib:g} GiB run {i + 1} {mode:8s} runc {r['runc_restore_s']:.2f} s  fill {r['fill_s']:.2f} s"
+                        log(f"  {gib:g} GiB run {i + 1} {mode:9s} runc {r['runc_restore_s']:.2f} s  fill {r['fill_s']:.2f} s"
                             f"  memory {r['memory_s']:.2f} s  total {_f(r.get('total_s'))} s")
             finally:
                 if a.raw:
@@ -283,6 +293,7 @@ def main() -> int:
             for mode in modes:
                 rs = runs[mode]
                 rows.append({"gib": gib, "mode": mode, "verify_s": med(rs, "verify_s"), "hash_s": med(rs, "hash_s"),
+                             "eager_s": med(rs, "eager_s"),
                              "filler_s": med(rs, "filler_s"),
                              "resume_s": med(rs, "runc_restore_s"), "fill_s": med(rs, "fill_s"),
                              "memory_s": med(rs, "memory_s"), "total_s": med(rs, "total_s"),
@@ -295,10 +306,11 @@ def main() -> int:
     os.makedirs(os.path.dirname(a.json_out), exist_ok=True)
     with open(a.json_out, "w") as fh:
         json.dump(results, fh, indent=1)
-    print(f"{'GiB':>4} {'mode':8} {'verify':>7} {'hash':>6} {'resume':>7} {'fill':>6} {'memory':>7} {'total':>7} "
+    print(f"{'GiB':>4} {'mode':9} {'verify':>7} {'hash':>6} {'eager':>6} {'resume':>7} {'fill':>6} {'memory':>7} {'total':>7} "
           f"{'x eager':>8} {'resume x':>9} {'filler':>7}   (medians of {a.runs}, s; memory = resume + fill after it)")
     for r in rows:
-        print(f"{r['gib']:>4g} {r['mode']:8} {_f(r['verify_s']):>7} {_f(r['hash_s']):>6} {r['resume_s']:>7.2f} "
+        print(f"{r['gib']:>4g} {r['mode']:9} {_f(r['verify_s']):>7} {_f(r['hash_s']):>6} {_f(r.get('eager_s')):>6} "
+              f"{r['resume_s']:>7.2f} "
               f"{r['fill_s']:>6.2f} {r['memory_s']:>7.2f} {_f(r['total_s']):>7} {r['x_vs_eager']:>8} "
               f"{r['resume_x_vs_eager']:>9} {_f(r['filler_s']):>7}")
     if not rows:

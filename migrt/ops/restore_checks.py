@@ -17,7 +17,10 @@ ours, so its settings stay. No config.json, /etc/criu or node-wide setting chang
 What runs in front stays in front: every file's presence and size, the hashes of every file that
 is not a large image file (CRIU's metadata, the rootfs layer that is applied before runc runs), so
 a checkpoint with a missing or resized file is refused before anything is touched; the large
-image files (pages) are hashed in the background. The verdict is also checked by migrt itself
+image files (pages) are hashed in the background (a restore through the page filler leaves the pages
+images whose chunk digests the manifest records to the filler, which verifies each 64 MiB chunk before
+it copies from it, and the gate waits only for the chunks CRIU reads itself: ops/pages.py
+verify_as_filled, EagerVerified). The verdict is also checked by migrt itself
 after runc returns (belt and braces: should CRIU ever skip the script, a failed check still
 removes the container before its GPU is unlocked), and a restore that failed for any reason
 reports a failed check as its cause, since a tampered image can make CRIU fail first.

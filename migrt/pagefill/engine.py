@@ -30,6 +30,11 @@ owning ranges:
 Errors other than EAGAIN/EEXIST (task gone: ESRCH) are fatal: the filler exits and the guard kills
 the container rather than let it run on memory that was not restored.
 
+Local images the restore hands over unverified (verify.py) are verified chunk by chunk: `_fetch`
+returns a range's bytes only once every 64 MiB chunk under it matched the manifest (hashed by the
+caller, or by the sweep threads that verify ahead of the copies, the chunks CRIU reads itself first);
+a mismatch is fatal like a copy error, and no page of that chunk is ever copied.
+
 Test seams (test-only, never set in production): MIGRT_FILL_FAULT=after_bytes:N makes the filler
 SIGKILL itself once it has copied N bytes (N=0: at its first copy), to test the guard;
 MIGRT_FILL_PACE_MIBS=N slows the background copy down to N MiB/s, so that a test's workload surely
