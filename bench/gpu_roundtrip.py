@@ -261,6 +261,8 @@ class MigrtBox:
                "round_trip_s": ck_wall + rs_wall, "thp_window": (manifest.get("gpu") or {}).get("thp")}
         for key, value in rt.items():  # whatever else migrt records (e.g. the shim's start)
             out.setdefault(f"m_{key}", value)
+        for key, value in ct.items():  # and the checkpoint's own (e.g. stop_s, total_s)
+            out.setdefault(f"c_{key}", value)
         out["restore_gate"] = restored.get("restore_gate")
         out["pages"] = restored.get("pages")
         return out
@@ -485,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw-huge-images", help="also run the raw steps with the image in DIR (a huge=always tmpfs "
                     "the runner mounts privately), as path raw@hugetmpfs")
     ap.add_argument("--raw-images", default="/dev/shm", help="where the raw path's images go (default /dev/shm)")
+    ap.add_argument("--config", action="append", metavar="KEY=VALUE",
+                    help="one more line of the node's migrt config (e.g. fill_threads=16); repeatable")
     ap.add_argument("--gpu-thp", choices=("keep", "always"), default="keep",
                     help="gpu_checkpoint_thp in the node's migrt config: always = THP always only while the driver "
                     "writes its checkpoint (default keep)")
@@ -503,9 +507,15 @@ def main(argv: list[str] | None = None) -> int:
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the raw process comes back to us after criu restore
     budget = Budget(args.budget_s)
     node = make_node(args.rows.split(","))
-    if args.gpu_thp != "keep":
+    extra = [f"gpu_checkpoint_thp: {args.gpu_thp}"] if args.gpu_thp != "keep" else []
+    for item in args.config or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            ap.error(f"--config wants KEY=VALUE, got {item!r}")
+        extra.append(f"{key}: {value}")
+    if extra:
         with open(node.env["MIGRT_CONFIG"], "a", encoding="utf-8") as fh:
-            fh.write(f"gpu_checkpoint_thp: {args.gpu_thp}\n")
+            fh.write("".join(line + "\n" for line in extra))
     info = {"machine": machine(), "gpu": node.gpus[0].name if node.gpus else "no GPU", "driver": node.driver, "torch": node.torch,
             "thp_before": thp_current(), "gpu_thp": args.gpu_thp, "args": vars(args)}
     log(f"gpu_roundtrip: {info['gpu']}, driver {node.driver}, torch {node.torch}, THP {info['thp_before']}, "

@@ -175,12 +175,14 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                 undo.committed = True
             if not req.leave_running:
                 journal.update("stopping")
+                t0 = time.monotonic()
                 try:  # killed while still frozen: nothing runs after the dump (runtime/stop.py)
                     runtime.stop(root, req.container_id)
                 except RuntimeFailed as exc:
                     journal.keep = True
                     raise RuntimeFailed(f"checkpoint {name} is committed, but container {req.container_id} could not "
                                         f"be stopped: {exc.message}", details=exc.details) from exc
+                timings["stop_s"] = round(time.monotonic() - t0, 3)  # the kill, the tasks' exit, runc delete
             timings["total_s"] = round(time.monotonic() - t_start, 3)
             # The last timings are known only after commit: record them (atomic rewrite, lock still held).
             data["timings"] = {**data.get("timings", {}), **timings}
