@@ -48,7 +48,7 @@ Keys (all optional):
   fill_min_mib: 256                  'auto' uses the page filler from this much lazy memory on
   dump_pages: auto                   auto | parallel | criu: who writes a checkpoint's memory (docs/dump-pages.md);
                                      MIGRT_DUMP_PAGES in the environment overrides it per call
-  dump_threads: 0                    writer threads of the parallel dump (0: min(8, CPUs))
+  dump_threads: 0                    writer threads of the parallel dump (0: min(16, CPUs))
   criu_ghost_limit_mib: 256          deleted files the tasks hold open (NCCL's /dev/shm segments) are dumped
                                      whole up to this size each (CRIU's --ghost-limit; its default is 1 MiB)
 """
