@@ -75,7 +75,7 @@ from tests.gpu import harness, rig  # noqa: E402
 SERVER = REPO / "bench" / "warm_start_server.py"
 SEED = 1234  # the input of the first (compared) request
 STEADY = 5  # requests after the first, for the steady latency
-TARGET = 10.0
+TARGET = 20.0  # issue 18 (was 10 in issue 9)
 PRESETS = {
     # model shape, batch x seq, runs
     ("gpu", False): dict(d_model=2048, layers=24, heads=16, ffn=8192, vocab=32768, batch=4, seq=512, runs=3),
