@@ -3,8 +3,8 @@
 One migration connection (a Channel) moves ~0.8 GiB/s at best: one thread sends, hashes and reads
 the file in turn, and the receiver receives, hashes and writes in turn. Here the files travel as
 64 MiB chunks (the store's tree-digest unit, store/fsutil.py TREE_CHUNK) over `streams` connections
-at once, each served by its own thread at both ends, and the sha256 of every chunk runs in a pool of
-hashing threads beside them:
+at once, each served by its own thread at both ends, which also hashes what its stream carries (one
+core per stream at each end; hashlib lets the GIL go, so the streams hash in parallel):
 
     sender                                          receiver (the migration connection's server)
                                          <- ready   {"bulk": {"protocol", "port", "token", "streams"}}
@@ -13,16 +13,18 @@ hashing threads beside them:
                                                      from the migration's session key, which never travels)
     bulk {"files": {rel: size}, "streams": n} -->   creates every file at its size, reserves the space
     on every stream, any number of times:
-      chunk {"path", "offset", "size"} + raw bytes  -> straight into a shared mapping of the file
+      chunk {"path", "offset", "size"} + raw bytes  -> received straight into a shared mapping of the file
       sum {"path", "offset", "sha256"}              -> compared with the sha256 the receiver computed of
                                                        what it received; a mismatch ends the transfer
     end                                             -> every chunk of every file arrived and matched
 
-The sender's sums are those of the bytes it sent: computed while the chunk goes out (a pool thread
-hashes the file's mapping while the kernel sends it: sendfile, no copy), or known before (the
-parallel dump hashes what it writes: pagedump, `known=`). A sum may follow its chunk late (the stream
-does not wait for the hash), but always before `end`. The receiver folds the chunk digests into each
-file's manifest digest; the sealed `commit` then compares them with the sender's manifest as before
+The sender's sums are those of the file it sends: computed by the stream's thread from a mapping of
+the file, piece by piece, each piece then sent (sendfile for a file that is kept: no copy; from the
+mapping for one released as it goes), or known before (the parallel dump hashes what it writes:
+pagedump, `known=`). A sum follows its chunk at once (the receiver accepts it any time before `end`).
+The receiver hashes each piece where it landed (the mapping, or the buffer it pwrites), right after
+it arrived. Pieces (4 MiB) move in one call each: see "whole pieces in one call" below. The receiver
+folds the chunk digests into each file's manifest digest; the sealed `commit` then compares them with the sender's manifest as before
 (importer.verify). Stream 0 is the migration connection itself.
 
 Chunks are taken by the streams from one queue (biggest files' chunks spread over every stream), so
@@ -33,9 +35,9 @@ the announcement, and a transfer that ends with a chunk missing or unmatched.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
+import hashlib
 import hmac
 import os
 import queue
@@ -43,10 +45,10 @@ import secrets
 import select
 import socket
 import ssl
+import struct
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 
 from migrt import faults
 from migrt.errors import CheckpointInvalid, MigrtError
@@ -63,10 +65,10 @@ MAGIC = b"MGBK1"
 NONCE = 32
 MAX_STREAMS = 64
 MAX_FILES = 100_000
-MAX_PENDING_SUMS = 4  # hashes a sending stream lets run behind it before it waits for the oldest
 JOIN_TIMEOUT = 15.0
-PIECE = 4 << 20  # what a stream reads, writes and hashes at a time (in the caches between the three)
-MAPPED_FROM = 2  # more streams than this write through a mapping (pwrite() serializes on the file's lock)
+PIECE = 4 << 20  # what a stream receives (or sends) and then hashes at a time (still in the caches)
+MAPPED_FROM = 2  # more streams than this receive straight into mappings (pwrite() serializes on the file's lock)
+MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
 LISTEN_POLL = 1.0  # the listener notices within this long that its migration connection was closed
 REASON_WAIT = 3.0  # a sender whose stream broke waits this long for the receiver's reason
@@ -274,10 +276,6 @@ def chunks_of(size: int) -> list[tuple[int, int]]:
     return [(off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)] or [(0, 0)]
 
 
-def _workers() -> int:
-    return max(2, min(32, os.cpu_count() or 2))
-
-
 class _Failure:
     """The first error of any thread. The data streams are shut down, which wakes their threads; the
     migration connection (chs[0]) must still carry the reason to the peer: the receiver only stops
@@ -302,85 +300,9 @@ class _Failure:
             with contextlib.suppress(OSError):
                 self.chs[0].sock.shutdown(socket.SHUT_RD)
 
-
-class _Pieces:
-    """One stream's buffers (PIECE bytes each, ctypes arrays: their address is memmove's source): a
-    piece is read into one, then written (and sent) by the stream's thread and hashed by the pool; it
-    is free again once both are done. get() waits while all are in use, which paces a stream to its
-    hashing."""
-
-    def __init__(self, count: int, failure: _Failure) -> None:
-        self.failure = failure
-        self.free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(count):
-            buf = (ctypes.c_char * PIECE)()
-            self.free.put((ctypes.addressof(buf), memoryview(buf).cast("B"), buf))
-
-    def get(self) -> tuple:
-        while True:
-            try:
-                return self.free.get(timeout=0.2)
-            except queue.Empty:
-                if self.failure.event.is_set():
-                    raise TransferError("transfer stopped") from None
-
-    def put(self, piece: tuple) -> None:
-        self.free.put(piece)
-
-
-class _Hasher:
-    """The sha256 of one chunk, its pieces hashed in order (each while it is still in the caches, right
-    after it was received or read) by whichever pool thread is free: the chunks of all streams hash in
-    parallel, the pieces of one chunk one after the other. `result` is the chunk's digest."""
-
-    def __init__(self, pool: ThreadPoolExecutor, failure: _Failure, on_done=None) -> None:
-        import hashlib
-
-        self.h = hashlib.sha256()
-        self.pool, self.failure, self.on_done = pool, failure, on_done
-        self.todo: collections.deque = collections.deque()
-        self.lock = threading.Lock()
-        self.running = False
-        self.result: Future = Future()
-
-    def _submit(self, job) -> None:
-        with self.lock:
-            self.todo.append(job)
-            if self.running:
-                return
-            self.running = True
-        self.pool.submit(self._drain)
-
-    def _drain(self) -> None:
-        while True:
-            with self.lock:
-                if not self.todo:
-                    self.running = False
-                    return
-                job = self.todo.popleft()
-            try:
-                job()
-            except BaseException as exc:  # noqa: BLE001 - the transfer fails with it
-                self.failure.set(exc)
-                if not self.result.done():
-                    self.result.set_exception(exc)
-
-    def piece(self, pieces: _Pieces, piece: tuple, n: int) -> None:
-        """Hash piece[:n], then give the buffer back."""
-        def job() -> None:
-            try:
-                self.h.update(piece[1][:n])
-            finally:
-                pieces.put(piece)
-        self._submit(job)
-
-    def end(self) -> None:
-        def job() -> None:
-            d = self.h.digest()
-            self.result.set_result(d)
-            if self.on_done:
-                self.on_done(d)
-        self._submit(job)
+    def check(self) -> None:
+        if self.event.is_set():
+            raise TransferError("transfer stopped")
 
 
 def _run_threads(target, chs: list[Channel], failure: _Failure, counter: list[int], progress: Progress | None,
@@ -407,30 +329,113 @@ def _run_threads(target, chs: list[Channel], failure: _Failure, counter: list[in
         progress(counter[0] - reported)
 
 
-def _pieces_per_stream(streams: int) -> int:
-    """Buffers of one stream: a stream runs ahead of its hashing by up to this many pieces, so that
-    another thread can hash its next chunk while the last one's pieces still hash, where the CPUs
-    allow (two hashing threads a stream keep up with it); fewer keep the pieces in the caches until
-    they are hashed, which is what counts where the CPUs are all busy."""
-    depth = os.environ.get("MIGRT_BULK_DEPTH")  # benchmarks
-    if depth:
-        return max(2, int(depth))
-    cpus = os.cpu_count() or 1
-    return max(3, min(16, 2 * cpus // max(1, streams)))
+# -- whole pieces in one call ------------------------------------------------------------------------
+# A socket with a Python timeout is non-blocking underneath: recv_into returns what is there (often
+# 64 KiB on loopback), send what fits, and every call takes the GIL again; with many streams that
+# costs more than the copies. So a plain (non-TLS) stream moves a piece with the socket blocking and
+# the stall enforced by the kernel (SO_RCVTIMEO / SO_SNDTIMEO): one recv(MSG_WAITALL) or send() per
+# piece. A call that times out with some bytes moved returns them (the next call waits a full stall
+# again); one that moved nothing fails with EAGAIN, reported as the timeout it is.
+
+@contextlib.contextmanager
+def _blocking(ch: Channel) -> Iterator[socket.socket]:
+    sock = ch.sock
+    sock.settimeout(None)
+    try:
+        yield sock
+    finally:
+        with contextlib.suppress(OSError):
+            sock.settimeout(ch.stall)
+
+
+def _kernel_stall(ch: Channel) -> None:
+    """The stall timeout for _blocking (ignored while the socket has a Python timeout)."""
+    if isinstance(ch.sock, ssl.SSLSocket):
+        return
+    tv = struct.pack("@ll", int(ch.stall), int(ch.stall % 1 * 1e6))
+    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        ch.sock.setsockopt(socket.SOL_SOCKET, opt, tv)
+
+
+def _recv_full(ch: Channel, view: memoryview) -> int:
+    """Fill view from the stream; fewer bytes only when the peer closed it."""
+    got, n = 0, len(view)
+    if isinstance(ch.sock, ssl.SSLSocket):
+        while got < n:
+            k = ch.sock.recv_into(view[got:])
+            if not k:
+                break
+            got += k
+        return got
+    with _blocking(ch) as sock:
+        while got < n:
+            try:
+                k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+            except BlockingIOError:
+                raise socket.timeout("timed out") from None
+            if not k:
+                break
+            got += k
+    return got
+
+
+def _send_full(ch: Channel, view) -> None:
+    """All of view into the stream."""
+    if isinstance(ch.sock, ssl.SSLSocket):
+        _sendall(ch.sock, view)
+        return
+    mv = memoryview(view).cast("B")
+    with _blocking(ch) as sock:
+        while mv:
+            try:
+                mv = mv[sock.send(mv):]
+            except BlockingIOError:
+                raise socket.timeout("timed out") from None
+
+
+def _map(fd: int, size: int, prot: int) -> tuple[int, memoryview | None]:
+    """A shared mapping of the file and a memoryview over it ((0, None) where mmap fails)."""
+    if not size:
+        return 0, None
+    addr = _libc.mmap(None, size, prot, 0x01, fd, 0)  # MAP_SHARED
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return 0, None
+    return addr, memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+
+
+def _unmap(addr: int, view: memoryview | None, size: int) -> None:
+    if view is not None:
+        view.release()
+    if addr:
+        _libc.munmap(addr, size)
 
 
 # -- sending ---------------------------------------------------------------------------------------
 
 class _Source:
-    """One file to send."""
+    """One file to send, mapped (hashed and sent from the page cache: no copy into a buffer of ours)."""
 
     def __init__(self, rel: str, path: str, release: bool) -> None:
         self.rel, self.path = rel, path
         with _io(f"reading {path}"):
             self.fd = os.open(path, (os.O_RDWR if release else os.O_RDONLY) | os.O_CLOEXEC)
         self.size = os.fstat(self.fd).st_size
+        self.addr, self.map = _map(self.fd, self.size, 1)  # PROT_READ
+
+    def view(self, off: int, n: int, buf: memoryview) -> memoryview:
+        """The file's bytes [off, off + n): from the mapping once its pages are in (MADV_POPULATE_READ:
+        a file that shrank fails here, not with a SIGBUS), else read into buf."""
+        if self.map is not None and _libc.madvise(self.addr + off, n, MADV_POPULATE_READ) == 0:
+            return self.map[off:off + n]
+        with _io(f"reading {self.path}"):
+            got = os.preadv(self.fd, [buf[:n]], off)
+        if got != n:
+            raise TransferError(f"{self.path} shrank while being sent ({off + max(got, 0)} of {self.size} bytes)")
+        return buf[:n]
 
     def close(self) -> None:
+        _unmap(self.addr, self.map, self.size)
+        self.addr, self.map = 0, None
         with contextlib.suppress(OSError):
             os.close(self.fd)
 
@@ -439,9 +444,10 @@ def send(chs: list[Channel], files: list[tuple[str, str]], *, release: bool = Fa
          known: dict[str, list[bytes]] | None = None, progress: Progress | None = None) -> dict[str, dict]:
     """Send `files` ((relpath, path), in order of preference) over the streams `chs` (chs[0] is the
     migration connection); returns {rel: manifest entry} of what was sent. known: chunk digests of
-    files whose bytes were hashed as they were written (not hashed again; a known chunk of a file that
-    is kept goes out with sendfile, the kernel sending the page cache's pages). release=True punches
-    out each chunk once it is sent and hashed (a tmpfs store does not hold the checkpoint twice)."""
+    files whose bytes were hashed as they were written (not hashed again). A file that is kept goes
+    out with sendfile (the kernel sending the page cache's pages); release=True copies each piece into
+    the socket and punches out each chunk once it is sent (a tmpfs store does not hold the checkpoint
+    twice; a page punched out while the socket still held it could be zeroed in place: see _sendfile)."""
     srcs = [_Source(rel, path, release) for rel, path in files]
     try:
         chs[0].send({"type": "bulk", "files": {s.rel: s.size for s in srcs}, "streams": len(chs)})
@@ -458,13 +464,12 @@ def send(chs: list[Channel], files: list[tuple[str, str]], *, release: bool = Fa
         failure = _Failure(chs, receiving=False)
         sent = [0]
         lock = threading.Lock()
-        pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="migrt-bulk-hash")
-        per_stream = _pieces_per_stream(len(chs))
 
         def stream(_i: int, ch: Channel) -> None:
-            pending: list[tuple[_Source, int, int, Future]] = []
             try:
-                pieces = _Pieces(per_stream, failure)
+                _kernel_stall(ch)
+                zero_copy = not release and not isinstance(ch.sock, ssl.SSLSocket)
+                buf = memoryview(bytearray(PIECE))  # where a piece is read when the file is not mapped
                 while True:
                     if failure.event.is_set():
                         return
@@ -473,30 +478,19 @@ def send(chs: list[Channel], files: list[tuple[str, str]], *, release: bool = Fa
                     except queue.Empty:
                         break
                     ch.send({"type": "chunk", "path": src.rel, "offset": off, "size": n})
-                    d = digests[src.rel].get(off)
-                    if d is not None and not release and not isinstance(ch.sock, ssl.SSLSocket):
-                        _sendfile(ch, src, off, n)
-                        fut: Future = Future()
-                        fut.set_result(d)
-                    else:
-                        fut = _send_pieces(ch, src, off, n, pieces, None if d is not None else
-                                           _Hasher(pool, failure), failure, d)
-                    pending.append((src, off, n, fut))
+                    d = _send_chunk(ch, src, off, n, digests[src.rel].get(off), zero_copy, buf, failure)
+                    digests[src.rel][off] = d
+                    ch.send({"type": "sum", "path": src.rel, "offset": off, "sha256": d.hex()})
+                    if release and n:
+                        _punch_hole(src.fd, off, n)
                     with lock:
                         sent[0] += n
-                    while pending and (len(pending) > MAX_PENDING_SUMS or pending[0][3].done()):
-                        _send_sum(ch, pending.pop(0), digests, release)
-                while pending and not failure.event.is_set():
-                    _send_sum(ch, pending.pop(0), digests, release)
                 if not failure.event.is_set():
                     ch.send({"type": "end"})
             except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
                 failure.set(exc)
 
-        try:
-            _run_threads(stream, chs, failure, sent, progress, "bulk-send")
-        finally:
-            pool.shutdown(wait=True)
+        _run_threads(stream, chs, failure, sent, progress, "bulk-send")
         if failure.error is not None:
             raise _sender_error(chs[0], failure.error)
         return {s.rel: make_entry(s.size, fold_chunks([digests[s.rel][off] for off, _ in chunks_of(s.size)]))
@@ -506,47 +500,34 @@ def send(chs: list[Channel], files: list[tuple[str, str]], *, release: bool = Fa
             s.close()
 
 
-def _send_pieces(ch: Channel, src: _Source, off: int, n: int, pieces: _Pieces, hasher: _Hasher | None,
-                 failure: _Failure, known: bytes | None) -> Future:
-    """The chunk read piece by piece into the stream's buffers and sent from them; each piece hashed
-    by the pool meanwhile (hasher; None: the digest is known). Returns the chunk digest's future."""
+def _send_chunk(ch: Channel, src: _Source, off: int, n: int, known: bytes | None, zero_copy: bool,
+                buf: memoryview, failure: _Failure) -> bytes:
+    """The chunk, piece by piece: each hashed by this thread (unless its digest is known) and sent.
+    Returns the chunk's digest."""
+    h = None if known is not None else hashlib.sha256()
     done = 0
     while done < n:
-        if failure.event.is_set():
-            raise TransferError("transfer stopped")
-        piece = pieces.get()
+        failure.check()
         k = min(PIECE, n - done)
-        with _io(f"reading {src.path}"):
-            got = os.preadv(src.fd, [piece[1][:k]], off + done)
-        if got != k:
-            pieces.put(piece)
-            raise TransferError(f"{src.path} shrank while being sent ({off + done + max(got, 0)} of {src.size} bytes)")
-        try:
-            with _io(f"sending {src.rel} to {ch.peer}"):
-                _sendall(ch.sock, piece[1][:k])
-        except BaseException:
-            pieces.put(piece)
-            raise
-        if hasher is not None:
-            hasher.piece(pieces, piece, k)
+        if h is not None or not zero_copy:
+            view = src.view(off + done, k, buf)
+            if h is not None:
+                h.update(view)
         else:
-            pieces.put(piece)
+            view = None
+        with _io(f"sending {src.rel} to {ch.peer}"):
+            _put_piece(ch, src, off + done, k, None if zero_copy else view)
         done += k
-    if hasher is None:
-        fut: Future = Future()
-        fut.set_result(known)
-        return fut
-    hasher.end()
-    return hasher.result
+    return known if h is None else h.digest()
 
 
-def _send_sum(ch: Channel, item, digests: dict, release: bool) -> None:
-    src, off, n, fut = item
-    d = fut.result()
-    digests[src.rel][off] = d
-    ch.send({"type": "sum", "path": src.rel, "offset": off, "sha256": d.hex()})
-    if release and n:
-        _punch_hole(src.fd, off, n)
+def _put_piece(ch: Channel, src: _Source, off: int, n: int, view: memoryview | None) -> None:
+    """The file's bytes [off, off + n) on the wire: from view (copied into the socket), or, view None,
+    with sendfile."""
+    if view is None:
+        _sendfile(ch, src, off, n)
+    else:
+        _send_full(ch, view)
 
 
 def _sendfile(ch: Channel, src: _Source, off: int, n: int) -> None:
@@ -590,8 +571,8 @@ def _sender_error(ch: Channel, exc: BaseException) -> BaseException:
 # -- receiving -------------------------------------------------------------------------------------
 
 class _Dest:
-    """One announced file: created at its size (written with pwrite, or through a shared mapping when
-    several streams write at once); chunk digests as they are checked."""
+    """One announced file: created at its size, received straight into a shared mapping of it (or
+    with pwrite where it cannot be mapped); chunk digests as they are checked."""
 
     def __init__(self, rel: str, size: int, fd: int, mapped: bool) -> None:
         self.rel, self.size, self.fd = rel, size, fd
@@ -599,33 +580,29 @@ class _Dest:
         self.computed: dict[int, bytes] = {}
         self.claimed: dict[int, bytes] = {}
         self.arrived: set[int] = set()
-        self.addr = 0
-        if mapped and size:
-            addr = _libc.mmap(None, size, 3, 0x01, fd, 0)  # PROT_READ|PROT_WRITE, MAP_SHARED
-            if addr not in (None, ctypes.c_void_p(-1).value):
-                self.addr = addr
-                hugetmpfs.advise(addr, size)  # 2 MiB pages where the store's tmpfs gives them
+        self.addr, self.map = _map(fd, size, 3) if mapped else (0, None)  # PROT_READ|PROT_WRITE
+        if self.addr:
+            hugetmpfs.advise(self.addr, size)  # 2 MiB pages where the store's tmpfs gives them
 
-    def write(self, piece: tuple, n: int, off: int) -> None:
-        """piece[:n] into the file at off. Through the mapping, its pages are allocated first (a store
-        that fills up then fails here with ENOSPC, not with a SIGBUS in the copy), and several streams
-        write one file at once; pwrite() takes the file's lock (tmpfs), which serializes them."""
-        if self.addr and _libc.madvise(self.addr + off, n, MADV_POPULATE_WRITE) == 0:
-            ctypes.memmove(self.addr + off, piece[0], n)
-            return
-        view = piece[1][:n]
+    def view(self, off: int, n: int) -> memoryview | None:
+        """The mapping's bytes [off, off + n), their pages allocated first (a store that fills up fails
+        then in pwrite with ENOSPC, not with a SIGBUS in the copy); None: write them with pwrite."""
+        if self.map is not None and _libc.madvise(self.addr + off, n, MADV_POPULATE_WRITE) == 0:
+            return self.map[off:off + n]
+        return None
+
+    def pwrite(self, view: memoryview, off: int) -> None:
         while len(view):
             k = os.pwrite(self.fd, view, off)
             view, off = view[k:], off + k
 
     def close(self) -> None:
-        if self.addr:
-            _libc.munmap(self.addr, self.size)
-            self.addr = 0
+        _unmap(self.addr, self.map, self.size)
+        self.addr, self.map = 0, None
 
 
 def _mapped(streams: int) -> bool:
-    """Do the streams write through shared mappings (else pwrite)? MIGRT_BULK_WRITE=map|pwrite decides
+    """Do the streams receive into shared mappings (else pwrite)? MIGRT_BULK_WRITE=map|pwrite decides
     instead (benchmarks)."""
     way = os.environ.get("MIGRT_BULK_WRITE")
     if way in ("map", "pwrite"):
@@ -649,8 +626,8 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
     """Receive the announced `files` ({rel: size}) over the streams `chs` (chs[0]: the migration
     connection), each created by create(rel, size) -> a read-write descriptor the caller owns (closed
     by the caller); returns {rel: manifest digest}. Every chunk is hashed as it lands (piece by piece,
-    by the pool) and compared with the sender's sum; CheckpointInvalid at the first mismatch,
-    TransferError when a stream breaks."""
+    by its stream's thread, from where it landed) and compared with the sender's sum;
+    CheckpointInvalid at the first mismatch, TransferError when a stream breaks."""
     dests: dict[str, _Dest] = {}
     mapped = _mapped(len(chs))
     try:
@@ -659,8 +636,6 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
         failure = _Failure(chs, receiving=True)
         got = [0]
         lock = threading.Lock()
-        pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="migrt-bulk-hash")
-        per_stream = _pieces_per_stream(len(chs))
 
         def verify(dest: _Dest, off: int) -> None:
             """Called under `lock` once both the computed and the claimed digest may be there."""
@@ -669,14 +644,10 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
                 raise CheckpointInvalid(f"received file {dest.rel}: sha256 mismatch in the chunk at {off} "
                                         "(corrupted in transit)")
 
-        def hashed(dest: _Dest, off: int, d: bytes) -> None:
-            with lock:
-                dest.computed[off] = d
-                verify(dest, off)
-
         def stream(_i: int, ch: Channel) -> None:
             try:
-                pieces = _Pieces(per_stream, failure)
+                _kernel_stall(ch)
+                buf: memoryview | None = None  # pieces that cannot land in a mapping land here first
                 while True:
                     msg = ch.recv("chunk", "sum", "end")
                     if msg["type"] == "end":
@@ -696,31 +667,35 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
                             raise CheckpointInvalid(f"received file {dest.rel}: unexpected chunk at {off} "
                                                     f"({n!r} bytes)")
                         dest.arrived.add(off)
-                    hasher = _Hasher(pool, failure, on_done=lambda d, dest=dest, off=off: hashed(dest, off, d))
+                    h = hashlib.sha256()
                     done = 0
                     while done < n:
-                        piece = pieces.get()
                         k = min(PIECE, n - done)
-                        try:
-                            _recv_into(ch, piece[1][:k], dest.rel)
+                        with _io(f"writing {dest.rel}"):
+                            view = mapped_view = dest.view(off + done, k)
+                        if view is None:
+                            buf = buf or memoryview(bytearray(PIECE))
+                            view = buf[:k]
+                        with _io(f"receiving {dest.rel} from {ch.peer}"):
+                            if _recv_full(ch, view) != k:
+                                raise TransferError(f"{ch.peer} closed a stream in the middle of {dest.rel} "
+                                                    f"(chunk at {off})")
+                        if mapped_view is None:
                             with _io(f"writing {dest.rel}"):
-                                dest.write(piece, k, off + done)
-                        except BaseException:
-                            pieces.put(piece)
-                            raise
-                        hasher.piece(pieces, piece, k)
+                                dest.pwrite(view, off + done)
+                        h.update(view)  # what landed: read back from the mapping, or the bytes written
                         done += k
                         with lock:
                             got[0] += k
-                    hasher.end()
+                    d = h.digest()
+                    with lock:
+                        dest.computed[off] = d
+                        verify(dest, off)
                     faults.point("receive:file")  # test seam: a receiver killed mid-transfer
             except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
                 failure.set(exc)
 
-        try:
-            _run_threads(stream, chs, failure, got, progress, "bulk-recv")
-        finally:
-            pool.shutdown(wait=True)
+        _run_threads(stream, chs, failure, got, progress, "bulk-recv")
         if failure.error is not None:
             raise failure.error
         out = {}
@@ -756,16 +731,6 @@ def _digest(msg: dict, rel: str) -> bytes:
     if len(d) != _DIGEST:
         raise CheckpointInvalid(f"received file {rel}: a malformed sum")
     return d
-
-
-def _recv_into(ch: Channel, view: memoryview, rel: str) -> None:
-    got, n = 0, len(view)
-    with _io(f"receiving {rel} from {ch.peer}"):
-        while got < n:
-            k = ch.sock.recv_into(view[got:])
-            if not k:
-                raise TransferError(f"{ch.peer} closed a stream in the middle of {rel} ({got} of {n} bytes)")
-            got += k
 
 
 def receive_import(ch: Channel, msg: dict, imp, listener: Listener, *, progress: Progress | None = None) -> int:

@@ -9,6 +9,7 @@ import hashlib
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -135,29 +136,15 @@ def test_a_chunk_altered_in_transit_fails_on_arrival(receiver_env, tmp_path, mon
     cfg = config.load()
     address, box = _serve_once(cfg, streams=2)
     blobs = _files(tmp_path)
-    real = bulk._send_pieces
+    real = bulk._put_piece
 
-    def tamper(ch, src, off, n, *args):
-        if src.rel != "images/pages-1.img" or off != 2 * SMALL:
-            return real(ch, src, off, n, *args)
+    def tamper(ch, src, off, n, view):  # the bytes on the wire, not those hashed
+        if src.rel == "images/pages-1.img" and off == 2 * SMALL:
+            view = bytearray(view if view is not None else src.view(off, n, memoryview(bytearray(n))))
+            view[100] ^= 1
+        return real(ch, src, off, n, view)
 
-        me = threading.get_ident()
-
-        def flip(sock, data):  # the bytes on the wire, not those hashed (the stream's own buffer)
-            if threading.get_ident() == me:  # this stream's, not another's sending meanwhile
-                data = bytearray(data)
-                data[100] ^= 1
-            bulk_sendall(sock, data)
-
-        monkeypatch.setattr(bulk, "_sendall", flip)
-        try:
-            return real(ch, src, off, n, *args)
-        finally:
-            monkeypatch.setattr(bulk, "_sendall", bulk_sendall)
-
-    bulk_sendall = bulk._sendall
-    monkeypatch.setattr(bulk, "_send_pieces", tamper)
-    monkeypatch.setattr(bulk, "_workers", lambda: 2)
+    monkeypatch.setattr(bulk, "_put_piece", tamper)
     ch = connect(address, KEY.encode())
     ready = _offer(ch, "tampered")
     with pytest.raises(RemoteError, match=r"images/pages-1.img: sha256 mismatch in the chunk at 131072") as info:
@@ -339,9 +326,9 @@ def test_known_digests_are_sent_as_they_are_and_checked(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     hashed = []
-    real = bulk._send_pieces
-    monkeypatch.setattr(bulk, "_send_pieces", lambda ch, src, off, n, pieces, hasher, *a:
-                        (hasher is not None and hashed.append(src.rel)) or real(ch, src, off, n, pieces, hasher, *a))
+    real = bulk._send_chunk
+    monkeypatch.setattr(bulk, "_send_chunk", lambda ch, src, off, n, known, *a:
+                        (known is None and hashed.append(src.rel)) or real(ch, src, off, n, known, *a))
     client, server = _pair()
     blobs = _files(tmp_path / "a")
     chunks = fsutil.hash_chunks(str(tmp_path / "a" / "src"), ["images/pages-1.img"])
@@ -368,3 +355,31 @@ def test_chunks_of():
     assert bulk.chunks_of(0) == [(0, 0)]
     assert bulk.chunks_of(SMALL) == [(0, SMALL)]
     assert bulk.chunks_of(2 * SMALL + 1) == [(0, SMALL), (SMALL, SMALL), (2 * SMALL, 1)]
+
+
+def test_a_stream_that_stalls_mid_chunk_times_out_at_both_ends(tmp_path, monkeypatch):
+    """A piece moves in one blocking call (recv MSG_WAITALL, send) with the stall enforced by the
+    kernel: a peer that stops in the middle of a chunk is still given up after `stall` seconds."""
+    monkeypatch.setattr(bulk, "CHUNK", 8 << 20)  # a chunk larger than the loopback's buffers
+    client, server = _pair(stall=0.5)
+    fd = os.open(tmp_path / "dst", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 8 << 20)
+    client.send({"type": "chunk", "path": "f", "offset": 0, "size": 8 << 20})
+    client.sock.sendall(b"x" * 1000)  # then nothing
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="receiving f from .*timed out"):
+        bulk.receive([server], {"f": 8 << 20}, lambda rel, size: fd)
+    assert 0.4 < time.monotonic() - t0 < 3
+    os.close(fd)
+    client.close()
+    server.close()
+
+    client, server = _pair(stall=0.5)  # a receiver that reads nothing: the sender's send times out
+    (tmp_path / "src").write_bytes(os.urandom(8 << 20))
+    monkeypatch.setattr(bulk, "REASON_WAIT", 0.2)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="timed out"):
+        bulk.send([client], [("f", str(tmp_path / "src"))], release=True)
+    assert time.monotonic() - t0 < 4
+    client.close()
+    server.close()
