@@ -88,13 +88,14 @@ def _r(x, nd=3):
 
 
 def one_run(node, hosts, gb: float, mode: str, port: int, n: int, criu_config: str | None,
-            gpu_thp: str = "keep") -> dict:
+            gpu_thp: str = "keep", extra: list[str] | None = None) -> dict:
     tag = f"bmig-{mode}-{gb:g}-{n}".replace(".", "p")
     nodes = twonodes.make(node, node.base / tag)
-    if gpu_thp != "keep":
+    lines = ([f"gpu_checkpoint_thp: {gpu_thp}"] if gpu_thp != "keep" else []) + list(extra or [])
+    if lines:
         for side in ("a", "b"):
             with open(nodes[side]["config"], "a", encoding="utf-8") as fh:
-                fh.write(f"gpu_checkpoint_thp: {gpu_thp}\n")
+                fh.write("".join(line + "\n" for line in lines))
     dst = 1 if len(node.gpus) > 1 and node.gpus[1].name == node.gpus[0].name else 0
     own = hosts["netns"]
     t0 = time.monotonic()
@@ -188,13 +189,19 @@ def figures(mode: str, out: dict, rec: dict) -> dict:
     return row
 
 
-def pump_streams() -> dict[str, int]:
-    """The streams each mode uses with the rig's configs (migration_streams and fill_threads unset)."""
+def pump_streams(extra: list[str] | None = None) -> dict[str, int]:
+    """The streams each mode uses with the rig's configs (migration_streams and fill_threads as --config
+    set them, else unset)."""
     from migrt.config import Config
     from migrt.migration import bulk
     from migrt.ops import pages
 
-    return {"copy": bulk.auto_streams(), "lazy": pages.streams(Config(path="/none"))}
+    cfg = Config(path="/none")
+    for line in extra or []:
+        key, _, value = line.partition(": ")
+        if key in ("migration_streams", "fill_threads") and value.isdigit():
+            setattr(cfg, key, int(value))
+    return {"copy": cfg.migration_streams or bulk.auto_streams(), "lazy": pages.streams(cfg)}
 
 
 def measure_pump(hosts: dict, counts: list[int], gib: float, runs: int) -> dict[int, dict]:
@@ -261,11 +268,19 @@ def main() -> int:
     ap.add_argument("--pump-runs", type=int, default=3)
     ap.add_argument("--network-lock", choices=("auto", "skip"), default="auto")
     ap.add_argument("--simulate", action="store_true", help="simulated GPU nodes (no GPU needed)")
+    ap.add_argument("--config", action="append", metavar="KEY=VALUE",
+                    help="one more line of both nodes' migrt configs (e.g. migration_streams=16); repeatable")
     ap.add_argument("--gpu-thp", choices=("keep", "always"), default="keep",
                     help="gpu_checkpoint_thp in both nodes' configs: always = THP always only while the driver "
                     "writes its checkpoint (default keep)")
     ap.add_argument("--json-out", default=os.path.join(os.environ.get("OUT", "."), "gpu_migration.json"))
     args = ap.parse_args()
+    extra = []
+    for item in args.config or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            ap.error(f"--config wants KEY=VALUE, got {item!r}")
+        extra.append(f"{key}: {value}")
     modes = args.modes.split()
     if not modes or set(modes) - set(MODES):
         ap.error(f"--modes takes {' and '.join(MODES)}")
@@ -296,7 +311,7 @@ def main() -> int:
             info["network_lock"] = lock if hosts["netns"] else "none (the host's namespace: CRIU locks nothing)"
             print(f"nodes: {'netns per node (veth)' if hosts['netns'] else 'host namespace, loopback (no ip)'}; "
                   f"network lock: {info['network_lock']}", flush=True)
-            streams = pump_streams()
+            streams = pump_streams(extra)
             info["streams_expected"] = streams
             counts = sorted({1, *(streams[m] for m in modes)})
             info["pump"] = {str(k): v for k, v in measure_pump(hosts, counts, args.pump_gib, args.pump_runs).items()}
@@ -316,7 +331,7 @@ def main() -> int:
                             print(json.dumps(rows[-1]), flush=True)
                             continue
                         port += 1
-                        rows.append(one_run(node, hosts, gb, mode, port, n, conf, args.gpu_thp))
+                        rows.append(one_run(node, hosts, gb, mode, port, n, conf, args.gpu_thp, extra))
                         print(json.dumps(rows[-1]), flush=True)
                         save()
     finally:
