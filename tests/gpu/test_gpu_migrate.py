@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.gpu import harness, twonodes
+from tests.gpu import harness, rig, twonodes
 from tests.gpu.harness import Workload
 
 pytestmark = pytest.mark.gpu
@@ -19,8 +19,18 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def hosts(node):
+    """The two nodes; with network namespaces, each node's container joins its node's namespace and
+    the bundles name the rig's CRIU configuration (`network-lock skip` where CRIU's iptables lock
+    cannot work: the GPU machines' kernels lack xt_mark), as bench/gpu_migration.py does."""
     with twonodes.hosts("mgpu") as h:
+        h = dict(h)
+        h["criu_config"] = rig.criu_config_file(str(node.base))[0] if h["netns"] else None
         yield h
+
+
+def _placed(hosts, side: str) -> dict:
+    """netns / criu_config arguments of a container on node `side` ("a" or "b")."""
+    return {"netns": hosts[side], "criu_config": hosts["criu_config"]} if hosts["netns"] else {}
 
 
 def target_gpu(node) -> int:
@@ -31,14 +41,14 @@ def test_pytorch_container_moves_to_the_node_with_the_other_gpu(node, hosts):
     gb = min(harness.gbs())
     nodes = twonodes.make(node, node.base / "mig")
     tag = f"gmig-{gb:g}".replace(".", "p")
-    src, data = twonodes.start_source(node, nodes, tag, gb, gpu=0)
+    src, data = twonodes.start_source(node, nodes, tag, gb, gpu=0, **_placed(hosts, "a"))
     w = Workload(data, "w")
     dst_gpu = target_gpu(node)
     target_cid = f"{src.cid}-b"
     try:
         ready = w.ready()
         w.counting_past(3)
-        bundle = node.bundle(f"{tag}-b", node.workload_args("fresh", "0"), data, [dst_gpu])
+        bundle = node.bundle(f"{tag}-b", node.workload_args("fresh", "0"), data, [dst_gpu], **_placed(hosts, "b"))
         progress = twonodes.Progress(data / "w.status.json")
         out, rec, res = twonodes.migrate(node, hosts, nodes, src, bundle, 7951, target_cid=target_cid)
         app_gap = progress.stop()
@@ -70,7 +80,7 @@ def test_receiver_without_room_on_its_gpu_refuses_before_the_freeze(node, hosts)
     gb = min(harness.gbs())
     nodes = twonodes.make(node, node.base / "mig-pf")
     tag = f"gmigpf-{gb:g}".replace(".", "p")
-    src, data = twonodes.start_source(node, nodes, tag, gb, gpu=0)
+    src, data = twonodes.start_source(node, nodes, tag, gb, gpu=0, **_placed(hosts, "a"))
     w = Workload(data, "w")
     dst_gpu = target_gpu(node)
     hog = None
@@ -85,7 +95,7 @@ def test_receiver_without_room_on_its_gpu_refuses_before_the_freeze(node, hosts)
             "print('held', flush=True); time.sleep(600)"), str(free - int(gb * (1 << 30)) // 2), str(dst_gpu)],
             stdout=subprocess.PIPE, text=True, env=node.env)
         assert hog.stdout.readline().strip() == "held"
-        bundle = node.bundle(f"{tag}-b", node.workload_args("fresh", "0"), data, [dst_gpu])
+        bundle = node.bundle(f"{tag}-b", node.workload_args("fresh", "0"), data, [dst_gpu], **_placed(hosts, "b"))
         t0 = time.monotonic()
         out, rec, res = twonodes.migrate(node, hosts, nodes, src, bundle, 7952, target_cid=f"{src.cid}-b")
         refused_after = time.monotonic() - t0
