@@ -44,7 +44,7 @@ Keys (all optional):
                                      (`receive --streams`); 0: half the CPUs, 1 to 8 (docs/migration.md)
   restore_pages: auto                auto | lazy | eager: how a restore fills memory (docs/restore-pages.md);
                                      MIGRT_RESTORE_PAGES in the environment overrides it per call
-  fill_threads: 0                    copy threads of the page filler (0: min(8, CPUs))
+  fill_threads: 0                    copy threads of the page filler (0: min(16, CPUs))
   fill_min_mib: 256                  'auto' uses the page filler from this much lazy memory on
   dump_pages: auto                   auto | parallel | criu: who writes a checkpoint's memory (docs/dump-pages.md);
                                      MIGRT_DUMP_PAGES in the environment overrides it per call
