@@ -348,6 +348,7 @@ class Receiver:
         out.update(restored=True, container_id=restore_id, pid=res["pid"])
         out["timings"]["restore_s"] = res["timings"].get("total_s")
         out["timings"]["restore"] = res["timings"]
+        out["restore_pages"] = res.get("pages")  # the restore's page mode (the filler from this store, or eager)
         if self.opts.on_restored:
             self.opts.on_restored(res)
         try:

@@ -121,7 +121,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
         else:
             page_mode = pages.decide(cfg, ckpt.images, name=name, manifest_files=ckpt.manifest.get("files"),
                                      recorded=ckpt.manifest.get("pagefill"),
-                                     other_lazy="--lazy-pages" in target.extra or target.before_restore is not None)
+                                     other_lazy="--lazy-pages" in target.extra)
         entry.update("preparing", work=work)
         os.makedirs(work, mode=0o700, exist_ok=True)
         global_tokens = target.global_tokens

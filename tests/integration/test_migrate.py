@@ -85,6 +85,34 @@ def test_stop_and_copy_with_the_parallel_dump(nodes, hosts, tmp_path):
     subprocess.run(["runc", "--root", nodes["b"]["root"], "delete", "--force", f"{cid}-b"], capture_output=True)
 
 
+def test_stop_and_copy_target_restores_through_the_page_filler(nodes, hosts, tmp_path):
+    """The target restores a received checkpoint as any local one: through the page filler from its
+    store when restore_pages asks for it (the default `auto` does from fill_min_mib on), so the copy
+    runs before all of its memory is copied in (a 16 GiB GPU container spent 12 s in CRIU's eager
+    restore here before); the checkpoint stays in the target's store whatever the filler does."""
+    cfg = tmp_path / "b-lazy.yaml"
+    cfg.write_text(open(nodes["b"]["config"]).read() + "restore_pages: lazy\nfill_min_mib: 1\n")
+    lnodes = {**nodes, "b": {**nodes["b"], "config": str(cfg)}}
+    src, cid = start_source(nodes, "scfill")
+    out = nodes["base"] / f"{cid}.out"
+    recv = Receiver(lnodes, hosts, 7914, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
+                    "--container-id", f"{cid}-b", "--output", str(out), "--streams", "2")
+    try:
+        res = migrate(nodes, hosts, 7914, cid, "--name", f"{cid}-ck", "--streams", "2")
+        assert res.returncode == 0, res.stderr
+        assert recv.wait() == 0
+    finally:
+        recv.stop()
+    before = src.read_for(0.5)
+    src.close()
+    assert_continues(before, wait_ticks(out))
+    rec = recv.results()[0]
+    assert rec["restored"] and rec["restore_pages"]["mode"] == "lazy", rec.get("restore_pages")
+    ins = json.loads(target_cli(nodes, "inspect", f"{cid}-ck", "--verify", "--json").stdout)
+    assert ins["verified"] is True
+    subprocess.run(["runc", "--root", nodes["b"]["root"], "delete", "--force", f"{cid}-b"], capture_output=True)
+
+
 def test_received_checkpoint_restores_later(nodes, hosts):
     """Without --restore the receiver only stores; `migrt restore` brings it up later on host B."""
     src, cid = start_source(nodes, "later")
