@@ -4,7 +4,10 @@ One migration connection (a Channel) moves ~0.8 GiB/s at best: one thread sends,
 the file in turn, and the receiver receives, hashes and writes in turn. Here the files travel as
 64 MiB chunks (the store's tree-digest unit, store/fsutil.py TREE_CHUNK) over `streams` connections
 at once, each served by its own thread at both ends, which also hashes what its stream carries (one
-core per stream at each end; hashlib lets the GIL go, so the streams hash in parallel):
+core per stream at each end; hashlib lets the GIL go, so the streams hash in parallel). Where cores
+are to spare (streams * 2 <= CPUs, up to OVERLAP_MAX streams: _overlap), each stream instead hands
+its pieces to one hashing thread of its own, which hashes piece k, in order, while the stream moves
+piece k + 1 (_Hasher): a piece then costs the stream the longer of the two, not their sum:
 
     sender                                          receiver (the migration connection's server)
                                          <- ready   {"bulk": {"protocol", "port", "token", "streams"}}
@@ -23,9 +26,11 @@ the file, piece by piece, each piece then sent (sendfile for a file that is kept
 mapping for one released as it goes), or known before (the parallel dump hashes what it writes:
 pagedump, `known=`). A sum follows its chunk at once (the receiver accepts it any time before `end`).
 The receiver hashes each piece where it landed (the mapping, or the buffer it pwrites), right after
-it arrived. Pieces (4 MiB) move in one call each: see "whole pieces in one call" below. The receiver
-folds the chunk digests into each file's manifest digest; the sealed `commit` then compares them with the sender's manifest as before
-(importer.verify). Stream 0 is the migration connection itself.
+it arrived (or while the next arrives). Either way a chunk's digest waits for all of its pieces'
+hashes before it is sent or compared, and a buffer is filled again only once its hash is done (two
+per stream then). Pieces (4 MiB) move in one call each: see "whole pieces in one call" below. The
+receiver folds the chunk digests into each file's manifest digest; the sealed `commit` then compares
+them with the sender's manifest as before (importer.verify). Stream 0 is the migration connection itself.
 
 Chunks are taken by the streams from one queue (biggest files' chunks spread over every stream), so
 a stream never idles while another has work. A chunk is 64 MiB at most and aligned to TREE_CHUNK
@@ -35,6 +40,7 @@ the announcement, and a transfer that ends with a chunk missing or unmatched.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import hashlib
@@ -49,6 +55,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from migrt import faults
 from migrt.errors import CheckpointInvalid, MigrtError
@@ -68,6 +75,8 @@ MAX_FILES = 100_000
 JOIN_TIMEOUT = 15.0
 PIECE = 4 << 20  # what a stream receives (or sends) and then hashes at a time (still in the caches)
 MAPPED_FROM = 2  # more streams than this receive straight into mappings (pwrite() serializes on the file's lock)
+OVERLAP_MAX = 4  # at most this many streams hash in a thread of their own (when CPUs allow: _overlap)
+DEPTH = 2  # pieces a stream has in hand when it hashes in a thread of its own: one hashed, one moving
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
 LISTEN_POLL = 1.0  # the listener notices within this long that its migration connection was closed
@@ -329,6 +338,75 @@ def _run_threads(target, chs: list[Channel], failure: _Failure, counter: list[in
         progress(counter[0] - reported)
 
 
+def _overlap(streams: int) -> bool:
+    """Does each stream hash in a thread of its own, while it moves the next piece? Where cores are to
+    spare for it: streams * 2 <= CPUs (a core per stream for the socket and the copies, one for
+    sha256), and up to OVERLAP_MAX streams (many streams keep the cores busy anyway: 8 and 16 on the
+    16-core host were measured hashing inline). MIGRT_BULK_HASH=inline|overlap decides instead
+    (benchmarks)."""
+    way = os.environ.get("MIGRT_BULK_HASH")
+    if way in ("inline", "overlap"):
+        return way == "overlap"
+    return streams <= OVERLAP_MAX and streams * 2 <= (os.cpu_count() or 1)
+
+
+class _Hasher:
+    """A stream's sha256 of its pieces: inline (in the stream's thread, the piece then still in the
+    caches), or, overlap, in one thread of the stream's own, in the order given (one worker), while
+    the stream receives or sends the next piece. At most DEPTH pieces are in hand; a piece's buffer
+    (where it cannot be a mapping's bytes) is free again once its hash is done: buffer() hands out one
+    that no pending hash reads. A chunk's digest waits for all of its pieces' hashes. A hash that fails
+    stops the transfer (failure); close() waits for the one running (it may read a mapping)."""
+
+    def __init__(self, overlap: bool, failure: _Failure) -> None:
+        self.failure = failure
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="migrt-bulk-hash") if overlap else None
+        self.depth = DEPTH if overlap else 1
+        self.bufs: list[memoryview | None] = [None] * self.depth
+        self.pending: collections.deque[Future] = collections.deque()
+        self.hashed = 0  # pieces handed to update(): piece i was in bufs[i % depth], if in a buffer
+
+    def wait_room(self) -> None:
+        """Until fewer than DEPTH pieces are still being hashed (a mapping's bytes too: hashed while
+        they are still in the caches, not a chunk later)."""
+        while len(self.pending) >= self.depth:
+            self.pending.popleft().result()
+
+    def buffer(self) -> memoryview:
+        """A piece buffer that no pending hash reads."""
+        self.wait_room()
+        i = self.hashed % self.depth
+        if self.bufs[i] is None:
+            self.bufs[i] = memoryview(bytearray(PIECE))
+        return self.bufs[i]
+
+    def update(self, h, view: memoryview) -> None:
+        self.hashed += 1
+        if self.pool is None:
+            h.update(view)
+        else:
+            self.pending.append(self.pool.submit(self._run, h, view))
+
+    def _run(self, h, view: memoryview) -> None:
+        if self.failure.event.is_set():
+            return
+        try:
+            h.update(view)
+        except BaseException as exc:  # noqa: BLE001 - stops every stream
+            self.failure.set(exc)
+
+    def digest(self, h) -> bytes:
+        while self.pending:
+            self.pending.popleft().result()
+        self.failure.check()  # a piece that was not hashed: not a digest
+        return h.digest()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pending.clear()
+
+
 # -- whole pieces in one call ------------------------------------------------------------------------
 # A socket with a Python timeout is non-blocking underneath: recv_into returns what is there (often
 # 64 KiB on loopback), send what fits, and every call takes the GIL again; with many streams that
@@ -464,12 +542,13 @@ def send(chs: list[Channel], files: list[tuple[str, str]], *, release: bool = Fa
         failure = _Failure(chs, receiving=False)
         sent = [0]
         lock = threading.Lock()
+        overlap = _overlap(len(chs))
 
         def stream(_i: int, ch: Channel) -> None:
+            hasher = _Hasher(overlap, failure)
             try:
                 _kernel_stall(ch)
                 zero_copy = not release and not isinstance(ch.sock, ssl.SSLSocket)
-                buf = memoryview(bytearray(PIECE))  # where a piece is read when the file is not mapped
                 while True:
                     if failure.event.is_set():
                         return
@@ -478,7 +557,7 @@ def send(chs: list[Channel], files: list[tuple[str, str]], *, release: bool = Fa
                     except queue.Empty:
                         break
                     ch.send({"type": "chunk", "path": src.rel, "offset": off, "size": n})
-                    d = _send_chunk(ch, src, off, n, digests[src.rel].get(off), zero_copy, buf, failure)
+                    d = _send_chunk(ch, src, off, n, digests[src.rel].get(off), zero_copy, hasher, failure)
                     digests[src.rel][off] = d
                     ch.send({"type": "sum", "path": src.rel, "offset": off, "sha256": d.hex()})
                     if release and n:
@@ -489,6 +568,8 @@ def send(chs: list[Channel], files: list[tuple[str, str]], *, release: bool = Fa
                     ch.send({"type": "end"})
             except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
                 failure.set(exc)
+            finally:
+                hasher.close()
 
         _run_threads(stream, chs, failure, sent, progress, "bulk-send")
         if failure.error is not None:
@@ -501,24 +582,25 @@ def send(chs: list[Channel], files: list[tuple[str, str]], *, release: bool = Fa
 
 
 def _send_chunk(ch: Channel, src: _Source, off: int, n: int, known: bytes | None, zero_copy: bool,
-                buf: memoryview, failure: _Failure) -> bytes:
-    """The chunk, piece by piece: each hashed by this thread (unless its digest is known) and sent.
-    Returns the chunk's digest."""
+                hasher: _Hasher, failure: _Failure) -> bytes:
+    """The chunk, piece by piece: each handed to the stream's hasher (unless its digest is known), then
+    sent (while the hasher hashes it, where the stream has a hashing thread). Returns the chunk's
+    digest, once every piece is hashed."""
     h = None if known is not None else hashlib.sha256()
     done = 0
     while done < n:
         failure.check()
         k = min(PIECE, n - done)
         if h is not None or not zero_copy:
-            view = src.view(off + done, k, buf)
+            view = src.view(off + done, k, hasher.buffer())
             if h is not None:
-                h.update(view)
+                hasher.update(h, view)
         else:
             view = None
         with _io(f"sending {src.rel} to {ch.peer}"):
             _put_piece(ch, src, off + done, k, None if zero_copy else view)
         done += k
-    return known if h is None else h.digest()
+    return known if h is None else hasher.digest(h)
 
 
 def _put_piece(ch: Channel, src: _Source, off: int, n: int, view: memoryview | None) -> None:
@@ -630,6 +712,7 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
     CheckpointInvalid at the first mismatch, TransferError when a stream breaks."""
     dests: dict[str, _Dest] = {}
     mapped = _mapped(len(chs))
+    overlap = _overlap(len(chs))
     try:
         for rel, size in files.items():
             dests[rel] = _Dest(rel, size, create(rel, size), mapped)
@@ -645,9 +728,9 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
                                         "(corrupted in transit)")
 
         def stream(_i: int, ch: Channel) -> None:
+            hasher = _Hasher(overlap, failure)  # pieces that cannot land in a mapping land in its buffers
             try:
                 _kernel_stall(ch)
-                buf: memoryview | None = None  # pieces that cannot land in a mapping land here first
                 while True:
                     msg = ch.recv("chunk", "sum", "end")
                     if msg["type"] == "end":
@@ -671,29 +754,31 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
                     done = 0
                     while done < n:
                         k = min(PIECE, n - done)
+                        hasher.wait_room()
                         with _io(f"writing {dest.rel}"):
                             view = mapped_view = dest.view(off + done, k)
                         if view is None:
-                            buf = buf or memoryview(bytearray(PIECE))
-                            view = buf[:k]
+                            view = hasher.buffer()[:k]
                         with _io(f"receiving {dest.rel} from {ch.peer}"):
                             if _recv_full(ch, view) != k:
                                 raise TransferError(f"{ch.peer} closed a stream in the middle of {dest.rel} "
                                                     f"(chunk at {off})")
+                        hasher.update(h, view)  # what landed: read back from the mapping, or the bytes written
                         if mapped_view is None:
                             with _io(f"writing {dest.rel}"):
                                 dest.pwrite(view, off + done)
-                        h.update(view)  # what landed: read back from the mapping, or the bytes written
                         done += k
                         with lock:
                             got[0] += k
-                    d = h.digest()
+                    d = hasher.digest(h)
                     with lock:
                         dest.computed[off] = d
                         verify(dest, off)
                     faults.point("receive:file")  # test seam: a receiver killed mid-transfer
             except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
                 failure.set(exc)
+            finally:
+                hasher.close()  # no hash reads a mapping once the stream is gone
 
         _run_threads(stream, chs, failure, got, progress, "bulk-recv")
         if failure.error is not None:

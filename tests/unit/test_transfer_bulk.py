@@ -347,6 +347,54 @@ def test_known_digests_are_sent_as_they_are_and_checked(tmp_path, monkeypatch):
     assert blobs
 
 
+@pytest.mark.parametrize("write", ["map", "pwrite"])
+@pytest.mark.parametrize("hashing", ["inline", "overlap"])
+def test_a_stream_hashes_inline_or_in_a_thread_of_its_own(tmp_path, monkeypatch, hashing, write):
+    """Pieces of a quarter chunk: hashed in order by the stream or by its one hashing thread (a buffer
+    used again only once its hash is done), the same digests either way; a piece corrupted on the wire
+    in the middle of a chunk is still found."""
+    monkeypatch.setenv("MIGRT_BULK_HASH", hashing)
+    monkeypatch.setenv("MIGRT_BULK_WRITE", write)
+    monkeypatch.setattr(bulk, "PIECE", SMALL // 4)
+    threads = set()
+    real_run = bulk._Hasher._run
+    monkeypatch.setattr(bulk._Hasher, "_run", lambda self, h, view: threads.add(threading.current_thread().name)
+                        or real_run(self, h, view))
+    client, server = _pair()
+    sent, got = _roundtrip(tmp_path / "a", client, server, 2)
+    want = fsutil.hash_chunks(str(tmp_path / "a" / "src"), list(got))
+    for rel, digest in got.items():
+        assert fsutil.digest_of(sent[rel]) == digest == fsutil.fold_chunks([c[2] for c in want[rel]])
+    assert threads == (set() if hashing == "inline" else {"migrt-bulk-hash_0"})
+    client.close()
+    server.close()
+
+    real_put = bulk._put_piece
+
+    def tamper(ch, src, off, n, view):  # the third piece of the second chunk, on the wire only
+        if src.rel == "images/pages-1.img" and off == SMALL + 2 * (SMALL // 4):
+            view = bytearray(view if view is not None else src.view(off, n, memoryview(bytearray(n))))
+            view[7] ^= 1
+        return real_put(ch, src, off, n, view)
+
+    monkeypatch.setattr(bulk, "_put_piece", tamper)
+    client, server = _pair()
+    with pytest.raises(CheckpointInvalid, match=f"pages-1.img: sha256 mismatch in the chunk at {SMALL}"):
+        _roundtrip(tmp_path / "b", client, server, 2)
+    client.close()
+    server.close()
+
+
+def test_streams_hash_in_a_thread_of_their_own_where_cores_are_spare(monkeypatch):
+    monkeypatch.delenv("MIGRT_BULK_HASH", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert [bulk._overlap(s) for s in (1, 2)] == [True, False]
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert [bulk._overlap(s) for s in (1, 2, 4, 8, 16)] == [True, True, True, False, False]
+    monkeypatch.setenv("MIGRT_BULK_HASH", "inline")
+    assert not bulk._overlap(1)
+
+
 def test_auto_streams():
     assert [bulk.auto_streams(c) for c in (1, 2, 3, 4, 16, 64)] == [1, 1, 1, 2, 8, 8]
 
