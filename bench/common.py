@@ -37,3 +37,15 @@ def machine() -> dict:
             "mem_gib": round(meminfo("MemTotal") / 2**30, 1), "runc": first_line(["runc", "--version"]),
             "criu": first_line(["criu", "--version"]), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d"), "loadavg_start": os.getloadavg()[0]}
+
+
+def config_lines(items: list[str] | None, error) -> list[str]:
+    """`--config KEY=VALUE` arguments as lines of a migrt config (`KEY: VALUE`); error(message) for
+    one that is not KEY=VALUE (argparse's ap.error)."""
+    lines = []
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            error(f"--config wants KEY=VALUE, got {item!r}")
+        lines.append(f"{key}: {value}")
+    return lines

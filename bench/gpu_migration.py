@@ -75,6 +75,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import config_lines  # noqa: E402
 from tests.gpu import harness, rig, twonodes  # noqa: E402
 from tests.gpu.harness import Workload  # noqa: E402
 
@@ -275,12 +276,7 @@ def main() -> int:
                     "writes its checkpoint (default keep)")
     ap.add_argument("--json-out", default=os.path.join(os.environ.get("OUT", "."), "gpu_migration.json"))
     args = ap.parse_args()
-    extra = []
-    for item in args.config or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            ap.error(f"--config wants KEY=VALUE, got {item!r}")
-        extra.append(f"{key}: {value}")
+    extra = config_lines(args.config, ap.error)
     modes = args.modes.split()
     if not modes or set(modes) - set(MODES):
         ap.error(f"--modes takes {' and '.join(MODES)}")

@@ -65,7 +65,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import log, machine, meminfo  # noqa: E402
+from bench.common import config_lines, log, machine, meminfo  # noqa: E402
 
 THP_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
 CPUHOG = REPO / "bench" / "cpuhog.py"
@@ -507,12 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the raw process comes back to us after criu restore
     budget = Budget(args.budget_s)
     node = make_node(args.rows.split(","))
-    extra = [f"gpu_checkpoint_thp: {args.gpu_thp}"] if args.gpu_thp != "keep" else []
-    for item in args.config or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            ap.error(f"--config wants KEY=VALUE, got {item!r}")
-        extra.append(f"{key}: {value}")
+    extra = ([f"gpu_checkpoint_thp: {args.gpu_thp}"] if args.gpu_thp != "keep" else []) + config_lines(args.config, ap.error)
     if extra:
         with open(node.env["MIGRT_CONFIG"], "a", encoding="utf-8") as fh:
             fh.write("".join(line + "\n" for line in extra))

@@ -60,7 +60,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from migrt import faults
 from migrt.errors import CheckpointInvalid, MigrtError
 from migrt.migration import protocol as p
-from migrt.migration.channel import Channel, RemoteError, _io, _punch_hole, _sendall
+from migrt.migration.channel import Channel, RemoteError, _io, _punch_hole, _recv_exact, _sendall
 from migrt.migration.protocol import AuthError, TransferError
 from migrt.migration.tls import TLSFiles, wrap_client, wrap_server
 from migrt.store import hugetmpfs
@@ -264,18 +264,6 @@ def _join_client(sock: socket.socket, key: bytes, token: str, *, tls: TLSFiles |
         raise AuthError(f"{peer} could not prove it belongs to this migration; refusing to send to it")
     sock.settimeout(stall)
     return Channel(sock, p.session_key(key, ns, nc + tok), is_server=False, stall=stall)
-
-
-def _recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise TransferError(f"{peer} closed the stream")
-        got += k
-    return bytes(buf)
 
 
 # -- chunks ----------------------------------------------------------------------------------------
