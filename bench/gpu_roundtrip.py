@@ -506,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the raw process comes back to us after criu restore
     budget = Budget(args.budget_s)
-    node = make_node(args.rows.split(","))
     extra = ([f"gpu_checkpoint_thp: {args.gpu_thp}"] if args.gpu_thp != "keep" else []) + config_lines(args.config, ap.error)
+    node = make_node(args.rows.split(","))
     if extra:
         with open(node.env["MIGRT_CONFIG"], "a", encoding="utf-8") as fh:
             fh.write("".join(line + "\n" for line in extra))
