@@ -42,19 +42,7 @@ LIMIT=${GPU_MIG_TIMEOUT_S:-500}
     echo "/dev/shm: $(df -h /dev/shm | tail -1)"
     "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
 } > "$OUT/environment.txt" 2>&1
-# GPU_STORE_HUGE_GIB=N: the nodes' directories (stores, images, rootfs) on a private tmpfs of N GiB
-# mounted huge=within_size (the per-mount setting docs/install.md recommends for migrt's store on GPU
-# nodes: dumps and receives land in 2 MiB pages); unmounted at the end. Nothing node-wide.
-if [ -n "${GPU_STORE_HUGE_GIB:-}" ]; then
-    STORE_DIR=$(mktemp -d /tmp/migrt-store-huge.XXXXXX)
-    if mount -t tmpfs -o "huge=within_size,size=${GPU_STORE_HUGE_GIB}G,mode=0755" migrt-store "$STORE_DIR"; then
-        export MIGRT_GPU_TEST_DIR="$STORE_DIR"
-        echo "store: private tmpfs huge=within_size ${GPU_STORE_HUGE_GIB}G at $STORE_DIR" >> "$OUT/environment.txt"
-    else
-        echo "store: mounting a huge=within_size tmpfs failed; /dev/shm" >> "$OUT/environment.txt"
-    fi
-    trap 'umount -l "$STORE_DIR" 2>/dev/null; rmdir "$STORE_DIR" 2>/dev/null' EXIT
-fi
+. bench/huge_store.sh  # GPU_STORE_HUGE_GIB: the nodes' stores in 2 MiB pages
 cat "$OUT/environment.txt"
 for tool in ip nsenter unshare runc criu; do
     command -v "$tool" >/dev/null || { echo "run_gpu_migration_on_device: $tool missing" | tee "$OUT/gpu_migration.log"; exit 2; }

@@ -67,19 +67,7 @@ if [ -n "${GPU_RT_HUGE_TMPFS_GIB:-}" ]; then
     mount -t tmpfs -o "huge=always,size=${GPU_RT_HUGE_TMPFS_GIB}G,mode=0700" migrt-huge "$HUGE_DIR" && HUGE_ARGS=(--raw-huge-images "$HUGE_DIR")
     trap 'umount "$HUGE_DIR" 2>/dev/null; rmdir "$HUGE_DIR" 2>/dev/null' EXIT
 fi
-# GPU_STORE_HUGE_GIB=N: the nodes' directories (stores, images, rootfs) on a private tmpfs of N GiB
-# mounted huge=within_size (the per-mount setting docs/install.md recommends for migrt's store on GPU
-# nodes: dumps and receives land in 2 MiB pages); unmounted at the end. Nothing node-wide.
-if [ -n "${GPU_STORE_HUGE_GIB:-}" ]; then
-    STORE_DIR=$(mktemp -d /tmp/migrt-store-huge.XXXXXX)
-    if mount -t tmpfs -o "huge=within_size,size=${GPU_STORE_HUGE_GIB}G,mode=0755" migrt-store "$STORE_DIR"; then
-        export MIGRT_GPU_TEST_DIR="$STORE_DIR"
-        echo "store: private tmpfs huge=within_size ${GPU_STORE_HUGE_GIB}G at $STORE_DIR" >> "$OUT/environment.txt"
-    else
-        echo "store: mounting a huge=within_size tmpfs failed; /dev/shm" >> "$OUT/environment.txt"
-    fi
-    trap '[ -n "${HUGE_DIR:-}" ] && { umount "$HUGE_DIR"; rmdir "$HUGE_DIR"; } 2>/dev/null; umount -l "$STORE_DIR" 2>/dev/null; rmdir "$STORE_DIR" 2>/dev/null' EXIT
-fi
+. bench/huge_store.sh  # GPU_STORE_HUGE_GIB: the nodes' stores in 2 MiB pages
 THP_BEFORE=$(sed 's/.*\[\(.*\)\].*/\1/' /sys/kernel/mm/transparent_hugepage/enabled)
 echo "setup took $(( $(date +%s) - T0 )) s; benchmark budget $BUDGET s, hard limit $LIMIT s"
 # SIGTERM at the limit: gpu_roundtrip.py removes its processes and directories and puts THP back.
