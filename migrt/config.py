@@ -227,14 +227,8 @@ def load(path: str | None = None) -> Config:
             setattr(cfg, key, data[key])
     if not os.path.isabs(cfg.store):
         raise ConfigError(f"config {path}: 'store' must be an absolute path, got {cfg.store!r}")
-    policy = data.get("restore_failure_policy", cfg.restore_failure_policy)
-    if policy not in POLICIES:
-        raise ConfigError(f"config {path}: 'restore_failure_policy' must be one of {POLICIES}, got {policy!r}")
-    cfg.restore_failure_policy = policy
-    level = data.get("log_level", cfg.log_level)
-    if level not in LEVELS:
-        raise ConfigError(f"config {path}: 'log_level' must be one of {LEVELS}, got {level!r}")
-    cfg.log_level = level
+    _choose(cfg, data, path, "restore_failure_policy", POLICIES)
+    _choose(cfg, data, path, "log_level", LEVELS)
     roots = data.get("runtime_roots", [])
     if not isinstance(roots, list) or not all(isinstance(r, str) and os.path.isabs(r) for r in roots):
         raise ConfigError(f"config {path}: 'runtime_roots' must be a list of absolute paths")
@@ -246,18 +240,9 @@ def load(path: str | None = None) -> Config:
     _load_gpu(cfg, data, path)
     _load_pages(cfg, data, path)
     _load_dump(cfg, data, path)
-    cross = data.get("allow_cross_namespace_restore", False)
-    if not isinstance(cross, bool):
-        raise ConfigError(f"config {path}: 'allow_cross_namespace_restore' must be true or false")
-    cfg.allow_cross_namespace_restore = cross
-    unbound = data.get("allow_unbound_checkpoints", False)
-    if not isinstance(unbound, bool):
-        raise ConfigError(f"config {path}: 'allow_unbound_checkpoints' must be true or false")
-    cfg.allow_unbound_checkpoints = unbound
-    space_check = data.get("store_space_check", True)
-    if not isinstance(space_check, bool):
-        raise ConfigError(f"config {path}: 'store_space_check' must be true or false")
-    cfg.store_space_check = space_check
+    _flag(cfg, data, path, "allow_cross_namespace_restore")
+    _flag(cfg, data, path, "allow_unbound_checkpoints")
+    _flag(cfg, data, path, "store_space_check")
     key_file = data.get("migration_key_file")
     if key_file is not None and (not isinstance(key_file, str) or not os.path.isabs(key_file)):
         raise ConfigError(f"config {path}: 'migration_key_file' must be an absolute path")
@@ -280,16 +265,29 @@ def load(path: str | None = None) -> Config:
     return cfg
 
 
+def _choose(cfg: Config, data: dict, path: str, key: str, choices: tuple, hint: str = "") -> None:
+    """cfg.<key> from data when it is one of choices (else its default); ConfigError otherwise."""
+    value = data.get(key, getattr(cfg, key))
+    if value not in choices:
+        raise ConfigError(f"config {path}: '{key}' must be one of {choices}, got {value!r}" + (f" {hint}" if hint else ""))
+    setattr(cfg, key, value)
+
+
+def _flag(cfg: Config, data: dict, path: str, key: str) -> None:
+    """cfg.<key> from data when it is true or false (else its default); ConfigError otherwise."""
+    value = data.get(key, getattr(cfg, key))
+    if not isinstance(value, bool):
+        raise ConfigError(f"config {path}: '{key}' must be true or false")
+    setattr(cfg, key, value)
+
+
 def _load_agent(cfg: Config, data: dict, path: str) -> None:
     listen = data.get("agent_listen", cfg.agent_listen)
     host, sep, port = str(listen).rpartition(":") if isinstance(listen, str) else ("", "", "")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"config {path}: 'agent_listen' must be ADDRESS:PORT (e.g. 0.0.0.0:7070), got {listen!r}")
     cfg.agent_listen = listen
-    anyone = data.get("migrate_any_container", False)
-    if not isinstance(anyone, bool):
-        raise ConfigError(f"config {path}: 'migrate_any_container' must be true or false")
-    cfg.migrate_any_container = anyone
+    _flag(cfg, data, path, "migrate_any_container")
 
 
 def _load_registry(cfg: Config, data: dict, path: str) -> None:
@@ -314,10 +312,7 @@ def _load_registry(cfg: Config, data: dict, path: str) -> None:
 
 
 def _load_gpu(cfg: Config, data: dict, path: str) -> None:
-    backend = data.get("gpu_backend", cfg.gpu_backend)
-    if backend not in GPU_BACKENDS:
-        raise ConfigError(f"config {path}: 'gpu_backend' must be one of {GPU_BACKENDS}, got {backend!r}")
-    cfg.gpu_backend = backend
+    _choose(cfg, data, path, "gpu_backend", GPU_BACKENDS)
     timeout = data.get("gpu_lock_timeout_ms", cfg.gpu_lock_timeout_ms)
     if not isinstance(timeout, int) or isinstance(timeout, bool) or not 0 <= timeout <= 3_600_000:
         raise ConfigError(f"config {path}: 'gpu_lock_timeout_ms' must be an integer from 0 (no timeout) to 3600000")
@@ -326,22 +321,13 @@ def _load_gpu(cfg: Config, data: dict, path: str) -> None:
     if not isinstance(hook, (int, float)) or isinstance(hook, bool) or not 1 <= hook <= 3600:
         raise ConfigError(f"config {path}: 'gpu_hook_timeout_s' must be a number of seconds from 1 to 3600")
     cfg.gpu_hook_timeout_s = float(hook)
-    check = data.get("gpu_peer_check", cfg.gpu_peer_check)
-    if check not in GPU_PEER_CHECKS:
-        raise ConfigError(f"config {path}: 'gpu_peer_check' must be one of {GPU_PEER_CHECKS}, got {check!r}")
-    cfg.gpu_peer_check = check
-    thp = data.get("gpu_checkpoint_thp", cfg.gpu_checkpoint_thp)
-    if thp not in GPU_CHECKPOINT_THP:
-        raise ConfigError(f"config {path}: 'gpu_checkpoint_thp' must be one of {GPU_CHECKPOINT_THP}, got {thp!r} "
-                          "(always: transparent huge pages node-wide while the driver writes its checkpoint)")
-    cfg.gpu_checkpoint_thp = thp
+    _choose(cfg, data, path, "gpu_peer_check", GPU_PEER_CHECKS)
+    _choose(cfg, data, path, "gpu_checkpoint_thp", GPU_CHECKPOINT_THP,
+            hint="(always: transparent huge pages node-wide while the driver writes its checkpoint)")
 
 
 def _load_pages(cfg: Config, data: dict, path: str) -> None:
-    mode = data.get("restore_pages", cfg.restore_pages)
-    if mode not in RESTORE_PAGES:
-        raise ConfigError(f"config {path}: 'restore_pages' must be one of {RESTORE_PAGES}, got {mode!r}")
-    cfg.restore_pages = mode
+    _choose(cfg, data, path, "restore_pages", RESTORE_PAGES)
     for key, top in (("fill_threads", 256), ("fill_min_mib", 1 << 30)):
         val = data.get(key, getattr(cfg, key))
         if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val <= top:
@@ -350,10 +336,7 @@ def _load_pages(cfg: Config, data: dict, path: str) -> None:
 
 
 def _load_dump(cfg: Config, data: dict, path: str) -> None:
-    mode = data.get("dump_pages", cfg.dump_pages)
-    if mode not in DUMP_PAGES:
-        raise ConfigError(f"config {path}: 'dump_pages' must be one of {DUMP_PAGES}, got {mode!r}")
-    cfg.dump_pages = mode
+    _choose(cfg, data, path, "dump_pages", DUMP_PAGES)
     val = data.get("dump_threads", cfg.dump_threads)
     if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val <= 256:
         raise ConfigError(f"config {path}: 'dump_threads' must be an integer from 0 to 256")
