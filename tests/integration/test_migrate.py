@@ -24,13 +24,26 @@ from tests.integration.conftest import CLI
 pytestmark = pytest.mark.integration
 
 
-def test_stop_and_copy_continues_on_target(nodes, hosts):
-    src, cid = start_source(nodes, "sc")
+def _copy_continues(nodes, hosts, port: int, tag: str, *, send_streams: int, recv_streams: int,
+                    tmp_path=None, a_config: str = "", b_config: str = "") -> tuple[dict, dict, str]:
+    """A stop-and-copy migration of a fresh counter from A into B's restore bundle (a_config / b_config:
+    lines added to that node's config); asserts it succeeded, the source is gone and the copy counts on
+    where it stopped. Returns (migrate's JSON, the receiver's record, the source's container id)."""
+    def with_lines(side: str, lines: str) -> dict:
+        if not lines:
+            return nodes[side]
+        cfg = tmp_path / f"{side}-{tag}.yaml"
+        cfg.write_text(open(nodes[side]["config"]).read() + lines)
+        return {**nodes[side], "config": str(cfg)}
+
+    anodes = {**nodes, "a": with_lines("a", a_config)}
+    bnodes = {**nodes, "b": with_lines("b", b_config)}
+    src, cid = start_source(nodes, tag)
     out = nodes["base"] / f"{cid}.out"
-    recv = Receiver(nodes, hosts, 7901, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
-                    "--container-id", f"{cid}-b", "--output", str(out), "--streams", "4")
-    try:  # the images over 3 connections at once (migration/bulk.py), the receiver taking up to 4
-        res = migrate(nodes, hosts, 7901, cid, "--name", f"{cid}-ck", "--streams", "3")
+    recv = Receiver(bnodes, hosts, port, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
+                    "--container-id", f"{cid}-b", "--output", str(out), "--streams", str(recv_streams))
+    try:
+        res = migrate(anodes, hosts, port, cid, "--name", f"{cid}-ck", "--streams", str(send_streams))
         assert res.returncode == 0, res.stderr
         data = json.loads(res.stdout)
         assert recv.wait() == 0
@@ -40,6 +53,12 @@ def test_stop_and_copy_continues_on_target(nodes, hosts):
     src.close()
     assert src.status() is None  # the source is gone once the target runs
     assert_continues(before, wait_ticks(out))
+    return data, recv.results()[0], cid
+
+
+def test_stop_and_copy_continues_on_target(nodes, hosts):
+    # the images over 3 connections at once (migration/bulk.py), the receiver taking up to 4
+    data, rec, cid = _copy_continues(nodes, hosts, 7901, "sc", send_streams=3, recv_streams=4)
     assert data["mode"] == "stop-and-copy" and data["restored"] is True
     assert data["target"]["container_id"] == f"{cid}-b"
     assert set(data["phases"]) >= {"connect_s", "dump_s", "transfer_s", "commit_s", "restore_s"}
@@ -53,7 +72,6 @@ def test_stop_and_copy_continues_on_target(nodes, hosts):
     assert ins["verified"] is True
     assert ins["manifest"]["migration"]["from"].startswith(ADDR_A + ":")
     assert staging_entries(nodes) == []
-    rec = recv.results()[0]
     assert rec["restored"] and rec["committed"] and rec["bytes"] == data["bytes"] and rec["streams"] == 3
 
 
@@ -62,23 +80,8 @@ def test_stop_and_copy_with_the_parallel_dump(nodes, hosts, tmp_path):
     which hash each 64 MiB chunk as they write it; the transfer sends those digests (the pages are not
     read again to hash them) and the receiver checks every chunk against them as it arrives: a wrong
     digest would fail the migration. The container continues on the target, the checkpoint verifies."""
-    cfg = tmp_path / "a-parallel.yaml"
-    cfg.write_text(open(nodes["a"]["config"]).read() + "dump_pages: parallel\ndump_threads: 2\n")
-    pnodes = {**nodes, "a": {**nodes["a"], "config": str(cfg)}}
-    src, cid = start_source(nodes, "pdump")
-    out = nodes["base"] / f"{cid}.out"
-    recv = Receiver(nodes, hosts, 7913, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
-                    "--container-id", f"{cid}-b", "--output", str(out), "--streams", "2")
-    try:
-        res = migrate(pnodes, hosts, 7913, cid, "--name", f"{cid}-ck", "--streams", "2")
-        assert res.returncode == 0, res.stderr
-        assert recv.wait() == 0
-    finally:
-        recv.stop()
-    before = src.read_for(0.5)
-    src.close()
-    assert_continues(before, wait_ticks(out))
-    data = json.loads(res.stdout)
+    data, _, cid = _copy_continues(nodes, hosts, 7913, "pdump", send_streams=2, recv_streams=2, tmp_path=tmp_path,
+                                   a_config="dump_pages: parallel\ndump_threads: 2\n")
     assert data["streams"] == 2 and data["phases"]["pages_s"] >= 0 and data["phases"]["lazy_dump_s"] > 0
     ins = json.loads(target_cli(nodes, "inspect", f"{cid}-ck", "--verify", "--json").stdout)
     assert ins["verified"] is True and ins["manifest"]["dump_pages"]["mode"] == "parallel", ins["manifest"]["dump_pages"]
@@ -90,23 +93,8 @@ def test_stop_and_copy_target_restores_through_the_page_filler(nodes, hosts, tmp
     store when restore_pages asks for it (the default `auto` does from fill_min_mib on), so the copy
     runs before all of its memory is copied in (a 16 GiB GPU container spent 12 s in CRIU's eager
     restore here before); the checkpoint stays in the target's store whatever the filler does."""
-    cfg = tmp_path / "b-lazy.yaml"
-    cfg.write_text(open(nodes["b"]["config"]).read() + "restore_pages: lazy\nfill_min_mib: 1\n")
-    lnodes = {**nodes, "b": {**nodes["b"], "config": str(cfg)}}
-    src, cid = start_source(nodes, "scfill")
-    out = nodes["base"] / f"{cid}.out"
-    recv = Receiver(lnodes, hosts, 7914, "--restore", nodes["b"]["bundle"], "--root", nodes["b"]["root"],
-                    "--container-id", f"{cid}-b", "--output", str(out), "--streams", "2")
-    try:
-        res = migrate(nodes, hosts, 7914, cid, "--name", f"{cid}-ck", "--streams", "2")
-        assert res.returncode == 0, res.stderr
-        assert recv.wait() == 0
-    finally:
-        recv.stop()
-    before = src.read_for(0.5)
-    src.close()
-    assert_continues(before, wait_ticks(out))
-    rec = recv.results()[0]
+    _, rec, cid = _copy_continues(nodes, hosts, 7914, "scfill", send_streams=2, recv_streams=2, tmp_path=tmp_path,
+                                  b_config="restore_pages: lazy\nfill_min_mib: 1\n")
     assert rec["restored"] and rec["restore_pages"]["mode"] == "lazy", rec.get("restore_pages")
     ins = json.loads(target_cli(nodes, "inspect", f"{cid}-ck", "--verify", "--json").stdout)
     assert ins["verified"] is True
