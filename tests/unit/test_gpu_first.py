@@ -13,7 +13,6 @@ import json
 import mmap
 import os
 import socket
-import threading
 
 import pytest
 
@@ -22,10 +21,10 @@ from migrt.gpu import backing, inventory, select
 from migrt.gpu.backend import RUNNING
 from migrt.gpu.fake import FakeGpuBackend
 from migrt.ops import gpu_steps, pages
-from migrt.pagefill import engine, images, uffd
+from migrt.pagefill import engine, images
 from migrt.pagefill import session as fill_session
 from tests.unit.test_gpu_restore_per_process import _fill
-from tests.unit.test_pagefill import Rig, _libc, _pm, _vma, make_images, rigs, uffd_ok  # noqa: F401
+from tests.unit.test_pagefill import Rig, _pm, _vma, make_images, rigs, uffd_ok  # noqa: F401
 
 MiB = 1 << 20
 PAGE = 4096
@@ -132,30 +131,12 @@ class FirstRig(Rig):
     first), with the GPU backing [26, 30) MiB inside the small one."""
 
     def __init__(self, tmp_path, threads=2) -> None:  # noqa: D107 - Rig's methods, another plan
-        self.size = 32 * MiB
-        self.data = os.urandom(self.size)
-        self.src = str(tmp_path / "pages-1.img")
-        with open(self.src, "wb") as fh:
-            fh.write(self.data)
-        self.addr = _libc.mmap(None, self.size, 3, 0x22, -1, 0)
-        self.fd, _ = uffd.open_uffd(uffd.NONCOOP_FEATURES)
-        uffd.register(self.fd, self.addr, self.size)
+        self._memory(tmp_path, 32 * MiB)
         a = self.addr
         self.first = [(a + 26 * MiB, a + 30 * MiB)]
         segs = images.cut([images.Segment(a, a + 24 * MiB, 0), images.Segment(a + 24 * MiB, a + 32 * MiB, 24 * MiB)],
                           self.first)
-        plan = images.Plan(images=str(tmp_path), processes={1: images.ProcessPlan(
-            pid=1, pages_file=self.src, segments=segs, first=self.first)})
-        self.guard, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.filler = engine.Filler(plan, threads=threads, guard=theirs, status_path=str(tmp_path / "status.json"))
-        self.rc = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        dup = os.dup(self.fd)
-        try:
-            self.guard.sendmsg([b"T 1 1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, dup.to_bytes(4, "little"))])
-        finally:
-            os.close(dup)
+        self._start(tmp_path, segs, threads, first=self.first)
 
 
 def test_the_copy_threads_fill_the_gpu_backing_before_the_bigger_ranges(tmp_path, uffd_ok, rigs):

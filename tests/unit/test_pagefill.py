@@ -218,18 +218,30 @@ class Rig:
     data, and a Filler running in a thread, fed by us as the guard."""
 
     def __init__(self, tmp_path, size: int, threads: int = 2) -> None:
+        self._memory(tmp_path, size)
+        self._start(tmp_path, [images.Segment(self.addr, self.addr + size, 0)], threads)
+
+    def _memory(self, tmp_path, size: int, on_disk: bytes | None = None) -> None:
+        """Random data, written to the pages file (on_disk instead where given), and size bytes of our
+        memory registered with a userfaultfd."""
         self.size = size
         self.data = os.urandom(size)
         self.src = str(tmp_path / "pages-1.img")
         with open(self.src, "wb") as fh:
-            fh.write(self.data)
+            fh.write(self.data if on_disk is None else on_disk(self.data))
         self.addr = _libc.mmap(None, size, 3, 0x22, -1, 0)
         self.fd, _ = uffd.open_uffd(uffd.NONCOOP_FEATURES)
         uffd.register(self.fd, self.addr, size)
+
+    def _start(self, tmp_path, segments, threads: int, first=None, verifier_of=None) -> None:
+        """A Filler of those segments in a thread, handed our userfaultfd as the guard does;
+        verifier_of(plan): its verifier (pagefill/verify.py), else none."""
         plan = images.Plan(images=str(tmp_path), processes={1: images.ProcessPlan(
-            pid=1, pages_file=self.src, segments=[images.Segment(self.addr, self.addr + size, 0)])})
+            pid=1, pages_file=self.src, segments=segments, **({"first": first} if first is not None else {}))})
+        extra = {"verifier": verifier_of(plan)} if verifier_of else {}
         self.guard, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.filler = engine.Filler(plan, threads=threads, guard=theirs, status_path=str(tmp_path / "status.json"))
+        self.filler = engine.Filler(plan, threads=threads, guard=theirs, status_path=str(tmp_path / "status.json"),
+                                    **extra)
         self.rc = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

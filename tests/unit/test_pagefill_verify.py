@@ -297,35 +297,15 @@ class VRig(Rig):
     one byte at corrupt_at differs in the file)."""
 
     def __init__(self, tmp_path, size, corrupt_at=None):
-        import socket
+        def on_disk(data: bytes) -> bytes:
+            if corrupt_at is None:
+                return data
+            out = bytearray(data)
+            out[corrupt_at] ^= 0xFF
+            return bytes(out)
 
-        from migrt.pagefill import engine, uffd
-        from tests.unit.test_pagefill import _libc as libc
-
-        self.size = size
-        self.data = os.urandom(size)
+        self._memory(tmp_path, size, on_disk)
         digests = [hashlib.sha256(self.data[o:o + CH]).digest() for o in range(0, size, CH)]
-        on_disk = bytearray(self.data)
-        if corrupt_at is not None:
-            on_disk[corrupt_at] ^= 0xFF
-        self.src = str(tmp_path / "pages-1.img")
-        with open(self.src, "wb") as fh:
-            fh.write(on_disk)
-        self.addr = libc.mmap(None, size, 3, 0x22, -1, 0)
-        self.fd, _ = uffd.open_uffd(uffd.NONCOOP_FEATURES)
-        uffd.register(self.fd, self.addr, size)
-        plan = images.Plan(images=str(tmp_path), processes={1: images.ProcessPlan(
-            pid=1, pages_file=self.src, segments=[images.Segment(self.addr, self.addr + size, 0)])})
-        verifier = verify.build(plan, {"checkpoint": "ck", "files": {"pages-1.img": {
-            "rel": "images/pages-1.img", "size": size, "chunks": "".join(d.hex() for d in digests)}}})
-        self.guard, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.filler = engine.Filler(plan, threads=2, guard=theirs, status_path=str(tmp_path / "status.json"),
-                                    verifier=verifier)
-        self.rc = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        dup = os.dup(self.fd)
-        try:
-            self.guard.sendmsg([b"T 1 1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, dup.to_bytes(4, "little"))])
-        finally:
-            os.close(dup)
+        self._start(tmp_path, [images.Segment(self.addr, self.addr + size, 0)], 2, verifier_of=lambda plan: verify.build(
+            plan, {"checkpoint": "ck", "files": {"pages-1.img": {
+                "rel": "images/pages-1.img", "size": size, "chunks": "".join(d.hex() for d in digests)}}}))
