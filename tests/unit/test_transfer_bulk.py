@@ -23,8 +23,8 @@ from migrt.migration.receive import ReceiveOptions, Receiver
 from migrt.migration.wire import TransferError, accept, connect
 from migrt.store import Store
 from migrt.store import fsutil
+from tests.unit.test_transfer_import import KEY, receiver_env  # noqa: F401 (fixture)
 
-KEY = "0123456789abcdef0123456789abcdef"
 SMALL = 64 << 10
 
 
@@ -32,16 +32,6 @@ SMALL = 64 << 10
 def small_chunks(monkeypatch):
     monkeypatch.setattr(fsutil, "TREE_CHUNK", SMALL)
     monkeypatch.setattr(bulk, "CHUNK", SMALL)
-
-
-@pytest.fixture
-def receiver_env(migrt_env, tmp_path):
-    key = tmp_path / "migration.key"
-    key.write_text(KEY)
-    key.chmod(0o600)
-    with open(migrt_env.config, "a") as fh:
-        fh.write(f"migration_key_file: {key}\n")
-    return migrt_env
 
 
 def _serve_once(cfg, **opts):
