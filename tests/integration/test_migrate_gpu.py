@@ -42,6 +42,12 @@ def hosts(stack):
 @pytest.fixture
 def nodes(stack, tmp_path):
     """Host A (source) and B (target): config, key, store, runc root and a simulated GPU node each."""
+    yield from sim_nodes(tmp_path)
+
+
+def sim_nodes(tmp_path, **gpu_extra):
+    """The `nodes` fixture's body; gpu_extra: more fields of each node's simulated GPU (gpu.json).
+    Removes what is left in both runc roots afterwards."""
     marker = f"FAKE_CUDA={uuid.uuid4().hex}"
     secret = os.urandom(32).hex()
     out = {"base": tmp_path, "marker": marker}
@@ -56,10 +62,10 @@ def nodes(stack, tmp_path):
             f"migration_key_file: {d / 'key'}\n")
         (d / "gpu.json").write_text(json.dumps({
             "driver_version": "580.159", "marker": marker, "new_state": state, "process_bytes": 4 * GIB,
-            "ns_init_only": True,
+            "ns_init_only": True, **gpu_extra,
             "gpus": [{"uuid": gpu, "name": MODEL, "memory_total": 140 * GIB, "minor": 0}]}))
         out[node] = {"config": str(d / "config.yaml"), "store": str(d / "store"), "root": str(d / "root"),
-                     "gpu": str(d / "gpu.json")}
+                     "gpu": str(d / "gpu.json"), "dir": d}
     yield out
     for node in ("a", "b"):
         root = out[node]["root"]

@@ -28,10 +28,9 @@ import pytest
 from tests.gpu import rig
 from tests.helpers.twohosts import ADDR_B, in_ns, lazy_pipe_limit, two_hosts
 from tests.integration.conftest import CLI
-from tests.integration.test_migrate_gpu import MODEL, UA, UB, Receiver, _env, init_pid
+from tests.integration.test_migrate_gpu import UA, UB, Receiver, _env, init_pid, sim_nodes
 
 pytestmark = pytest.mark.integration
-GIB = 1 << 30
 PYTHON = "/usr/bin/python3"
 WORKLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns_workload.py")
 DATA_MIB, COPY_MIB = 48, 8
@@ -51,32 +50,12 @@ def needed():
 
 @pytest.fixture
 def nodes(stack, tmp_path):
-    marker = f"FAKE_CUDA={uuid.uuid4().hex}"
-    secret = os.urandom(32).hex()
-    out = {"base": tmp_path, "marker": marker}
-    for node, gpu, state in (("a", UA, "running"), ("b", UB, "checkpointed")):
-        d = tmp_path / node
-        d.mkdir()
-        (d / "key").write_text(secret + "\n")
-        (d / "key").chmod(0o600)
-        (d / "root").mkdir()
-        (d / "config.yaml").write_text(
-            f"runtime: runc\nstore: {d / 'store'}\nlog_file: {d / 'migrt.log'}\nlog_level: debug\n"
-            f"migration_key_file: {d / 'key'}\n")
-        (d / "gpu.json").write_text(json.dumps({
-            "driver_version": "580.159", "marker": marker, "new_state": state, "process_bytes": 4 * GIB,
-            "ns_init_only": True, "checkpoint_signal": 10, "checkpoint_ack": "/tmp/gpu-copy",
-            "gpus": [{"uuid": gpu, "name": MODEL, "memory_total": 140 * GIB, "minor": 0}]}))
-        out[node] = {"config": str(d / "config.yaml"), "store": str(d / "store"), "root": str(d / "root"),
-                     "gpu": str(d / "gpu.json"), "dir": d}
-    out["data"] = tmp_path / "data"
-    out["data"].mkdir()
-    shutil.copy(WORKLOAD, out["data"] / "workload.py")
-    yield out
-    for node in ("a", "b"):
-        root = out[node]["root"]
-        for cid in os.listdir(root):
-            subprocess.run(["runc", "--root", root, "delete", "--force", cid], capture_output=True)
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(WORKLOAD, data / "workload.py")
+    for out in sim_nodes(tmp_path, checkpoint_signal=10, checkpoint_ack="/tmp/gpu-copy"):
+        out["data"] = data
+        yield out
 
 
 def bundle(nodes, needed, name: str, args: list[str], netns: str, gpu: str, criu_config: str | None) -> str:
