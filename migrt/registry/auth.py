@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from dataclasses import dataclass
 
-from migrt import trust
+from migrt import jsonsafe, trust
 from migrt.errors import ConfigError
 
 MAX_BYTES = 1 << 20
@@ -45,7 +44,7 @@ def load(auth_file: str | None, host: str) -> Credentials | None:
         return None
     try:
         # like ssh with a private key: root's (or ours) alone, written and read by nobody else (migrt/trust.py)
-        data = json.loads(trust.read(auth_file, "registry auth file", secret=True, limit=MAX_BYTES))
+        data = jsonsafe.loads(trust.read(auth_file, "registry auth file", secret=True, limit=MAX_BYTES))
     except FileNotFoundError as exc:
         raise ConfigError(f"registry auth file {auth_file} (registry_auth_file in the migrt config) does not exist") from exc
     except (OSError, ValueError) as exc:

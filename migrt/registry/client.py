@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import json
 import os
 import re
 import ssl
@@ -36,11 +35,11 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from migrt import trust
+from migrt import jsonsafe, trust
 from migrt.errors import CheckpointInvalid, NotFound, RegistryError
 from migrt.registry.auth import Credentials
 from migrt.registry.reference import Reference
-from migrt.registry.text import printable
+from migrt.text import printable
 
 BUF = 4 << 20
 MAX_MANIFEST = 4 << 20
@@ -332,9 +331,9 @@ class Client:
         text = self._drain(resp, limit=64 << 10)
         detail = text.decode(errors="replace").strip()
         try:
-            errs = json.loads(text).get("errors") or []
+            errs = jsonsafe.loads(text).get("errors") or []
             detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errs) or detail
-        except (ValueError, AttributeError, RecursionError):
+        except (ValueError, AttributeError):
             pass
         msg = (f"registry {self.host}: {method} {what} answered {resp.status} {printable(resp.reason, 80)}"
                + (f" ({printable(detail)})" if detail else ""))
@@ -380,9 +379,9 @@ class Client:
             raise RegistryError(f"registry {self.host}: token service {service} answered {resp.status} "
                                 f"{printable(resp.reason, 80)}; check registry_auth_file")
         try:
-            data = json.loads(body)
+            data = jsonsafe.loads(body)
             token = data.get("token") or data["access_token"]
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RegistryError(f"registry {self.host}: token service {service} sent no token") from exc
         if not isinstance(token, str) or not token.isprintable() or not token.isascii():
             raise RegistryError(f"registry {self.host}: token service {service} sent no usable token")

@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 import re
 
+from migrt import jsonsafe
 from migrt.errors import CheckpointInvalid
-from migrt.registry.text import printable
 from migrt.store.fsutil import TREE_CHUNK
+from migrt.text import printable
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 INDEX_TYPES = ("application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json")
@@ -112,21 +113,14 @@ def cri_config(layer_digest: str, created: str) -> dict:
 # -- reading a pulled manifest ------------------------------------------------------------------
 
 def load_json(raw: bytes, where: str, what: str):
-    """JSON from a registry, nested at most MAX_JSON_DEPTH deep; CheckpointInvalid otherwise (never a
-    RecursionError from the parser or from code that walks the result later)."""
+    """JSON from a registry, nested at most MAX_JSON_DEPTH deep (migrt.jsonsafe); CheckpointInvalid
+    otherwise (never a RecursionError from the parser or from code that walks the result later)."""
     try:
-        data = json.loads(raw)
-    except RecursionError as exc:
-        raise CheckpointInvalid(f"{where}: {what} is nested deeper than {MAX_JSON_DEPTH} levels") from exc
+        data = jsonsafe.loads(raw, max_depth=MAX_JSON_DEPTH)
+    except jsonsafe.JSONRejected as exc:
+        raise CheckpointInvalid(f"{where}: {what} is {exc.msg}; not read") from exc
     except ValueError as exc:
         raise CheckpointInvalid(f"{where}: {what} is not JSON ({printable(exc, 120)})") from exc
-    level, depth = [data], 1
-    while level:
-        if depth > MAX_JSON_DEPTH:
-            raise CheckpointInvalid(f"{where}: {what} is nested deeper than {MAX_JSON_DEPTH} levels")
-        level = [c for x in level if isinstance(x, (dict, list)) for c in (x.values() if isinstance(x, dict) else x)
-                 if isinstance(c, (dict, list))]
-        depth += 1
     return data
 
 

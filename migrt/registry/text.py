@@ -1,20 +1,8 @@
-"""Text a registry controls (error bodies, reason phrases, headers), made safe to print: a terminal
-must never receive escape sequences or control characters from a server, in a CLI error, a runc log
-line shown by containerd, or a JSON log read with `less`."""
+"""Text a registry controls (error bodies, reason phrases, headers) is printed through migrt.text
+(the one escaping helper)."""
 
 from __future__ import annotations
 
+from migrt.text import printable
 
-def printable(text: object, limit: int = 300) -> str:
-    """At most `limit` characters of str(text), every non-printable character (control characters,
-    ESC, newlines, bidirectional overrides) written as a \\x.. / \\u.... escape."""
-    s = text if isinstance(text, str) else str(text)
-    cut = len(s) > limit
-    s = s[:limit]
-    out = "".join(c if c.isprintable() else _escape(c) for c in s)
-    return out + ("..." if cut else "")
-
-
-def _escape(c: str) -> str:
-    n = ord(c)
-    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+__all__ = ["printable"]
