@@ -27,17 +27,17 @@ _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 class Logger:
     """A bound logger: debug/info/warning/error/exception(event, **fields), bind(**context)."""
 
-    def __init__(self, sink: "_Sink", context: dict, min_level: int) -> None:
+    def __init__(self, sink: _Sink, context: dict, min_level: int) -> None:
         self._sink, self._context, self._min = sink, context, min_level
 
-    def bind(self, **context) -> "Logger":
+    def bind(self, **context) -> Logger:
         return Logger(self._sink, {**self._context, **context}, self._min)
 
     def _log(self, level: str, event: str, fields: dict) -> None:
         if _LEVELS[level] < self._min:
             return
         record = {**self._context, **fields, "event": event, "level": level,
-                  "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+                  "timestamp": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
         self._sink.write(json.dumps(record, default=repr))
 
     def debug(self, event: str, **fields) -> None:

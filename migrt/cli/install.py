@@ -72,7 +72,8 @@ def install_runtime(bindir, python, repair, criu_hook, criu_hook_source, as_json
     """Write migrt-runc (the runc-compatible runtime: sh fast path, Python when a decision is needed)
     and migrt (a launcher for this CLI) into BINDIR, both bound to one interpreter. Run it after
     `pip install`; packaging/setup-host.sh runs it too. Idempotent."""
-    from migrt.node.launchers import install as install_launchers, python_problem
+    from migrt.node.launchers import install as install_launchers
+    from migrt.node.launchers import python_problem
 
     if python:
         problem = python_problem(python)

@@ -21,11 +21,11 @@ class CriuOptions:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> "CriuOptions":
+    def from_dict(cls, data: dict | None) -> CriuOptions:
         data = data or {}
         return cls(**{f.name: bool(data.get(f.name, False)) for f in fields(cls)})
 
-    def merged(self, **overrides: bool) -> "CriuOptions":
+    def merged(self, **overrides: bool) -> CriuOptions:
         base = self.to_dict()
         base.update({k: v for k, v in overrides.items() if v})
         return CriuOptions(**base)

@@ -22,8 +22,17 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from migrt.gpu.backend import (CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuBackend, GpuCannotRestore, GpuError,
-                                GpuUnavailable, Remap)
+from migrt.gpu.backend import (
+    CHECKPOINTED,
+    FAILED,
+    LOCKED,
+    RUNNING,
+    GpuBackend,
+    GpuCannotRestore,
+    GpuError,
+    GpuUnavailable,
+    Remap,
+)
 
 LIBCUDA = "libcuda.so.1"
 

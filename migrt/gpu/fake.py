@@ -8,8 +8,17 @@ import signal
 import threading
 
 from migrt.gpu import fakenode
-from migrt.gpu.backend import (CHECKPOINTED, FAILED, LOCKED, RUNNING, GpuBackend, GpuCannotRestore, GpuError, Remap,
-                                uuid_text)
+from migrt.gpu.backend import (
+    CHECKPOINTED,
+    FAILED,
+    LOCKED,
+    RUNNING,
+    GpuBackend,
+    GpuCannotRestore,
+    GpuError,
+    Remap,
+    uuid_text,
+)
 
 NOT_SUPPORTED = 801
 
@@ -35,7 +44,7 @@ class FakeGpuBackend(GpuBackend):
         if isinstance(pids, dict):
             self.states = dict(pids)
         else:
-            self.states = {p: RUNNING for p in pids or []}
+            self.states = dict.fromkeys(pids or [], RUNNING)
         self.gpus = gpus
         self.calls: list[tuple] = []  # (call, pid, extra) in the order made
         self.remaps: dict[int, Remap | None] = {}

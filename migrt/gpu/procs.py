@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 
+
 def _read(path: str) -> str | None:
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:

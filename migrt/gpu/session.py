@@ -26,8 +26,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 
 from migrt import log as log_mod
 from migrt.errors import MigrtError

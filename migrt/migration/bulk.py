@@ -149,7 +149,7 @@ class Listener:
             while joined < self.streams - 1 and not self._closed and self.ch.sock.fileno() != -1:
                 try:
                     conn, addr = self.sock.accept()
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 except OSError:
                     return
@@ -438,7 +438,7 @@ def _recv_full(ch: Channel, view: memoryview) -> int:
             try:
                 k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
             except BlockingIOError:
-                raise socket.timeout("timed out") from None
+                raise TimeoutError("timed out") from None
             if not k:
                 break
             got += k
@@ -456,7 +456,7 @@ def _send_full(ch: Channel, view) -> None:
             try:
                 mv = mv[sock.send(mv):]
             except BlockingIOError:
-                raise socket.timeout("timed out") from None
+                raise TimeoutError("timed out") from None
 
 
 def _map(fd: int, size: int, prot: int) -> tuple[int, memoryview | None]:
@@ -614,7 +614,7 @@ def _sendfile(ch: Channel, src: _Source, off: int, n: int) -> None:
                 k = os.sendfile(sock.fileno(), src.fd, off, end - off)
             except BlockingIOError:
                 if not poller.poll(ch.stall * 1000):
-                    raise socket.timeout("timed out") from None
+                    raise TimeoutError("timed out") from None
                 continue
             if k == 0:
                 raise TransferError(f"{src.path} shrank while being sent ({off} of {src.size} bytes)")

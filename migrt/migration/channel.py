@@ -16,12 +16,12 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from migrt.store.fsutil import TreeHasher, make_entry
 from migrt.errors import UsageError
 from migrt.migration import protocol as p
-from migrt.pagefill.remote import page_key
 from migrt.migration.protocol import AuthError, TransferError
 from migrt.migration.tls import TLSFiles, wrap_client, wrap_server
+from migrt.pagefill.remote import page_key
+from migrt.store.fsutil import TreeHasher, make_entry
 
 CHUNK = 8 << 20
 TLS_HANDSHAKE = b"\x16"  # first byte of a TLS ClientHello record
@@ -57,7 +57,7 @@ def _io(what: str) -> Iterator[None]:
         yield
     except TransferError:
         raise
-    except socket.timeout as exc:
+    except TimeoutError as exc:
         raise TransferError(f"{what}: timed out waiting for the peer") from exc
     except OSError as exc:
         raise TransferError(f"{what}: {exc.strerror or exc}") from exc

@@ -32,24 +32,23 @@ from migrt.criu import lazy as lazy_mod
 from migrt.criu.options import CriuOptions
 from migrt.criu.version import versions
 from migrt.errors import Conflict, MigrtError, PreconditionFailed, RuntimeFailed, UsageError
-from migrt.oci.bundle import Bundle
-from migrt.pods import rootfs
-from migrt.ops.checkpoint import default_name
-from migrt.progress import Progress, null_progress
 from migrt.gpu import procs
+from migrt.migration import bulk, handover, pageserve
+from migrt.migration.channel import RemoteError
+from migrt.migration.gpu import GpuSource
+from migrt.migration.guard import Guard
+from migrt.migration.tls import TLSFiles
+from migrt.migration.wire import Channel, TransferError, connect, load_key
+from migrt.oci.bundle import Bundle
+from migrt.ops.checkpoint import default_name
+from migrt.pagefill import images as pagefill_images
+from migrt.pods import rootfs
+from migrt.progress import Progress, null_progress
 from migrt.runtime import control, lazy_memory, markers
 from migrt.runtime import moved as moved_marks
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
-from migrt.migration import bulk, handover
-from migrt.migration.channel import RemoteError
-from migrt.migration.gpu import GpuSource
-from migrt.migration.guard import Guard
-from migrt.migration.wire import Channel, TransferError, connect, load_key
-from migrt.migration import pageserve
-from migrt.migration.tls import TLSFiles
-from migrt.pagefill import images as pagefill_images
 
 MODES = ("stop-and-copy", "lazy", "direct")
 MAX_PRE_DUMPS = 8
@@ -225,7 +224,8 @@ def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
     name = names.validate(req.name) if req.name else default_name(req.container_id)
     mode = "lazy" if req.lazy else "direct" if req.direct else "stop-and-copy"
     plan = pre_dump_plan(req.pre_dump)
-    from migrt.ops import dump as dump_ops, space
+    from migrt.ops import dump as dump_ops
+    from migrt.ops import space
 
     est = space.estimate(state.get("pid"))
     # stop-and-copy dumps like `migrt checkpoint`: with migrt's parallel dump where it pays, whose threads
@@ -643,7 +643,7 @@ class _GuardJournal:
             self.source.serving(tuple(ps) if ps else None)
 
 
-def _stop(dump: "control.LazyCheckpoint | None", server: "pageserve.Handle | None") -> None:
+def _stop(dump: control.LazyCheckpoint | None, server: pageserve.Handle | None) -> None:
     if dump:
         dump.abort()
     if server:

@@ -35,8 +35,17 @@ import threading
 import time
 
 from migrt.pagedump import memory
-from migrt.pagefill.remote import (MAGIC, MAX_REQUEST, NONCE, REQUEST, STATUS, FetchError, answer, recv_exact,
-                                   tls_context)
+from migrt.pagefill.remote import (
+    MAGIC,
+    MAX_REQUEST,
+    NONCE,
+    REQUEST,
+    STATUS,
+    FetchError,
+    answer,
+    recv_exact,
+    tls_context,
+)
 
 EXIT_DONE, EXIT_STOPPED, EXIT_IDLE = 0, 3, 4
 BACKGROUND_NICE = 10

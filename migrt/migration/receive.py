@@ -37,22 +37,22 @@ from migrt import faults, names
 from migrt.config import Config
 from migrt.criu import lazy as lazy_mod
 from migrt.errors import Conflict, MigrtError, RuntimeFailed, UsageError
+from migrt.migration import bulk, handover, watchdog
+from migrt.migration.admission import Admission
+from migrt.migration.gpu import target_preflight
+from migrt.migration.guard import Guard, wait_for_guards
+from migrt.migration.protocol import AuthError
+from migrt.migration.tls import TLSFiles
+from migrt.migration.wire import Channel, TransferError, accept, load_key, parse_address
 from migrt.oci.bundle import Bundle
-from migrt.pagefill import PageFill
 from migrt.ops.restore import RestoreTarget, check_target, restore_checkpoint
+from migrt.pagefill import PageFill
 from migrt.runtime.lower import default_root
+from migrt.runtime.markers import marker_path
 from migrt.runtime.runc import candidate_roots
 from migrt.store import Store
 from migrt.store import manifest as mf
 from migrt.store.importer import importing
-from migrt.migration import bulk, handover, watchdog
-from migrt.migration.admission import Admission
-from migrt.migration.guard import Guard, wait_for_guards
-from migrt.migration.gpu import target_preflight
-from migrt.migration.wire import Channel, TransferError, accept, load_key, parse_address
-from migrt.migration.protocol import AuthError
-from migrt.migration.tls import TLSFiles
-from migrt.runtime.markers import marker_path
 
 PAGES_PROTOCOL = "migrt-pages/1"  # lazy pages from migrt's page server (pageserve.py, pagefill/remote.py)
 
@@ -143,7 +143,7 @@ class Receiver:
                 return result
             try:
                 conn, _ = server.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as exc:
                 raise TransferError(f"accept on {self.opts.listen}: {exc.strerror or exc}") from exc

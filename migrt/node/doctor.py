@@ -8,15 +8,23 @@ import shutil
 import stat
 import subprocess
 
-from migrt.criu.binary import chosen as criu_choice
-from migrt.criu.version import (MIN_CONTAINERD, MIN_CRIU, MIN_RUNC, criu_version, kernel_version, parse_version,
-                                run_query, runtime_version)
 from migrt import trust
+from migrt.criu.binary import chosen as criu_choice
+from migrt.criu.version import (
+    MIN_CONTAINERD,
+    MIN_CRIU,
+    MIN_RUNC,
+    criu_version,
+    kernel_version,
+    parse_version,
+    run_query,
+    runtime_version,
+)
 from migrt.errors import MigrtError
-from migrt.runtime.lower import configured_value
 from migrt.node.doctor_containerd import containerd_handler_check
 from migrt.node.doctor_gpu import gpu_checks
 from migrt.node.doctor_install import install_checks
+from migrt.runtime.lower import configured_value
 from migrt.trust import Untrusted
 
 

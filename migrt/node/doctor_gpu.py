@@ -8,7 +8,8 @@ import glob
 import os
 
 from migrt import trust
-from migrt.gpu import inventory, thp as thp_mod
+from migrt.gpu import inventory
+from migrt.gpu import thp as thp_mod
 from migrt.gpu.cuda import LIBCUDA, CudaDriverBackend
 from migrt.node.doctor_install import SETUP, script_problem
 from migrt.node.launchers import read_installed

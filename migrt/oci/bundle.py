@@ -55,7 +55,7 @@ class Bundle:
         self.config = config
 
     @classmethod
-    def load(cls, path: str) -> "Bundle":
+    def load(cls, path: str) -> Bundle:
         cfg_path = os.path.join(path, "config.json")
         try:
             with open(cfg_path, "rb") as fh:
@@ -69,7 +69,7 @@ class Bundle:
         return cls(path, config)
 
     @classmethod
-    def of_state(cls, state: dict | None) -> "Bundle | None":
+    def of_state(cls, state: dict | None) -> Bundle | None:
         """A container's bundle, through the `bundle=` label runc keeps in its state.json; None when the
         label is absent or the bundle's config.json cannot be read."""
         labels = ((state or {}).get("config") or {}).get("labels") or []

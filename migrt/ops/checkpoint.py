@@ -197,7 +197,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
     return data
 
 
-def _resume_after_dump(undo: "_Undo", cid: str, root: str) -> str | None:
+def _resume_after_dump(undo: _Undo, cid: str, root: str) -> str | None:
     """--leave-running, after a complete dump: thaw, then resume the GPU processes. If the GPU resume
     fails the dump is kept (it is committed next: it may be the only copy the driver can restore)
     and the processes are recorded as suspended for 'migrt gpu resume' (ops/gpu_preempt.py); the
@@ -228,7 +228,7 @@ class _Undo:
         self.frozen = False
         self.committed = False
 
-    def __enter__(self) -> "_Undo":
+    def __enter__(self) -> _Undo:
         return self
 
     def run(self) -> None:

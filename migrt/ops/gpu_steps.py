@@ -27,8 +27,20 @@ from dataclasses import dataclass, field
 
 from migrt import log as log_mod
 from migrt.errors import MigrtError, PreconditionFailed
-from migrt.gpu import (apphooks, backing, devnodes, gate, inventory, preflight, procs, records, select, session, thp,
-                       visible)
+from migrt.gpu import (
+    apphooks,
+    backing,
+    devnodes,
+    gate,
+    inventory,
+    preflight,
+    procs,
+    records,
+    select,
+    session,
+    thp,
+    visible,
+)
 from migrt.gpu.backend import CHECKPOINTED, GpuBackend, GpuError
 from migrt.progress import Progress, null_progress
 

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from migrt import log as log_mod
 from migrt.config import Config
 from migrt.errors import MigrtError
+from migrt.gpu import select as gpu_select
 from migrt.gpu import session
 from migrt.gpu.backend import GpuError
-from migrt.gpu import select as gpu_select
 from migrt.runtime.cleanup import clear_container, unmount_under
 from migrt.runtime.markers import is_restored
 from migrt.runtime.runc import LowerRuntime

@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import heapq
 import ctypes
 import errno
+import heapq
 import json
 import mmap as _mmap
 import os

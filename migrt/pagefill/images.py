@@ -34,8 +34,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from migrt.criu.protobuf import ImageError, read_entries
-from migrt.criu.protobuf import split_entries  # noqa: F401 - pagedump splits its images with it
+from migrt.criu.protobuf import (
+    ImageError,
+    read_entries,
+    split_entries,  # noqa: F401 - pagedump splits its images with it
+)
 from migrt.criu.protobuf import fields as _fields
 from migrt.criu.protobuf import varint as _varint  # noqa: F401 - pagedump reads its varints with it
 

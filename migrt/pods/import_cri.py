@@ -46,7 +46,7 @@ import tarfile
 import time
 import zlib
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime, timezone
 
 from migrt import names
 from migrt.config import Config
@@ -56,9 +56,8 @@ from migrt.oci.bundle import Bundle
 from migrt.pagefill.images import record_beside
 from migrt.pods import engines, rootfs
 from migrt.progress import Progress, null_progress
-from migrt.store import Store
+from migrt.store import Store, reserve
 from migrt.store import manifest as mf
-from migrt.store import reserve
 
 FORMAT = "kubernetes-checkpoint-archive"
 CHECKPOINT_DIR = "checkpoint"
@@ -538,7 +537,7 @@ def _iso(text: object) -> str | None:
         return None
     try:  # a date that does not exist (month 13, hour 25) or leaves the calendar once in UTC: unknown
         dt = datetime.fromisoformat(m.group(1) + ("+00:00" if m.group(2) == "Z" else m.group(2)))
-        return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     except (ValueError, OverflowError):
         return None
 

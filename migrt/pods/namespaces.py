@@ -9,8 +9,8 @@ from __future__ import annotations
 import glob
 import os
 
-from migrt.pods.forked import run_forked
 from migrt.oci.bundle import Bundle
+from migrt.pods.forked import run_forked
 
 CLONE_NEWUTS = 0x04000000
 

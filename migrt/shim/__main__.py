@@ -19,13 +19,12 @@ import os
 import sys
 
 from migrt.criu.binary import use_migrt_criu
-from migrt.trust import Untrusted
+from migrt.runtime import lower as _lower
+from migrt.runtime import moved, runclog
 from migrt.runtime.markers import GPU_RELEASE_MARKER as RELEASE_MARKER
 from migrt.runtime.markers import gpu_suspended, gpu_suspended_message, is_restored
-from migrt.runtime import lower as _lower
-from migrt.runtime import moved
-from migrt.runtime import runclog
 from migrt.shim.argv import RuncArgv
+from migrt.trust import Untrusted
 
 
 def _exec(path: str, args: list[str], parsed: RuncArgv) -> int:

@@ -71,7 +71,7 @@ class Flag:
     tokens: tuple[str, ...]
 
     @classmethod
-    def make(cls, name: str, value: str | None = None) -> "Flag":
+    def make(cls, name: str, value: str | None = None) -> Flag:
         tokens = (f"--{name}",) if value is None else (f"--{name}", value)
         return cls(name, value, tokens)
 
@@ -127,7 +127,7 @@ class RuncArgv:
     rest: list[str] = field(default_factory=list)
 
     @classmethod
-    def parse(cls, argv: list[str]) -> "RuncArgv":
+    def parse(cls, argv: list[str]) -> RuncArgv:
         flags, _, tail = parse_flags(list(argv), GLOBAL_VALUE_FLAGS, stop_at_positional=True)
         if not tail:
             return cls(flags, None, [])
@@ -161,7 +161,7 @@ class RuncArgv:
     def log_format(self) -> str:
         return self.global_value("log-format") or "text"
 
-    def command_args(self) -> "CommandArgs":
+    def command_args(self) -> CommandArgs:
         values = COMMAND_VALUE_FLAGS.get(self.command or "", frozenset())
         flags, positionals, tail = parse_flags(self.rest, values,
                                                stop_at_positional=self.command in NO_REORDER)
