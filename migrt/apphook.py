@@ -59,6 +59,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from migrt import jsonsafe
+
 DEFAULT_DIR = "/run/migrt/hooks"
 DIR_ENV = "MIGRT_HOOK_DIR"
 VERSION = 1
@@ -209,7 +211,7 @@ def _read_request(conn: socket.socket, limit: int = 65536) -> dict:
             break
         buf += chunk
     conn.settimeout(None)
-    data = json.loads(buf.split(b"\n", 1)[0] or b"{}")
+    data = jsonsafe.loads(buf.split(b"\n", 1)[0] or b"{}", max_bytes=limit)  # a process of the container may ask too
     if not isinstance(data, dict):
         raise ValueError("request is not an object")
     return data

