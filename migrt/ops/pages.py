@@ -389,10 +389,16 @@ class MemoryReady:
                 "waited_for": self._waited.get(pid)}
 
 
-def failed(fill, exc) -> None:
-    """The restore failed (the container is gone): stop the filler, quote why it failed if it did."""
+def failed(fill, exc, name: str | None = None) -> CheckpointInvalid | None:
+    """The restore failed (the container is gone): stop the filler, quote why it failed if it did.
+    Returns the reason to report when the filler found a chunk that does not verify: its guard kills
+    CRIU's tasks only after that verdict is in its status, so whether runc restore returned first (the
+    verdict comes through check/wait_all) or CRIU was killed mid-restore, the restore fails as
+    CheckpointInvalid naming the file and bytes (name: the checkpoint)."""
     st = fill.status()
     details = getattr(exc, "details", None)
     if st.get("state") == "failed" and st.get("error") and st["error"] not in str(exc) and details is not None:
         details.append(f"page filler: {st['error']}")
     fill.abort()
+    error = (st.get("verify") or {}).get("error")
+    return verify_failed(name, error) if error and name and not isinstance(exc, CheckpointInvalid) else None

@@ -227,7 +227,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
                     runtime.delete_force(target.root, target.container_id)
                 cause = checks.failure()  # first: a check may still read the filler's status (PlanCheck)
                 if fill:
-                    pages.failed(fill, exc)
+                    cause = cause or pages.failed(fill, exc, name)  # a chunk that did not verify
                 if cause is not None and cause is not exc:
                     raise cause from exc  # a failed check is the reason, whatever CRIU said
                 raise
