@@ -39,13 +39,17 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 
+from migrt import jsonsafe
 from migrt import log as log_mod
 from migrt.gpu import procs
+from migrt.text import printable
 
 ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"  # test seam
 STATE_DIR = "/run/migrt"  # test seam
 SETTINGS = ("keep", "always")
 ALWAYS, KEPT, FAILED = "always", "kept", "failed"  # what a window did (Window.applied)
+MAX_STATE = 1 << 20  # bytes of the state file
+MAX_STATE_DEPTH = 8  # {"holders": [{...}]} needs three levels
 _warned = False
 
 
@@ -114,12 +118,16 @@ def window(cfg) -> Window:
 
 def repair() -> dict:
     """Settle what migrt processes that died left (`migrt doctor`): {"holders": live holders,
-    "dropped": dead ones, "put_back": the value written back or None, "before": the recorded value}.
+    "dropped": dead ones, "put_back": the value written back or None, "before": the recorded value;
+    "damaged": what is wrong, for a state file that holds no state, set aside}.
     Raises OSError when the state cannot be read or the value cannot be written."""
     if not os.path.exists(state_path()):
         return {"holders": [], "dropped": [], "put_back": None, "before": None}
     with _locked():
-        state = _read()
+        try:
+            state = _read()
+        except StateDamaged as exc:
+            return {"holders": [], "dropped": [], "put_back": None, "before": None, "damaged": str(exc)}
         if state is None:
             return {"holders": [], "dropped": [], "put_back": None, "before": None}
         before = state.get("before")
@@ -131,7 +139,7 @@ def repair() -> dict:
 def _enter(token: str) -> bool:
     """True when this window holds the switch (to be left), False when `always` was set already."""
     with _locked():
-        state = _read()
+        state = _read_or_none()
         if state is not None:
             state, _ = _settle(state, changed=False)
         me = {"pid": os.getpid(), "start_time": procs.start_time(os.getpid()), "token": token}
@@ -156,7 +164,7 @@ def _enter(token: str) -> bool:
 
 def _leave(token: str) -> None:
     with _locked():
-        state = _read()
+        state = _read_or_none()
         if state is None:
             return
         state["holders"] = [h for h in state["holders"] if h.get("token") != token]
@@ -202,21 +210,46 @@ def _locked() -> Iterator[None]:
         os.close(fd)
 
 
+class StateDamaged(ValueError):
+    """The state file holds no state (not JSON, too large or too deep, another shape); it was set aside."""
+
+
 def _read() -> dict | None:
-    """The state, None without one. One that cannot be parsed counts as holders gone and nothing
-    recorded (it is only ever replaced whole, so this means someone else wrote it)."""
+    """The state, None without one. Content that is no state (read with the bounded JSON reader: a
+    deeply nested file is not a RecursionError) raises StateDamaged once the file is set aside."""
     try:
-        with open(state_path(), encoding="utf-8") as fh:
-            data = json.load(fh)
+        with open(state_path(), "rb") as fh:
+            data = jsonsafe.load(fh, max_bytes=MAX_STATE, max_depth=MAX_STATE_DEPTH)
     except FileNotFoundError:
         return None
-    except ValueError:
-        data = None
+    except ValueError as exc:  # JSONRejected, not JSON, not UTF-8
+        raise _damaged(exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)) from exc
     if not isinstance(data, dict) or not isinstance(data.get("holders"), list):
-        log_mod.get().warning("gpu_checkpoint_thp_state_unreadable", path=state_path())
-        return {"before": None, "holders": []}
+        raise _damaged("no object with a 'holders' list")
     data["holders"] = [h for h in data["holders"] if isinstance(h, dict)]
     return data
+
+
+def _damaged(reason: str) -> StateDamaged:
+    """Set the damaged file aside (kept for a look, out of the way of the next window) and say so."""
+    path, aside = state_path(), state_path() + ".damaged"
+    with contextlib.suppress(OSError):
+        os.replace(path, aside)
+    now = current()
+    msg = (f"{path} is damaged ({printable(reason, 120)}); set aside as {aside}: the value of {ENABLED} to put "
+           f"back after a GPU checkpoint is lost, and it says {now or 'nothing readable'} now; write the node's "
+           "usual value there (e.g. madvise) if that is not it")
+    log_mod.get().warning("gpu_checkpoint_thp_state_damaged", path=path, aside=aside, reason=printable(reason, 120),
+                          enabled=now)
+    return StateDamaged(msg)
+
+
+def _read_or_none() -> dict | None:
+    """_read(), a damaged file counting as none (the window goes on as the first holder)."""
+    try:
+        return _read()
+    except StateDamaged:
+        return None
 
 
 def _save(state: dict) -> None:

@@ -105,6 +105,8 @@ def thp_checks(mode: str) -> list[dict]:
                                "nothing left to do; the checkpoint of that migrt failed ('migrt recover')"))
         elif found["dropped"]:
             out.append(_check(name, "ok", f"dropped the record of migrt pid {dead} (died during a GPU checkpoint)"))
+        if found.get("damaged"):
+            out.append(_check(name, "warn", found["damaged"], "check the THP setting by hand (see the detail)"))
     setting = thp_setting()
     measured = ("measured on an H200 with 16 GB on the GPU: the driver's checkpoint 5.75 s instead of 8-10 s; with "
                 "always node-wide the whole GPU round trip was 1.57x faster (37.4 s -> 23.8 s)")

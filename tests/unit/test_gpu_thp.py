@@ -314,3 +314,31 @@ def test_config_default_and_always(tmp_path):
     p.write_text("gpu_checkpoint_thp: always\n")
     cfg_ = config_mod.load(str(p))
     assert cfg_.gpu_checkpoint_thp == "always" and thp.window(cfg_).setting == "always"
+
+
+@pytest.mark.parametrize("content", [b"[" * 100_000 + b"]" * 100_000, b'{"holders": ' + b"[" * 60_000, b"\xff\x00",
+                                     b'{"before": "madvise"}'])
+def test_a_damaged_state_file_is_set_aside_with_a_clear_message(sysfs, logged, content):
+    """Deeply nested JSON in /run/migrt/thp.json once raised RecursionError in repair() (migrt doctor)."""
+    os.makedirs(thp.STATE_DIR)
+    Path(thp.state_path()).write_bytes(content)
+    found = thp.repair()
+    assert found["holders"] == [] and found["put_back"] is None
+    assert found["damaged"].startswith(f"{thp.state_path()} is damaged (")
+    assert "set aside as" in found["damaged"] and "says madvise now" in found["damaged"]
+    assert found["damaged"].isprintable() and len(found["damaged"]) < 600
+    assert not os.path.exists(thp.state_path())
+    assert Path(thp.state_path() + ".damaged").read_bytes() == content
+    checks = {c["name"]: c for c in doctor_gpu.thp_checks("always")}
+    assert "gpu checkpoint THP window" not in checks  # set aside: the next doctor has nothing to say
+    Path(thp.state_path()).write_bytes(content)
+    with thp.Window("always") as w:  # a window goes on as the first holder, and puts its value back
+        assert w.applied == thp.ALWAYS and thp.current() == "always"
+    assert thp.current() == "madvise" and state() is None
+
+
+def test_doctor_shows_a_damaged_state_file(sysfs):
+    os.makedirs(thp.STATE_DIR)
+    Path(thp.state_path()).write_bytes(b"[" * 100_000)
+    window = {c["name"]: c for c in doctor_gpu.thp_checks("always")}["gpu checkpoint THP window"]
+    assert window["status"] == "warn" and "is damaged (nested deeper than 8 levels" in window["detail"]
