@@ -1,6 +1,8 @@
 """The migrt demo: private containerd -> counter container through migrt-runc -> `migrt checkpoint`
 -> container removed -> new container with MIGRT_RESTORE -> the counter resumes where it stopped.
-Everything lives in a temporary directory, removed at the end (--keep keeps it).
+Everything lives in a temporary directory, removed at the end (--keep keeps it). It needs what
+packaging/setup-host.sh sets up and nothing of the test set-up: the container image is made of this
+host's own sh and coreutils (scripts/lab/host_rootfs.py), the containerd is the one on PATH.
 --containerd 1.7 runs it with containerd 1.7 (unpacked by packaging/setup-test.sh), 1.6 with the node
 release's own containerd and runc (Debian 12: 1.6.20 and 1.1.5), instead of the containerd on PATH;
 MIGRT_BINDIR names where migrt and migrt-runc are (default /usr/local/bin)."""
@@ -8,6 +10,7 @@ MIGRT_BINDIR names where migrt and migrt-runc are (default /usr/local/bin)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -17,12 +20,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.helpers.containerd import RELEASE_PATH, SYSTEM, VERSIONS, Containerd, missing  # noqa: E402
-from tests.integration.workloads import COUNTER, parse_ticks  # noqa: E402
+from scripts.lab.containerd import RELEASE_PATH, SYSTEM, VERSIONS, Containerd, missing
+from scripts.lab.host_rootfs import make_host_rootfs
+from scripts.lab.oci_image import write_image_tar
+from scripts.lab.workloads import COUNTER, parse_ticks
 
 BINDIR = os.environ.get("MIGRT_BINDIR", "/usr/local/bin")
 SHIM = f"{BINDIR}/migrt-runc"
 MIGRT = f"{BINDIR}/migrt"
+IMAGE = "docker.io/migrt/demo-counter:1"
 
 
 def say(msg: str) -> None:
@@ -33,10 +39,18 @@ def ticks(path: str) -> list:
     return parse_ticks(open(path).read()) if os.path.exists(path) else []
 
 
+def import_image(ctd: Containerd, base: str) -> str:
+    """The host's sh and coreutils as a one-layer image in the demo's containerd."""
+    rootfs = make_host_rootfs(os.path.join(base, "rootfs"))
+    tar = write_image_tar(rootfs, os.path.join(base, "image.tar"), IMAGE, {"Env": ["PATH=/bin"], "Cmd": ["sh"]})
+    return ctd.import_image(tar, IMAGE)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--containerd", choices=VERSIONS, default=SYSTEM,
-                    help="containerd: 2 (the one on PATH), 1.7 (unpacked by setup-test.sh) or 1.6 (the release's, with its runc)")
+                    help="containerd: 2 (the one on PATH), 1.7 (unpacked by setup-test.sh) or 1.6 "
+                         "(the release's, with its runc)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = ap.parse_args()
     why = missing(args.containerd)
@@ -57,7 +71,7 @@ def main() -> int:
         server = [line.split(":", 1)[1].strip() for line in ctd.ctr("version").stdout.splitlines()
                   if line.strip().startswith("Version:")]
         print(f"containerd {server[-1] if server else '?'}")
-        image = ctd.import_busybox()
+        image = import_image(ctd, base)
         log1 = os.path.join(base, "counter-1.log")
         say("run a counter container through migrt-runc (ordinary container: pure pass-through)")
         ctd.ctr("run", "-d", "--runc-binary", SHIM, "--log-uri", f"file://{log1}", image, "counter-1",
@@ -73,8 +87,6 @@ def main() -> int:
         if res.returncode != 0:
             print(res.stderr, file=sys.stderr)
             return 1
-        import json
-
         info = json.loads(res.stdout)
         stopped_at = ticks(log1)[-1]
         print(f"checkpoint {info['name']}: {info['size_bytes'] / 1e6:.1f} MB, timings {info['timings']}")
