@@ -8,7 +8,7 @@ import time
 
 import click
 
-from migrt import __version__
+from migrt import __version__, names
 from migrt.cli.group import cli, handle_errors, load_config
 from migrt.cli.render import ConsoleProgress, emit_json, human_size, table
 from migrt.errors import UsageError
@@ -31,6 +31,7 @@ def checkpoint(container_id, root, name, leave_running, tcp_established, ext_uni
     from migrt.ops.checkpoint import CheckpointRequest
     from migrt.ops.checkpoint import checkpoint as do_checkpoint
 
+    names.container_id(container_id)  # before anything builds a path from it
     cfg = load_config()
     progress = ConsoleProgress(enabled=None if not as_json else False)
     if progress.enabled:
@@ -180,6 +181,7 @@ def restore(name, container_id, bundle, root, output, pages, wait_pages, as_json
     from migrt.ops.restore import RestoreTarget, restore_checkpoint
     from migrt.runtime.lower import default_root
 
+    names.container_id(container_id)
     cfg = load_config()
     if pages:
         cfg.restore_pages = pages

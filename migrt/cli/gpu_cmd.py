@@ -22,6 +22,13 @@ def _root(cfg, container_id: str, root: str | None) -> str:
     return root or find_root(container_id, cfg.runtime_roots)
 
 
+def _id(container_id: str | None) -> str | None:
+    """The id checked before anything builds a path from it (InvalidName, exit 2)."""
+    from migrt import names
+
+    return None if container_id is None else names.container_id(container_id)
+
+
 @gpu.command()
 @click.argument("container_id")
 @ROOT
@@ -32,6 +39,7 @@ def suspend(container_id, root, as_json):
     memory and the GPU is free; the processes stay alive and block on their next CUDA call."""
     from migrt.ops import gpu_preempt
 
+    container_id = _id(container_id)
     cfg = load_config()
     progress = ConsoleProgress(enabled=None if not as_json else False)
     rec = gpu_preempt.suspend(cfg, container_id, _root(cfg, container_id, root), progress=progress)
@@ -58,6 +66,7 @@ def resume(container_id, gpus, root, as_json):
     """Bring a suspended container's GPU state back (after a preflight), onto the same or other GPUs."""
     from migrt.ops import gpu_preempt
 
+    container_id = _id(container_id)
     cfg = load_config()
     targets = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else None
     progress = ConsoleProgress(enabled=None if not as_json else False)
@@ -79,6 +88,7 @@ def status(container_id, root, as_json):
     """GPU-suspended containers of this node: since when, host memory, the GPUs they ran on."""
     from migrt.ops import gpu_preempt
 
+    container_id = _id(container_id)
     cfg = load_config()
     found = gpu_preempt.status(cfg, container_id, root)
     if as_json:

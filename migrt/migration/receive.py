@@ -543,7 +543,6 @@ def _stop_fill(fill: PageFill) -> None:
 
 
 def _check_id(cid: object) -> None:
-    if not isinstance(cid, str) or not cid or "/" in cid or cid in (".", ".."):
-        raise UsageError(f"invalid container id {cid!r} to restore into")
+    names.container_id(cid)  # the id to restore into, before it becomes a path
 
 

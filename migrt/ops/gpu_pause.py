@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 
+from migrt import names
 from migrt.errors import MigrtError
 from migrt.gpu import procs
 from migrt.ops import gpu_preempt
@@ -51,7 +52,7 @@ def _fail(parsed, msg: str, code: int) -> int:
 
 
 def mark(root: str, cid: str) -> None:
-    path = os.path.join(root, cid, gpu_preempt.RELEASE_MARKER)
+    path = os.path.join(root, names.container_id(cid), gpu_preempt.RELEASE_MARKER)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     os.close(fd)
 

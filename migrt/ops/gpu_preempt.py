@@ -24,11 +24,11 @@ migration's source) leave the same record (`keep_suspended`), so `migrt gpu resu
 from __future__ import annotations
 
 import glob
-import json
 import os
 import time
 from dataclasses import dataclass
 
+from migrt import jsonsafe, names
 from migrt import log as log_mod
 from migrt.errors import Conflict, MigrtError, NotFound, PreconditionFailed
 from migrt.gpu import apphooks, gate, inventory, preflight, procs, records, select, thp, visible
@@ -39,6 +39,7 @@ from migrt.progress import Progress, null_progress
 from migrt.runtime import markers
 from migrt.runtime.runc import candidate_roots
 from migrt.store.fsutil import write_json_atomic
+from migrt.text import printable
 
 RECORD = markers.GPU_SUSPENDED_RECORD
 RELEASE_MARKER = markers.GPU_RELEASE_MARKER  # in runc's state dir: the shim's pause/resume test
@@ -46,18 +47,24 @@ SUSPENDING, SUSPENDED, RESUMING = "suspending", "suspended", "resuming"
 
 
 def record_path(root: str, cid: str) -> str:
-    return os.path.join(root, cid, RECORD)
+    return os.path.join(root, names.container_id(cid), RECORD)
 
 
 def read_record(root: str, cid: str) -> dict | None:
+    path = record_path(root, cid)
     try:
-        with open(record_path(root, cid), encoding="utf-8") as fh:
-            data = json.load(fh)
+        with open(path, "rb") as fh:
+            data = jsonsafe.load(fh, max_bytes=16 << 20)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise MigrtError(f"container {cid}: GPU suspend record {record_path(root, cid)} is unreadable: {exc}") from exc
-    return data if isinstance(data, dict) else None
+        raise MigrtError(f"container {cid}: GPU suspend record {path} is unreadable: {printable(exc, 200)}") from exc
+    if not isinstance(data, dict) or data.get("container_id") != cid or data.get("status") not in (
+            SUSPENDING, SUSPENDED, RESUMING) or not isinstance(data.get("section"), dict):
+        raise MigrtError(f"container {cid}: GPU suspend record {path} is not one migrt wrote for it (its container "
+                         "id, status or GPU section is missing or other); if the container is not GPU-suspended, "
+                         "remove the file")
+    return data
 
 
 def _write(rec: dict) -> None:
@@ -101,6 +108,7 @@ def _container(root: str, cid: str) -> tuple[dict, int]:
 
 
 def find_root(cid: str, extra: list[str] | None = None) -> str:
+    names.container_id(cid)  # before it becomes a path
     for root in candidate_roots(extra):
         if os.path.isfile(os.path.join(root, cid, "state.json")):
             return root
@@ -332,6 +340,8 @@ def keep_suspended(cid: str, root: str, pids: list[int], section: dict, *, by: s
 # -- status ------------------------------------------------------------------------------------------
 def status(cfg, cid: str | None = None, root: str | None = None) -> list[dict]:
     """The containers of this node with a GPU suspend record, with the driver's view of each process."""
+    if cid is not None:
+        names.container_id(cid)
     roots = [root] if root else candidate_roots(getattr(cfg, "runtime_roots", None))
     found = []
     for r in roots:

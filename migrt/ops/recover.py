@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from migrt import log as log_mod
+from migrt import names
 from migrt.config import Config
 from migrt.errors import MigrtError
 from migrt.gpu import select as gpu_select
@@ -128,7 +129,7 @@ def wait_helpers(paths: list[str], wait_s: float, poke=None) -> None:
 
 # -- per operation --------------------------------------------------------------------------------
 def _state(runtime: LowerRuntime, root: str | None, cid: str | None) -> dict | None:
-    if not cid or not root or not os.path.isfile(os.path.join(root, cid, "state.json")):
+    if not names.is_container_id(cid) or not root or not os.path.isfile(os.path.join(root, cid, "state.json")):
         return None
     try:
         return runtime.state(root, cid)

@@ -91,7 +91,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
     _mark("verified")
     timings["verify_s"] = round(time.monotonic() - t0, 3)
     progress("done", name="verify", seconds=timings["verify_s"])
-    state_dir = os.path.join(target.root, target.container_id)
+    state_dir = os.path.join(target.root, names.container_id(target.container_id))
     if os.path.exists(state_dir):
         raise Conflict(f"container {target.container_id} already exists in {target.root}")
     work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from migrt import names
+
 MARKER = "migrt-restored"
 # Beside it, for a container created with GPU release on pause (migrt/ops/gpu_pause.py): the shim's
 # pause/resume test, one stat on the fast path.
@@ -19,7 +21,7 @@ GPU_SUSPENDED_RECORD = "migrt-gpu-suspended.json"
 
 
 def gpu_suspended(root: str, container_id: str) -> bool:
-    if not container_id or "/" in container_id or container_id in (".", ".."):
+    if not names.is_container_id(container_id):
         return False
     return os.path.isfile(os.path.join(root, container_id, GPU_SUSPENDED_RECORD))
 
@@ -30,11 +32,11 @@ def gpu_suspended_message(container_id: str) -> str:
 
 
 def marker_path(root: str, container_id: str) -> str:
-    return os.path.join(root, container_id, MARKER)
+    return os.path.join(root, names.container_id(container_id), MARKER)
 
 
 def is_restored(root: str, container_id: str) -> bool:
-    if not container_id or "/" in container_id or container_id in (".", ".."):
+    if not names.is_container_id(container_id):
         return False
     return os.path.isfile(marker_path(root, container_id))
 

@@ -11,9 +11,10 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from migrt import names
 from migrt.criu.logs import error_lines
 from migrt.criu.options import CriuOptions
-from migrt.errors import Conflict, NotFound, RuntimeFailed, UsageError
+from migrt.errors import Conflict, NotFound, RuntimeFailed
 
 CONTAINERD_ROOTS = "/run/containerd/runc/*"
 DEFAULT_ROOTS = ("/run/runc", "/run/crun")
@@ -212,8 +213,7 @@ def candidate_roots(extra: list[str] | None = None) -> list[str]:
 
 def find_root(container_id: str, extra: list[str] | None = None) -> str:
     """The runc root holding container_id: containerd's per-namespace roots, /run/runc, /run/crun."""
-    if not container_id or "/" in container_id or container_id in (".", ".."):
-        raise UsageError(f"invalid container id {container_id!r}")
+    names.container_id(container_id)  # before it becomes a path
     hits = [r for r in candidate_roots(extra) if os.path.isfile(os.path.join(r, container_id, "state.json"))]
     if not hits:
         raise NotFound(f"container {container_id}: not found under {', '.join(candidate_roots(extra)) or 'any runc root'}; "

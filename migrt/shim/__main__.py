@@ -19,6 +19,7 @@ import os
 import sys
 
 from migrt.criu.binary import use_migrt_criu
+from migrt.names import is_container_id
 from migrt.runtime import lower as _lower
 from migrt.runtime import moved, runclog
 from migrt.runtime.markers import GPU_RELEASE_MARKER as RELEASE_MARKER
@@ -114,7 +115,7 @@ def _pause(parsed: RuncArgv, lower: str) -> int | None:
     """pause/resume of a container created with GPU release on pause; None to pass through."""
     cid = parsed.command_args().container_id
     root = parsed.root or _lower.default_root(lower)
-    if not cid or "/" in cid or cid in (".", "..") or not os.path.isfile(os.path.join(root, cid, RELEASE_MARKER)):
+    if not is_container_id(cid) or not os.path.isfile(os.path.join(root, cid, RELEASE_MARKER)):
         return None
     from migrt.ops import gpu_pause
 
