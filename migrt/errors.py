@@ -60,7 +60,7 @@ class StoreFull(PreconditionFailed):
     """The store's file system cannot hold what a writer is about to write (store/reserve.py): free
     and reserved (by other live writers) bytes, and who reserved them, for callers' own messages."""
     free = reserved = 0
-    others: dict = {}
+    others: dict[str, dict[str, object]] = {}  # writer -> its entry (bytes, slack, pid, what)
 
 
 class RegistryError(MigrtError):

@@ -9,6 +9,7 @@ name a container, so a refused one never hides a real container. Stdlib only."""
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
 
 from migrt.errors import InvalidName
 from migrt.text import printable
@@ -19,7 +20,7 @@ MAX_ID_LEN = 255
 _ID = re.compile(r"[\w+,\-.]+", re.ASCII)  # runc: ^[\w+-\.]+$ (the class's '+-.' is the range + , - .)
 
 
-def is_container_id(cid: object) -> bool:
+def is_container_id(cid: object) -> TypeGuard[str]:
     """Whether cid is an id runc accepts (module docstring): safe as one path component."""
     return (isinstance(cid, str) and 0 < len(cid) <= MAX_ID_LEN and cid not in (".", "..")
             and _ID.fullmatch(cid) is not None)
@@ -28,13 +29,13 @@ def is_container_id(cid: object) -> bool:
 def container_id(cid: object) -> str:
     """cid, checked before it becomes a path; InvalidName (exit 2) naming it, escaped, otherwise."""
     if is_container_id(cid):
-        return cid  # type: ignore[return-value]
+        return cid
     raise InvalidName(f"invalid container id {printable(repr(cid), 100)}: runc's container ids are ASCII letters, "
                       "digits and '_', '+', ',', '-', '.' (not '.' or '..', no '/'); 'runc list' (with its --root) "
                       "shows the ids of this node")
 
 
-def validate(name: str) -> str:
+def validate(name: object) -> str:
     if not isinstance(name, str) or not name:
         raise InvalidName("checkpoint name is empty")
     if len(name) > MAX_LEN:

@@ -101,12 +101,11 @@ def inspect(name, verify, as_json):
     cfg = load_config()
     with Store(cfg.store).reading(name) as ckpt:  # shared: restores and other readers go on
         m = ckpt.manifest
-        result = {"manifest": m, "images": inspect_images(ckpt.images)}
-        verified = None
+        img = inspect_images(ckpt.images)
+        result: dict[str, object] = {"manifest": m, "images": img, "verified": None}
         if verify:
             ckpt.verify()
-            verified = True
-    result["verified"] = verified
+            result["verified"] = True
     if as_json:
         emit_json(result)
         return
@@ -127,7 +126,6 @@ def inspect(name, verify, as_json):
     click.echo("options:    " + (", ".join(k for k, v in sorted(m.get("options", {}).items()) if v) or "none"))
     click.echo(f"size:       {human_size(m.get('size_bytes'))} in {len(m.get('files', {}))} files")
     click.echo("timings:    " + ", ".join(f"{k} {v}" for k, v in sorted(m.get("timings", {}).items())))
-    img = result["images"]
     if img.get("error"):
         click.echo(f"images:     unreadable: {img['error']}")
     else:

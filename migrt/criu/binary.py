@@ -26,7 +26,7 @@ ENV = "MIGRT_CRIU"
 
 
 def _executable(path: str | None) -> bool:
-    return bool(path) and os.path.isfile(path) and os.access(path, os.X_OK)
+    return path is not None and path != "" and os.path.isfile(path) and os.access(path, os.X_OK)
 
 
 def _on_path(name: str) -> str | None:

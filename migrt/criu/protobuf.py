@@ -39,11 +39,12 @@ def _need(buf: bytes, i: int, n: int) -> None:
 
 def fields(buf: bytes) -> list[tuple[int, int | bytes]]:
     """(field number, value) for every field; repeated fields appear several times."""
-    out = []
+    out: list[tuple[int, int | bytes]] = []
     i = 0
     while i < len(buf):
         key, i = varint(buf, i)
         num, wt = key >> 3, key & 7
+        val: int | bytes
         if wt == 0:
             val, i = varint(buf, i)
         elif wt == 1:

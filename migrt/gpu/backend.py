@@ -29,6 +29,7 @@ class GpuError(RuntimeFailed):
         self.call = call
         self.pid = pid
         self.code = code
+        self.pending: list[int] = []  # a timed-out lock: pids whose lock call had not returned yet
 
 
 class GpuCannotRestore(GpuError):

@@ -226,6 +226,7 @@ class CudaDriverBackend(GpuBackend):
             now = self._state_after(pid)
             if now:
                 msg += f" (the driver now reports the process {now})"
+        cls: type[GpuError]
         if rc == CUDA_ERROR_NOT_SUPPORTED and call == RESTORE:
             cls = GpuCannotRestore  # checkpointed, and this driver will not bring it back
         elif rc == CUDA_ERROR_NOT_SUPPORTED:

@@ -48,7 +48,7 @@ class FakeGpuBackend(GpuBackend):
         self.gpus = gpus
         self.calls: list[tuple] = []  # (call, pid, extra) in the order made
         self.remaps: dict[int, Remap | None] = {}
-        self._failures: dict[tuple[str, int | None], list[tuple[str, bool]]] = {}
+        self._failures: dict[tuple[str, int | None], list[tuple[str, bool, int]]] = {}
         self._mu = threading.Lock()
 
     def add(self, pid: int, state: str = RUNNING) -> None:
@@ -204,7 +204,9 @@ def _error(call: str, pid: int, message: str, code: int) -> GpuError:
 
 def _free_bytes(data: dict, uuid: str | None) -> int | None:
     """A fake GPU's free memory: its total less what the processes holding it use."""
-    gpu = next((g for g in data.get("gpus") or [] if uuid and g["uuid"].lower() == uuid.lower()), None)
+    if not uuid:
+        return None
+    gpu = next((g for g in data.get("gpus") or [] if g["uuid"].lower() == uuid.lower()), None)
     if gpu is None or gpu.get("memory_total") is None:
         return None
     used = sum(p.get("bytes", 0) for k, p in data["processes"].items()

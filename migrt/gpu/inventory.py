@@ -133,7 +133,7 @@ def procfs_driver_version(root: str = PROC_NVIDIA) -> str | None:
 
 def _procfs(root: str = PROC_NVIDIA) -> Inventory:
     version = procfs_driver_version(root)
-    gpus = []
+    gpus: list[Gpu] = []
     for d in sorted(glob.glob(os.path.join(root, "gpus", "*"))):
         info = _info_file(os.path.join(d, "information"))
         uuid = info.get("GPU UUID", "")

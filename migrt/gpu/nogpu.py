@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from migrt.gpu.backend import GpuBackend, GpuUnavailable, Remap
 
 
@@ -17,7 +19,7 @@ class NoGpuBackend(GpuBackend):
     def unavailable_reason(self) -> str:
         return self.reason
 
-    def _raise(self, call: str, pid: int):
+    def _raise(self, call: str, pid: int) -> NoReturn:
         raise GpuUnavailable(f"{call} (pid {pid}): {self.reason}", call=call, pid=pid)
 
     def state(self, pid: int) -> str:

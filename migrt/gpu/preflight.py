@@ -76,7 +76,7 @@ def check(section: dict, inv: Inventory, targets: list[str] | None, *, what: str
     unknown = [t for t in targets if inv.by_uuid(t) is None]
     if unknown:
         raise PreconditionFailed(f"{what}: GPU(s) {', '.join(unknown)} of the new container are not on this node")
-    new = [inv.by_uuid(t) for t in targets]
+    new = [g for g in map(inv.by_uuid, targets) if g is not None]  # all of them: unknown is empty
     if len(new) != len(old):
         raise PreconditionFailed(
             f"{what} ran on {len(old)} GPU(s) ({', '.join(str(g.get('name')) for g in old) or 'none recorded'}); "
@@ -87,14 +87,14 @@ def check(section: dict, inv: Inventory, targets: list[str] | None, *, what: str
     else:
         old_sorted = sorted(old, key=lambda g: str(g.get("pci_bus_id") or "").lower())
         new_sorted = sorted(new, key=lambda g: g.pci_bus_id.lower())
-    for i, (o, n) in enumerate(zip(old_sorted, new_sorted)):
+    for i, (o, n) in enumerate(zip(old_sorted, new_sorted, strict=True)):
         if o.get("name") and o["name"] != n.name:
             raise PreconditionFailed(f"{what}: GPU model mismatch: checkpoint GPU {i} was {o['name']} ({o['uuid']}), "
                                      f"the new container's GPU {i} is {n.name} ({n.uuid}); restore onto the same model")
     need = memory_per_gpu(section)
-    for o, n in zip(old_sorted, new_sorted):
+    for o, n in zip(old_sorted, new_sorted, strict=True):
         want = need.get(o["uuid"].lower())
         if want and n.memory_free is not None and n.memory_free < want:
             raise PreconditionFailed(f"{what}: GPU {n.uuid} has {_gib(n.memory_free)} free; the checkpoint's "
                                      f"processes held {_gib(want)} on their GPU {o['uuid']}; free memory there first")
-    return Placement(pairs=[(o["uuid"], n.uuid) for o, n in zip(old_sorted, new_sorted)])
+    return Placement(pairs=[(o["uuid"], n.uuid) for o, n in zip(old_sorted, new_sorted, strict=True)])

@@ -111,7 +111,8 @@ def process_tree(root: int) -> list[int]:
 
 def _cgroup_mounts() -> tuple[str | None, dict[str, str]]:
     """(cgroup2 mount point, {v1 controller: mount point}) from our mountinfo."""
-    v2, v1 = None, {}
+    v2: str | None = None
+    v1: dict[str, str] = {}
     for line in (_read("/proc/self/mountinfo") or "").splitlines():
         pre, _, post = line.partition(" - ")
         fields, post_fields = pre.split(), post.split()
@@ -154,7 +155,7 @@ def cgroup_dir(pid: int) -> str | None:
 
 
 def cgroup_pids(directory: str) -> list[int]:
-    out = []
+    out: list[int] = []
     for dirpath, _, files in os.walk(directory):
         if "cgroup.procs" in files:
             out.extend(int(x) for x in (_read(os.path.join(dirpath, "cgroup.procs")) or "").split())
@@ -174,7 +175,7 @@ def container_pids(init_pid: int, cgroup: str | None = None) -> list[int]:
 
 def maps_libcuda(pid: int) -> bool:
     maps = _read(f"/proc/{pid}/maps")
-    return bool(maps) and "libcuda.so" in maps
+    return maps is not None and "libcuda.so" in maps
 
 
 def holds_nvidia_fd(pid: int) -> bool:

@@ -47,7 +47,7 @@ def mapped_files(pid: int, proc: str | None = None) -> list[str]:
 
 def fd_targets(pid: int, proc: str | None = None) -> list[str]:
     """readlink of every open descriptor of pid ('socket:[123]', '/dev/nvidia0', ...)."""
-    out = []
+    out: list[str] = []
     try:
         fds = os.listdir(f"{at(proc)}/{pid}/fd")
     except OSError:

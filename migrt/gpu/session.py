@@ -52,9 +52,9 @@ def _each(pids: list[int], fn: Callable[[int], None], parallel: bool) -> dict[in
     with ThreadPoolExecutor(max_workers=min(len(pids), 32), thread_name_prefix="migrt-gpu") as pool:
         futures = {pid: pool.submit(fn, pid) for pid in pids}
     for pid, fut in futures.items():
-        exc = fut.exception()
-        if exc is not None:
-            errors[pid] = exc
+        err = fut.exception()
+        if err is not None:
+            errors[pid] = err
     return errors
 
 
@@ -256,7 +256,7 @@ def resume_as_ready(pids: list[int], backend: GpuBackend, remap: Remap | None,
                 futures[pid] = pool.submit(restore, pid)
             if waiting:
                 time.sleep(poll_s)
-    failed = {pid: f.exception() for pid, f in futures.items() if f.exception() is not None}
+    failed = {pid: err for pid, f in futures.items() if (err := f.exception()) is not None}
     restored = [p for p in pids if p in futures and p not in failed]
     if memory_error is None and not failed:
         failed = _each(restored, backend.unlock, True)
@@ -275,6 +275,7 @@ def resume_as_ready(pids: list[int], backend: GpuBackend, remap: Remap | None,
             raise memory_error
         raise GpuError(f"GPU restore of {len(pids)} process(es) stopped: {memory_error!r}",
                        details=details) from memory_error
+    assert cause_pid is not None  # failed is not empty, and every pid in it is one of pids
     cause = failed[cause_pid]
     raise _kind(cause)(
         f"GPU restore of {len(failed)} of {len(pids)} process(es) failed "

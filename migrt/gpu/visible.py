@@ -51,7 +51,8 @@ def _from_devices(config: dict, inv: Inventory) -> list[str] | None:
         m = _GPU_NODE.match(str(dev.get("path", "")))
         if not m:
             continue
-        minor = dev.get("minor") if isinstance(dev.get("minor"), int) else int(m.group(1))
+        given = dev.get("minor")
+        minor = given if isinstance(given, int) else int(m.group(1))
         g = inv.by_minor(minor)
         if g is None:
             raise VisibleError(f"config.json device {dev.get('path')} (minor {minor}) is no GPU of this node")

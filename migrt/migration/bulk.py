@@ -143,12 +143,14 @@ class Listener:
     def _accept(self) -> None:
         """Until streams - 1 joined, or the migration connection is closed (then the listener goes too:
         the receiver needs no clean-up of its own for it)."""
-        joined = 0
-        self.sock.settimeout(LISTEN_POLL)
+        joined, sock = 0, self.sock
+        if sock is None:
+            return  # one stream: nothing listens
+        sock.settimeout(LISTEN_POLL)
         try:
             while joined < self.streams - 1 and not self._closed and self.ch.sock.fileno() != -1:
                 try:
-                    conn, addr = self.sock.accept()
+                    conn, addr = sock.accept()
                 except TimeoutError:
                     continue
                 except OSError:
@@ -164,13 +166,13 @@ class Listener:
                     conn.close()
         finally:
             with contextlib.suppress(OSError):
-                self.sock.close()
+                sock.close()
             if self.ch.sock.fileno() == -1:
                 self.close()
 
     def take(self, n: int) -> list[Channel]:
         """n authenticated data connections, waiting at most JOIN_TIMEOUT (+ stall) for them."""
-        out = []
+        out: list[Channel] = []
         deadline = time.monotonic() + JOIN_TIMEOUT + self.stall
         try:
             while len(out) < n:
@@ -364,9 +366,10 @@ class _Hasher:
         """A piece buffer that no pending hash reads."""
         self.wait_room()
         i = self.hashed % self.depth
-        if self.bufs[i] is None:
-            self.bufs[i] = memoryview(bytearray(PIECE))
-        return self.bufs[i]
+        buf = self.bufs[i]
+        if buf is None:
+            buf = self.bufs[i] = memoryview(bytearray(PIECE))
+        return buf
 
     def update(self, h, view: memoryview) -> None:
         self.hashed += 1
@@ -588,7 +591,7 @@ def _send_chunk(ch: Channel, src: _Source, off: int, n: int, known: bytes | None
         with _io(f"sending {src.rel} to {ch.peer}"):
             _put_piece(ch, src, off + done, k, None if zero_copy else view)
         done += k
-    return known if h is None else hasher.digest(h)
+    return known if known is not None else hasher.digest(h)  # h is None just when known is not
 
 
 def _put_piece(ch: Channel, src: _Source, off: int, n: int, view: memoryview | None) -> None:
@@ -734,7 +737,7 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
                         continue
                     n = msg.get("size")
                     with lock:
-                        if off in dest.arrived or dest.chunks.get(off) != n:
+                        if off in dest.arrived or not isinstance(n, int) or dest.chunks.get(off) != n:
                             raise CheckpointInvalid(f"received file {dest.rel}: unexpected chunk at {off} "
                                                     f"({n!r} bytes)")
                         dest.arrived.add(off)

@@ -53,7 +53,8 @@ class GpuSource:
             config_gpus = visible.from_config(self.config, inv) if self.config else None
         except visible.VisibleError:
             config_gpus = None
-        vis = records.visible_at_checkpoint(config_gpus, visible.from_devnodes(self.init_pid, inv), self.pids, inv)
+        on_nodes = visible.from_devnodes(self.init_pid, inv) if self.init_pid else None
+        vis = records.visible_at_checkpoint(config_gpus, on_nodes, self.pids, inv)
         # peer state the driver cannot restore is refused before the offer (the application hook is
         # asked later, in suspend(), right before the lock)
         gate.check_peers(self.pids, what=f"container {self.cid}", driver_version=inv.driver_version,
@@ -118,6 +119,8 @@ def target_preflight(cfg, section: dict | None, bundle_config: dict | None, what
                 "node_gpus": [{"uuid": g.uuid, "name": g.name, "memory_free": g.memory_free} for g in inv.gpus],
                 "preflight_s": round(time.monotonic() - t0, 3)}
     plan = gpu_steps.plan_restore(cfg, section, bundle_config, what)
+    if plan is None:  # no GPU state (checked above)
+        return None
     gpus = [plan.inv.by_uuid(n) for _, n in plan.placement.pairs]
     return {"restore_here": True, "driver": plan.inv.driver_version, "pairs": plan.placement.to_dict(),
             "gpus": [{"uuid": g.uuid, "name": g.name, "memory_free": g.memory_free, "memory_total": g.memory_total}

@@ -122,7 +122,7 @@ def act(action: dict) -> str:
     from migrt.migration import handover, watchdog
 
     do = action.get("do")
-    rt, root, cid = action.get("runtime"), action.get("root"), action.get("cid")
+    rt, root, cid = (str(action.get(k) or "") for k in ("runtime", "root", "cid"))  # '' when not given
     ps = tuple(action["page_server"]) if action.get("page_server") else None
     outcome = "cleaned up"
     if do in ("resume", "settle"):  # settle: the container was paused before the migration; it stays so

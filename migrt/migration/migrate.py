@@ -25,6 +25,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from migrt import names
 from migrt.config import Config
@@ -124,7 +125,7 @@ class _Source:
     """The container on this node and what may be done to it; keeps the guard's instruction in step."""
 
     def __init__(self, runtime: str, root: str, cid: str, was_paused: bool, guard: Guard,
-                 gpu: GpuSource | None = None, moved: dict | None = None) -> None:
+                 gpu: GpuSource, moved: dict | None = None) -> None:
         self.runtime, self.root, self.cid = runtime, root, cid
         self.was_paused = was_paused
         self.frozen = False
@@ -132,7 +133,7 @@ class _Source:
         self.page_server: tuple[str, int] | None = None  # CRIU's, while the lazy dump runs
         self.pages_pid: int | None = None                 # migrt's page server (pageserve.py), after it
         self.staging: str | None = None
-        self.gpu = gpu  # its CUDA processes (migration/gpu.py), if any
+        self.gpu = gpu  # its CUDA processes (migration/gpu.py), if any (its pids)
         self.moved = moved
 
     def _where(self) -> dict:
@@ -271,7 +272,8 @@ def send(cfg: Config, req: MigrateRequest, prep: _Prepared, ch: Channel, progres
     """The migration over an authenticated channel to the target's receiving side: `migrt migrate`'s
     own connection, or the one a target's pull opened to this node's agent (agent.py). Closes it."""
     root, state, name, bundle, bundle_dir = prep.root, prep.state, prep.name, prep.bundle, prep.bundle_dir
-    result = {"name": name, "container_id": req.container_id, "to": req.to, "mode": prep.mode, "pre_dump": prep.plan,
+    result: dict[str, Any] = {"name": name, "container_id": req.container_id, "to": req.to, "mode": prep.mode,
+              "pre_dump": prep.plan,
               "phases": {}, "bytes": 0, "files": 0, "restored": False, "target": None,
               "downtime_s": None, "frozen_s": None, "total_s": None}
     guard: Guard | None = None
@@ -386,7 +388,8 @@ class _Run:
                    sent, known: dict | None = None) -> dict:
         """Every file over `streams` connections at once, each chunk checked on arrival (bulk.py)."""
         want = streams or self.req.streams or self.cfg.migration_streams or bulk.auto_streams()
-        n = max(1, min(want, offer.get("streams") if isinstance(offer.get("streams"), int) else 1))
+        offered = offer.get("streams")
+        n = max(1, min(want, offered if isinstance(offered, int) else 1))
         tls = TLSFiles(**self.cfg.migration_tls) if self.cfg.migration_tls else None
         extra = bulk.open_streams(self.ch, offer, n - 1, tls=tls, stall=self.cfg.migration_stall_timeout)
         self.result["streams"] = n

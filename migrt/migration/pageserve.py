@@ -176,8 +176,10 @@ class PageServer:
 class Handle:
     """The page server process as `migrt migrate` sees it."""
 
-    def __init__(self, proc: subprocess.Popen, port: int) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int) -> None:
+        assert proc.stdin is not None and proc.stdout is not None  # started with both piped
         self.proc, self.port = proc, port
+        self.stdin, self.stdout = proc.stdin, proc.stdout
         self.result: dict = {}
 
     @classmethod
@@ -192,11 +194,13 @@ class Handle:
         except OSError as exc:
             raise FetchError(f"cannot start the page server: {exc}") from exc
         cfg = {"host": host, "key": key.hex(), "peer": peer, "tls": tls, "idle_s": idle_s, "owner": os.getpid()}
+        stdin, stdout = proc.stdin, proc.stdout
+        assert stdin is not None and stdout is not None  # both piped above
         try:
-            proc.stdin.write((json.dumps(cfg) + "\n").encode())
-            proc.stdin.flush()
-            ready, _, _ = select.select([proc.stdout], [], [], ready_timeout)
-            line = proc.stdout.readline().decode() if ready else ""
+            stdin.write((json.dumps(cfg) + "\n").encode())
+            stdin.flush()
+            ready, _, _ = select.select([stdout], [], [], ready_timeout)
+            line = stdout.readline().decode() if ready else ""
         except OSError:
             line = ""
         if not line.startswith("port "):
@@ -208,18 +212,18 @@ class Handle:
     def serve(self, pids: dict[int, int]) -> None:
         """The dump is done: these processes (pid inside the container -> host pid) may be read."""
         try:
-            self.proc.stdin.write((json.dumps(pids) + "\n").encode())
-            self.proc.stdin.close()
+            self.stdin.write((json.dumps(pids) + "\n").encode())
+            self.stdin.close()
         except OSError as exc:
             raise FetchError(f"the page server is gone (exit status {self.proc.poll()})") from exc
 
     def _collect(self) -> dict:
         if not self.result:
             try:
-                self.result = json.loads(self.proc.stdout.readline() or "{}")
+                self.result = json.loads(self.stdout.readline() or "{}")
             except (OSError, ValueError):
                 self.result = {}
-            self.proc.stdout.close()
+            self.stdout.close()
         return self.result
 
     def wait(self, timeout: float) -> dict:
@@ -232,7 +236,7 @@ class Handle:
 
     def stop(self) -> dict:
         with contextlib.suppress(OSError):
-            self.proc.stdin.close()
+            self.stdin.close()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

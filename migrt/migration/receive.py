@@ -52,7 +52,7 @@ from migrt.runtime.markers import marker_path
 from migrt.runtime.runc import candidate_roots
 from migrt.store import Store
 from migrt.store import manifest as mf
-from migrt.store.importer import importing
+from migrt.store.importer import check_relpath, importing
 
 PAGES_PROTOCOL = "migrt-pages/1"  # lazy pages from migrt's page server (pageserve.py, pagefill/remote.py)
 
@@ -235,7 +235,7 @@ class Receiver:
                              f"{mf.SCHEMA}: upgrade migrt here")
         restore_id = self.opts.container_id or offer.get("container_id")
         if self.opts.restore_bundle:
-            _check_id(restore_id)
+            restore_id = _check_id(restore_id)
             if os.path.exists(os.path.join(self.root, restore_id)):
                 raise Conflict(f"container {restore_id} already exists in {self.root} on the target")
         bundle = Bundle.load(os.path.abspath(self.opts.restore_bundle)) if self.opts.restore_bundle else None
@@ -264,7 +264,7 @@ class Receiver:
             self._deciding.pop(name, None)
             guard.release(wait=self.stall * 3)
 
-    def _receive(self, ch: Channel, offer: dict, name: str, mode: str, restore_id: str, guard: Guard,
+    def _receive(self, ch: Channel, offer: dict, name: str, mode: str, restore_id: str | None, guard: Guard,
                  decided: threading.Event, out: dict) -> None:
         t0 = time.monotonic()
         with importing(self.store, name) as imp:
@@ -284,6 +284,7 @@ class Receiver:
                 rel, size = msg.get("path"), msg.get("size")
                 if not isinstance(size, int) or size < 0:
                     raise UsageError(f"file {rel!r} announced with an invalid size")
+                rel = check_relpath(rel)
                 with imp.open(rel) as fd:
                     digest = ch.recv_file(fd, size)
                 imp.record(rel, size, digest)
@@ -296,6 +297,7 @@ class Receiver:
                                    "source_container": offer.get("container_id")}
             fill = None
             if mode in PAGE_MODES:
+                assert restore_id is not None  # the page modes need --restore (checked at the offer)
                 spec = self._page_source(msg, ch)
                 fields["lazy"] = {"pages": "on the source's page server", "address": spec["address"],
                                   "port": spec["port"]}
@@ -313,6 +315,7 @@ class Receiver:
             out["timings"]["commit_s"] = round(time.monotonic() - t1, 3)
         out["committed"] = True
         if fill:
+            assert restore_id is not None  # a filler runs in the page modes, which need --restore
             out["unsettled"] = True  # until the sender's bye: it may have to ask again
             guard.arm({"do": "remove", "pids": [fill.proc.pid], "store": self.store.root, "name": name})
             self._restore_lazy(ch, name, restore_id, fill, guard, decided, out, direct=mode == "direct")
@@ -329,7 +332,7 @@ class Receiver:
         if nxt["type"] != "restore":
             out["unsettled"] = False
             return
-        if not self.opts.restore_bundle:
+        if not self.opts.restore_bundle or restore_id is None:  # (an id is checked with --restore)
             raise UsageError("this receiver was not started with --restore")
         with ch.busy("restore"):
             try:
@@ -377,7 +380,7 @@ class Receiver:
         """Whether container `cid`, restored from checkpoint `name`, runs here: in our runc root, or
         (a pod's pull restored it inside containerd's create) in another of this node's."""
         try:
-            _check_id(cid)
+            cid = _check_id(cid)
         except MigrtError:
             return False
         for root in dict.fromkeys([self.root, *candidate_roots(self.cfg.runtime_roots)]):
@@ -455,6 +458,8 @@ class Receiver:
                 watchdog.unmount_under(os.path.join(self.root, restore_id))
                 raise
 
+        if not self.opts.restore_bundle:  # (the callers checked it)
+            raise UsageError("this receiver was not started with --restore")
         bundle = Bundle.load(os.path.abspath(self.opts.restore_bundle))
         try:
             if self.opts.create is not None:  # inside containerd's create: its flags, its stdio
@@ -542,7 +547,7 @@ def _stop_fill(fill: PageFill) -> None:
     fill.stop(10)
 
 
-def _check_id(cid: object) -> None:
-    names.container_id(cid)  # the id to restore into, before it becomes a path
+def _check_id(cid: object) -> str:
+    return names.container_id(cid)  # the id to restore into, before it becomes a path
 
 

@@ -121,7 +121,7 @@ def run_checks() -> list[dict]:
         except (OSError, subprocess.TimeoutExpired):
             v = "?"
         m = re.search(r"\s(v?\d+\.\d+[.\d]*)", v)
-        old = bool(m) and parse_version(m.group(1).lstrip("v")) < MIN_CONTAINERD
+        old = m is not None and parse_version(m.group(1).lstrip("v")) < MIN_CONTAINERD
         out.append(_check("containerd", "fail" if old else "ok", v,
                           f"migrt needs containerd >= {'.'.join(map(str, MIN_CONTAINERD))}" if old else ""))
         out.append(containerd_handler_check())

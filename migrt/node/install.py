@@ -22,11 +22,14 @@ import shutil
 import time
 import tomllib
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from migrt import __version__
 from migrt.errors import ConfigError
 from migrt.node import containerd_config as cc
 from migrt.store.fsutil import atomic_file
+
+T = TypeVar("T")
 
 DROPIN_NAME = "migrt.toml"
 
@@ -93,16 +96,21 @@ def _choose_dropin(cfg: cc.LoadedConfig) -> tuple[str, bool]:
     return os.path.join(main_dir, "conf.d", DROPIN_NAME), True
 
 
+def _of(kind: type[T], value: object) -> T:
+    """value when it is a `kind` (a TOML table or array), else an empty one."""
+    return value if isinstance(value, kind) else kind()
+
+
 def _handler_table(existing: dict | None, runc: dict | None, binary: str) -> dict:
     """The migrt handler: an existing one's extra keys are kept; the keys migrt needs are set;
     SystemdCgroup follows the node's runc handler."""
     h = copy.deepcopy(existing) if isinstance(existing, dict) else {}
     h["runtime_type"] = cc.RUNTIME_TYPE
-    annotations = h.get("pod_annotations") if isinstance(h.get("pod_annotations"), list) else []
+    annotations = _of(list, h.get("pod_annotations"))
     h["pod_annotations"] = annotations + [a for a in cc.POD_ANNOTATIONS if a not in annotations]
-    opts = h.get("options") if isinstance(h.get("options"), dict) else {}
+    opts = _of(dict, h.get("options"))
     opts["BinaryName"] = binary
-    runc_opts = (runc or {}).get("options") if isinstance((runc or {}).get("options"), dict) else {}
+    runc_opts = _of(dict, (runc or {}).get("options"))
     if "SystemdCgroup" in runc_opts:
         opts["SystemdCgroup"] = runc_opts["SystemdCgroup"]
     h["options"] = opts
@@ -204,7 +212,7 @@ def plan_containerd(config: str = cc.DEFAULT_CONFIG, root: str = "/", binary: st
     plan = InstallPlan(config, dropin, cfg.version)
     new_dropin = _dropin_text(cfg, dropin, binary)
     before_dropin = _read(cc.host_path(root, dropin))
-    if _same_values(before_dropin, new_dropin):
+    if before_dropin is not None and _same_values(before_dropin, new_dropin):
         new_dropin = before_dropin  # only comments or layout differ (e.g. written by another migrt version)
     plan.changes.append(FileChange(dropin, before_dropin, new_dropin))
 

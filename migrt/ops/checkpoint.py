@@ -118,6 +118,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
         with store.writer(name, op="checkpoint", container=req.container_id, root=root, was_paused=was_paused,
                           leave_running=req.leave_running, work=work, estimate=est.to_dict()) as staging:
             journal = staging.journal
+            assert journal is not None  # a writer's staging has its journal entry
             kept.append(journal)
             with _Undo(cfg, runtime, root, req.container_id, journal) as undo:
                 # GPU first: the driver's lock needs the processes running (it works through a thread of
@@ -240,9 +241,9 @@ class _Undo:
             self.gpu.resume()
             self.gpu = None
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> None:  # never swallows: the failure goes on up
         if exc is None or self.committed:
-            return False
+            return
         problems = []
         try:
             recover.wait_helpers([self.journal.data.get("staging"), self.journal.data.get("work")],
@@ -255,7 +256,6 @@ class _Undo:
             log_mod.get().error("checkpoint_undo_failed", container=self.cid, error=problems[0])
             if isinstance(exc, MigrtError):
                 exc.details.append(f"the container could not be brought back ({problems[0]}); run 'migrt recover'")
-        return False
 
 
 def _fields(req, root, state, bundle, bundle_dir, opts, layer, timings, created, runtime, est) -> dict:

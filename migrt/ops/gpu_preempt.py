@@ -144,7 +144,7 @@ def suspend(cfg, cid: str, root: str, *, by: str = "migrt gpu suspend", progress
     section = records.describe(pids, inv, records.visible_at_checkpoint(
         config_gpus, visible.from_devnodes(init, inv), pids, inv))
     rss_before = sum(_rss(p) or 0 for p in pids)
-    rec = {"schema": 1, "container_id": cid, "root": root, "status": SUSPENDING, "by": by,
+    rec: dict = {"schema": 1, "container_id": cid, "root": root, "status": SUSPENDING, "by": by,
            "processes": [{"pid": p, "start": procs.start_time(p), "comm": procs.comm(p)} for p in pids],
            "gpus": [g["uuid"] for g in section["gpus"]], "section": section,
            "gpu_memory_bytes": sum(preflight.memory_per_gpu(section).values()) or None,
@@ -198,7 +198,8 @@ def _state_or_none(backend: GpuBackend, pid: int) -> str | None:
 def _frozen(state: dict) -> bool:
     """runc keeps no 'paused' in its state file: ask the freezer (v1 'freezer' or v2 unified, whichever
     the container has; on a hybrid host runc freezes through v1)."""
-    paths = state.get("cgroup_paths") if isinstance(state.get("cgroup_paths"), dict) else {}
+    given = state.get("cgroup_paths")
+    paths = given if isinstance(given, dict) else {}
     for d, name in ((paths.get("freezer"), "freezer.state"), (paths.get(""), "cgroup.freeze")):
         if not d:
             continue
@@ -221,7 +222,8 @@ class _Proc:
 def _live_pids(rec: dict) -> tuple[list[int], list[int]]:
     """(the recorded processes still alive as the same process (pid and start time), those gone).
     A process that exited while suspended took its GPU state with it; none left is an error."""
-    live, gone = [], []
+    live: list[int] = []
+    gone: list[int] = []
     for p in rec.get("processes") or []:
         pid = int(p["pid"])
         same = procs.alive(pid) and (p.get("start") is None or procs.start_time(pid) == p["start"])
@@ -309,7 +311,7 @@ def resume(cfg, cid: str, root: str, *, gpus: list[str] | None = None, progress:
     told, problems = apphooks.after_restore(pids, what=f"container {cid}", reason=apphooks.RESUMED,
                                             timeout_s=_hook_timeout(cfg))
     if problems:
-        log_mod.get().warning("app_hook_unanswered", container=cid, event=apphooks.POST, problems=problems)
+        log_mod.get().warning("app_hook_unanswered", container=cid, hook_event=apphooks.POST, problems=problems)
     log_mod.get().info("gpu_resumed_in_place", container=cid, pids=pids, pairs=placement.to_dict(), seconds=seconds)
     return {"container_id": cid, "root": root, "processes": pids, "exited": gone, "gpus": [n for _, n in placement.pairs],
             "pairs": placement.to_dict(), "moved": placement.moved,

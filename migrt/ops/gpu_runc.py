@@ -103,6 +103,8 @@ def _checkpoint(parsed, lower: str, cfg, log, cid: str, root: str, init_pid, sta
     except MigrtError as exc:
         log.error("gpu_checkpoint_failed", container=cid, error=str(exc))
         return _fail(parsed, exc)
+    if gpu is None:  # no CUDA process (the shim found some: never here): a plain checkpoint
+        return _run(lower, parsed, None)
     try:
         os.makedirs(image_dir, mode=0o700, exist_ok=True)
         records.write_image_file(image_dir, gpu.section)

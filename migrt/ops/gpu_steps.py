@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from migrt import log as log_mod
 from migrt.errors import MigrtError, PreconditionFailed
@@ -74,7 +75,7 @@ def _usable_backend(cfg, what: str) -> GpuBackend:
     return backend
 
 
-def has_gpu_state(section: dict | None) -> bool:
+def has_gpu_state(section: dict | None) -> TypeGuard[dict]:
     """Whether a checkpoint's GPU record holds CUDA processes (known before any preflight)."""
     return bool(section and section.get("processes"))
 
@@ -105,7 +106,7 @@ class GpuSuspension:
         if self.gate:
             problems = self.gate.after(apphooks.RESUMED, self.what)
             if problems:
-                log_mod.get().warning("app_hook_unanswered", container=self.what, event=apphooks.POST,
+                log_mod.get().warning("app_hook_unanswered", container=self.what, hook_event=apphooks.POST,
                                       problems=problems)
             self.gate = None
 
@@ -198,16 +199,22 @@ class GpuRestore:
     what: str
     hook_timeout_s: float = apphooks.DEFAULT_TIMEOUT_S
 
+    def _driver(self) -> GpuBackend:
+        if self.backend is None:  # plan_restore(load_driver=False) leaves it to restore_driver()
+            raise GpuError(f"{self.what}: GPU restore before the GPU driver was loaded (restore_driver)")
+        return self.backend
+
     def resume(self, init_pid: int, progress: Progress = null_progress, memory=None) -> dict:
         """After the lower runtime restored the container (init_pid): GPU restore + unlock.
         memory: a lazy restore's fill as the GPU restore sees it (ops/pages.MemoryReady: `ready(pids)`,
         `t0`, `about(pid)`); each process's GPU restore then starts once its own memory is in."""
         want = len(self.section.get("processes") or [])
         t0 = time.monotonic()
+        backend = self._driver()
         pids = []
         for pid in procs.cuda_pids(procs.container_pids(init_pid), live=False):
             try:
-                if self.backend.state(pid) == CHECKPOINTED:
+                if backend.state(pid) == CHECKPOINTED:
                     pids.append(pid)
             except GpuError:
                 continue  # maps libcuda but never used it: not the driver's business
@@ -222,9 +229,9 @@ class GpuRestore:
         progress("phase", name="gpu-restore", processes=len(pids))
         timings: dict = {}
         if memory is None:
-            session.resume_all(pids, self.backend, self.placement.remap())
+            session.resume_all(pids, backend, self.placement.remap())
         else:
-            spans = session.resume_as_ready(pids, self.backend, self.placement.remap(), memory.ready)
+            spans = session.resume_as_ready(pids, backend, self.placement.remap(), memory.ready)
             first = min(start for start, _ in spans.values())
             timings["gpu_memory_wait_s"] = round(first - t0, 3)  # the first GPU restore waited for its memory
             timings["gpu_restores"] = [
@@ -245,7 +252,8 @@ class GpuRestore:
         if not endpoints:
             return {}
         if problems:
-            log_mod.get().warning("app_hook_unanswered", container=self.what, event=apphooks.POST, problems=problems)
+            log_mod.get().warning("app_hook_unanswered", container=self.what, hook_event=apphooks.POST,
+                                  problems=problems)
         return {"app_hook_s": round(time.monotonic() - t0, 3), "app_hook_processes": len(endpoints)}
 
 

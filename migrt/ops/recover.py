@@ -77,7 +77,7 @@ class Outcome:
 
 
 # -- helpers of a dead operation ---------------------------------------------------------------------
-def holders(paths: list[str]) -> list[int]:
+def holders(paths: list[str | None]) -> list[int]:
     """Processes (not this one) with a cwd or an open file under any of `paths` (runc, CRIU)."""
     roots = [os.path.realpath(p) for p in paths if p]
     if not roots:
@@ -109,7 +109,7 @@ def _comm(pid: int) -> str:
         return "?"
 
 
-def wait_helpers(paths: list[str], wait_s: float, poke=None) -> None:
+def wait_helpers(paths: list[str | None], wait_s: float, poke=None) -> None:
     """CRIU outlives a killed runc and finishes its dump (then leaves the tasks as it found them):
     never thaw or delete under it. Pending if it is still at work after wait_s. poke(pids), when
     given, is called at every look while helpers remain (a lazy dump's CRIU must be told to end)."""
@@ -169,8 +169,9 @@ def _resume_gpu(cfg: Config, pids: list[int], actions: list[str]) -> None:
             actions.append(f"told {len(told)} application hook(s) 'post-restore'")
 
 
-def _thaw(runtime: LowerRuntime, root: str, cid: str, st: dict | None, was_paused: bool, actions: list[str]) -> None:
-    if st and st.get("status") == "paused" and not was_paused:
+def _thaw(runtime: LowerRuntime, root: str | None, cid: str | None, st: dict | None, was_paused: bool,
+          actions: list[str]) -> None:
+    if st and root and cid and st.get("status") == "paused" and not was_paused:
         runtime.resume(root, cid)
         actions.append(f"thawed container {cid}")
 
@@ -229,7 +230,8 @@ def _end_lazy_dump(server: list, actions: list[str]):
 
 
 def _checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
-    d, actions = e.data, []
+    d = e.data
+    actions: list[str] = []
     server = d.get("page_server")
     wait_helpers([d.get("staging"), d.get("work")], wait_s, poke=_end_lazy_dump(server, actions) if server else None)
     runtime = LowerRuntime(cfg.runtime_path())
@@ -240,7 +242,7 @@ def _checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> l
         if d.get("leave_running"):
             _thaw(runtime, root, cid, st, bool(d.get("was_paused")), actions)
             _resume_gpu(cfg, gpu_pids, actions)
-        elif st:
+        elif st and root and cid:  # (a state is read only for a root and a container id)
             runtime.stop(root, cid)  # frozen: killed before it is thawed
             actions.append(f"stopped container {cid} (its checkpoint {d.get('name')} is committed)")
         actions.append(f"checkpoint {d.get('name')} is complete")
@@ -262,7 +264,8 @@ def _checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> l
 
 
 def _restore(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
-    d, actions = e.data, []
+    d = e.data
+    actions: list[str] = []
     wait_helpers([d.get("view"), d.get("work")], wait_s)
     runtime = LowerRuntime(cfg.runtime_path())
     cid, root = d.get("container"), d.get("root")
@@ -276,7 +279,8 @@ def _restore(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list
 
 
 def _gpu_checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
-    d, actions = e.data, []
+    d = e.data
+    actions: list[str] = []
     wait_helpers([d.get("image_dir"), d.get("work")], wait_s)
     st = _state(LowerRuntime(cfg.runtime_path()), d.get("root"), d.get("container"))
     if st:

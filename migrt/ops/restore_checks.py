@@ -178,7 +178,8 @@ class RestoreChecks:
 
 def split_for_background(files: dict, top: str) -> tuple[list[str], list[str]]:
     """(hashed up front, hashed while CRIU restores): large files under images/ go to the background."""
-    front, back = [], []
+    front: list[str] = []
+    back: list[str] = []
     for rel, meta in files.items():
         size = meta.get("size") or 0
         (back if rel.startswith("images/") and size >= BACKGROUND_MIN_BYTES else front).append(rel)

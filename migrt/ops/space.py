@@ -101,7 +101,7 @@ def estimate(init_pid: int | None) -> Estimate:
     cuda = procs.cuda_pids(pids)
     if cuda:
         inv = inventory.take()
-        est.gpu = sum(b for p in cuda for _, b in (inv.processes.get(p) or []))
+        est.gpu = sum(b or 0 for p in cuda for _, b in (inv.processes.get(p) or []))  # None: not reported
     return est
 
 

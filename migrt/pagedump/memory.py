@@ -248,7 +248,7 @@ def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None, chu
 def _map(files, dst_fds) -> list[tuple[int, int]]:
     """A shared writable mapping of each new file (0 where the file is empty), in huge pages where the
     store's tmpfs gives them (store/hugetmpfs.py)."""
-    out = []
+    out: list[tuple[int, int]] = []
     for f, fd in zip(files, dst_fds):
         addr = 0
         if f.size:

@@ -253,7 +253,7 @@ class Filler:
         self.t0 = time.monotonic()
         self.t_finished: float | None = None
         self.t_done: float | None = None
-        self.counts = {"faults": 0, "zero_faults": 0, "eagain": 0, "eexist": 0, "forks": 0, "removes": 0,
+        self.counts: dict[str, int | float] = {"faults": 0, "zero_faults": 0, "eagain": 0, "eexist": 0, "forks": 0, "removes": 0,
                        "unmaps": 0, "remaps": 0}
         self.fault_after = _fault_seam()
         self.pace = int(os.environ.get("MIGRT_FILL_PACE_MIBS", "0") or 0) << 20
@@ -313,7 +313,7 @@ class Filler:
         proc = self.plan.processes.get(vpid)
         if proc is None:
             raise FillError(f"CRIU sent the userfaultfd of pid {vpid}, which the images do not list")
-        pages = None
+        pages: PagesFile | RemotePages | None = None
         if proc.segments and self.remote:
             pages = self.remote
         elif proc.segments:
@@ -358,7 +358,7 @@ class Filler:
             pass
 
     # -- copy threads ----------------------------------------------------------------------------
-    def _take(self) -> tuple[Task, int, int, int, bool] | None:
+    def _take(self) -> Job | None:
         """Under self.state: the next background chunk: first ranges before any other, then the
         biggest remaining range first."""
         if not self.copying:
@@ -413,11 +413,13 @@ class Filler:
     def _fetch(self, job: Job) -> int | None:
         """Without any lock: where the job's bytes are (remote pages: fetched into this thread's
         buffer). None after a fetch failure (fatal)."""
-        t = job.t
+        t, pages = job.t, job.t.pages
+        assert pages is not None  # a task with ranges to copy has pages to copy them from
         try:
             if self.verifier is not None:  # a chunk not verified yet: hashed now (or waited for), once
-                self.verifier.ensure(t.pages.path, job.offset, job.end - job.start)
-            return t.pages.address(t.vpid, job.offset, job.end - job.start)
+                assert isinstance(pages, PagesFile)  # local images only: no verifier with remote pages
+                self.verifier.ensure(pages.path, job.offset, job.end - job.start)
+            return pages.address(t.vpid, job.offset, job.end - job.start)
         except (FetchError, VerifyError) as exc:
             with self.state:
                 self._fail(str(exc) if isinstance(exc, VerifyError) else f"pid {t.vpid}: {exc}")
@@ -427,14 +429,16 @@ class Filler:
     def _sweeper(self) -> None:
         """Verify the handed-over chunks ahead of the copies: the eager ones (the restore's gate waits
         for them) at the process's priority, the rest at the copy threads' (verify.py)."""
-        niced = False
+        niced, verifier = False, self.verifier
+        if verifier is None:
+            return  # started only with a verifier
         try:
             while not self.stop:
-                if not niced and self.verifier.eager_done:
+                if not niced and verifier.eager_done:
                     niced = True
                     with contextlib.suppress(OSError):
                         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-                if not self.verifier.sweep_one():
+                if not verifier.sweep_one():
                     return
         except VerifyError as exc:
             with self.state:
@@ -769,7 +773,7 @@ class Filler:
                 self.write_status("filling")
             ready = poller.poll(0 if jobs else 10 if waiting_gate or held else 200)
             t_ready = time.monotonic()
-            if waiting_gate and os.path.exists(self.post_restore):
+            if waiting_gate and self.post_restore and os.path.exists(self.post_restore):
                 # CRIU's post-restore: every task restored, every lazy VMA registered, none resumed
                 with self.state:
                     self.copying, self.t_finished = True, time.monotonic()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from migrt.criu.protobuf import (
     ImageError,
@@ -255,7 +256,7 @@ def first_ranges(images: str) -> dict[int, list[tuple[int, int]]]:
         vpid, ranges = p.get("ns_pid"), p.get("gpu_backing")
         if not _int(vpid) or vpid <= 0 or not isinstance(ranges, list) or not 0 < len(ranges) <= MAX_FIRST_RANGES:
             continue
-        good = []
+        good: list[tuple[int, int]] = []
         for r in ranges:
             if not (isinstance(r, list) and len(r) == 2 and _int(r[0]) and _int(r[1]) and 0 <= r[0] < r[1] < 1 << 64):
                 good = []
@@ -266,7 +267,7 @@ def first_ranges(images: str) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-def _int(v: object) -> bool:
+def _int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

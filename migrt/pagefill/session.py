@@ -70,18 +70,18 @@ class PageFill:
             sock.listen(16)
             images_fd = os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             control_r, control_w = os.pipe2(os.O_CLOEXEC)
-            args = {"listen_fd": sock.fileno(), "images_fd": images_fd, "control_fd": control_r,
+            args: dict[str, object] = {"listen_fd": sock.fileno(), "images_fd": images_fd, "control_fd": control_r,
                     "status": os.path.join(run, "status.json"), "threads": threads, "container_id": container_id,
                     "root": root, "runc_log": runc_log, "log_format": log_format, "log_file": log_file,
                     "run_dir": run, "post_restore": post_restore}
             if verify is not None:  # in a file of our 0700 run directory (too big for argv)
-                args["verify"] = os.path.join(run, "verify.json")
-                fd = os.open(args["verify"], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                args["verify"] = path = os.path.join(run, "verify.json")
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 with os.fdopen(fd, "w", encoding="utf-8") as fh:
                     json.dump(verify, fh)
             if remote is not None:  # in a file of our 0700 run directory: the key stays off argv
-                args["remote"] = os.path.join(run, "remote.json")
-                fd = os.open(args["remote"], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                args["remote"] = path = os.path.join(run, "remote.json")
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 with os.fdopen(fd, "w", encoding="utf-8") as fh:
                     json.dump(remote, fh)
             # the guard imports migrt from where we did (a venv, a checkout)

@@ -40,6 +40,8 @@ MSG_SIZE = 32
 
 
 class UffdError(OSError):
+    errno: int  # always given
+
     def __init__(self, err: int, op: str, done: int = 0) -> None:
         super().__init__(err, f"{op}: {os.strerror(err)}")
         self.done = done

@@ -54,9 +54,9 @@ class FileChunks:
         return i * TREE_CHUNK, min(self.size, (i + 1) * TREE_CHUNK)
 
 
-def mmap_reader(base: int) -> Callable[[int, int], object]:
+def mmap_reader(base: int) -> Callable[[int, int], bytes | memoryview]:
     """A reader of n bytes at offset from a file mapped at `base` (what the filler copies from)."""
-    def read(offset: int, n: int):
+    def read(offset: int, n: int) -> memoryview:
         return memoryview((ctypes.c_char * n).from_address(base + offset)).cast("B")
     return read
 
@@ -69,7 +69,7 @@ class Verifier:
         self.what = what
         self.lock = threading.Lock()
         self.error: str | None = None
-        self.readers: dict[str, Callable[[int, int], object]] = {}
+        self.readers: dict[str, Callable[[int, int], bytes | memoryview]] = {}
         self.eager = list(eager or [])
         todo = self.eager + list(order or []) + [(f, i) for f in files for i in range(len(f.digests))]
         seen: set[tuple[int, int]] = set()
@@ -89,7 +89,7 @@ class Verifier:
         if not self.eager:
             self.t_eager = self._t0
 
-    def reader(self, path: str, read: Callable[[int, int], object]) -> None:
+    def reader(self, path: str, read: Callable[[int, int], bytes | memoryview]) -> None:
         """Where the bytes of `path` are read from (the filler's mapping of it)."""
         self.readers[path] = read
 
@@ -195,7 +195,7 @@ class Verifier:
 
     def snapshot(self) -> dict:
         with self.lock:
-            out = {**self.counts, "eager_done": self.t_eager is not None, "hash_s": round(self.hash_s, 3),
+            out: dict[str, object] = {**self.counts, "eager_done": self.t_eager is not None, "hash_s": round(self.hash_s, 3),
                    "files": len(self.files)}
             if self.t_eager is not None:
                 out["eager_s"] = round(self.t_eager - self._t0, 3)

@@ -96,10 +96,12 @@ def _add_file(tar: tarfile.TarFile, ckpt, rel: str, arcname: str, verify: bool) 
     if size != entry.get("size"):
         raise CheckpointInvalid(f"checkpoint {ckpt.name}: size mismatch in {rel}")
     with open(path, "rb") as fh:
-        reader = _VerifyingReader(fh, entry, rel, ckpt.name) if verify else fh
+        if not verify:
+            tar.addfile(_info(arcname, size), fh)
+            return
+        reader = _VerifyingReader(fh, entry, rel, ckpt.name)
         tar.addfile(_info(arcname, size), reader)
-        if verify:
-            reader.check()
+        reader.check()
 
 
 def config_dump(manifest: dict) -> dict:
@@ -172,7 +174,10 @@ def export(ckpt, out_path: str, *, verify: bool = True, progress: Progress = nul
     # 0600 like the store's files and podman's exports: the archive holds the processes' memory
     with atomic_file(out_path, 0o600) as fh:
         w = _HashingWriter(fh, progress)
-        with tarfile.open(fileobj=w, mode="w", format=tarfile.PAX_FORMAT, copybufsize=4 << 20) as tar:
+        # TarFile itself: what tarfile.open(mode="w") returns, with copybufsize (open's stubs lack it); a
+        # TarFile writing only writes and tells (the stubs' file object also reads, seeks and closes)
+        with tarfile.TarFile(fileobj=w, mode="w", format=tarfile.PAX_FORMAT,  # type: ignore[arg-type]
+                             copybufsize=4 << 20) as tar:
             tar.addfile(_dir("checkpoint"))
             have_gpu_record = "images/" + records.IMAGE_FILE in files
             for rel in images:

@@ -46,7 +46,8 @@ import tarfile
 import time
 import zlib
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timezone
+from datetime import UTC, datetime
+from typing import IO
 
 from migrt import names
 from migrt.config import Config
@@ -187,7 +188,7 @@ def _copy_data(tar: tarfile.TarFile, member: tarfile.TarInfo, raw_fd: int | None
                 break  # end of the archive: truncated
             n += sent
         return n
-    src = tar.extractfile(member)
+    src = _member_data(tar, member)
     with os.fdopen(out_fd, "wb", closefd=False) as out:
         while buf := src.read(CHUNK):
             out.write(buf)
@@ -212,10 +213,17 @@ def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, dest: str, raw_
     return n
 
 
+def _member_data(tar: tarfile.TarFile, member: tarfile.TarInfo) -> IO[bytes]:
+    src = tar.extractfile(member)
+    if src is None:  # a link or a device: no data to read
+        raise CheckpointInvalid(f"archive member {member.name!r} is not a regular file")
+    return src
+
+
 def _read_small(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int) -> bytes:
     if member.size > limit:
         raise CheckpointInvalid(f"archive member {member.name!r} is {member.size} bytes; at most {limit} are accepted")
-    data = tar.extractfile(member).read()
+    data = _member_data(tar, member).read()
     if len(data) != member.size:
         raise CheckpointInvalid(f"archive member {member.name!r}: truncated archive")
     return data
@@ -309,7 +317,8 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
         raise CheckpointInvalid(f"{archive}: unreadable, truncated or corrupted tar archive ({exc})") from exc
     if out.images == 0:
         raise CheckpointInvalid(f"{archive} has no {CHECKPOINT_DIR}/ directory with CRIU images: not a checkpoint "
-                                "archive (kubelet checkpoint API / CRI CheckpointContainer, podman checkpoint --export)")
+                                "archive (kubelet checkpoint API / CRI CheckpointContainer, "
+                                "podman checkpoint --export)")
     if not os.path.isfile(os.path.join(images_dir, "inventory.img")):
         raise CheckpointInvalid(f"{archive}: {CHECKPOINT_DIR}/inventory.img is missing (incomplete CRIU images)")
     missing = [m for m in REQUIRED_META if m not in out.meta]
@@ -485,7 +494,8 @@ def criu_options(images: str, terminal: bool) -> tuple[dict, str | None]:
     try:
         import pycriu  # noqa: F401
     except ImportError as exc:
-        return opts, f"pycriu is not importable ({exc}): tcp_established/ext_unix_sk/file_locks not read from the images"
+        return opts, (f"pycriu is not importable ({exc}): tcp_established/ext_unix_sk/file_locks not read "
+                      "from the images")
     try:
         files = _load_entries(images, "files.img")
         inet = [f.get("isk") or {} for f in files if f.get("type") == "INETSK"]
@@ -497,7 +507,7 @@ def criu_options(images: str, terminal: bool) -> tuple[dict, str | None]:
         raise CheckpointInvalid(f"the CRIU images cannot be read: {exc}") from exc
     opts["tcp_established"] = any(_num(s.get("proto")) in (6, "TCP") and _num(s.get("state")) in (1, "ESTABLISHED")
                                   for s in inet)
-    opts["ext_unix_sk"] = any(isinstance(_num(s.get("uflags")), int) and _num(s.get("uflags")) & 1 for s in unix)
+    opts["ext_unix_sk"] = any(isinstance(u := _num(s.get("uflags")), int) and u & 1 for s in unix)
     opts["file_locks"] = bool(locks)
     return opts, None
 
@@ -507,7 +517,7 @@ def recorded_root_mode(images: str) -> int | None:
     the manifest's root_mode, so that a restore into a root of the same mode needs no image rewrite."""
     try:
         files = _load_entries(images, "files.img")
-    except Exception:  # pycriu missing or the image unreadable: the restore reads files.img itself
+    except Exception:  # noqa: BLE001 - pycriu missing or the image unreadable: the restore reads files.img itself
         return None
     modes = {(f.get("reg") or {}).get("mode") for f in files
              if f.get("type") == "REG" and (f.get("reg") or {}).get("name") == "/"}
@@ -533,7 +543,7 @@ def _iso(text: object) -> str | None:
     """containerd's RFC 3339 time (nanoseconds, any offset) -> the manifest's UTC to the second."""
     m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.\d+)?(Z|[+-]\d\d:\d\d)", text) \
         if isinstance(text, str) else None
-    if not m or text.startswith("0001-"):
+    if not m or m.string.startswith("0001-"):
         return None
     try:  # a date that does not exist (month 13, hour 25) or leaves the calendar once in UTC: unknown
         dt = datetime.fromisoformat(m.group(1) + ("+00:00" if m.group(2) == "Z" else m.group(2)))
@@ -554,7 +564,8 @@ def cri_metadata(spec: Bundle) -> dict:
 # -- the import -------------------------------------------------------------------------------------
 
 def default_import_name(archive: str) -> str:
-    """The archive's file name without .tar (kubelet's are unique: checkpoint-<pod>_<namespace>-<container>-<time>.tar)."""
+    """The archive's file name without .tar (kubelet's are unique:
+    checkpoint-<pod>_<namespace>-<container>-<time>.tar)."""
     stem = os.path.basename(archive)
     for ext in (".gz", ".tgz", ".bz2", ".xz", ".zst", ".zstd", ".tar"):
         stem = stem[: -len(ext)] if stem.endswith(ext) else stem
@@ -627,7 +638,7 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
         raise CheckpointInvalid(f"{archive}: {exc}") from exc
     cid = config_dump.get("id") if isinstance(config_dump.get("id"), str) else None
     created = _iso(config_dump.get("checkpointedTime")) or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    fields = {
+    fields: dict[str, object] = {
         "created": created,
         "source": {
             "container_id": cid,

@@ -182,18 +182,15 @@ def apply_checkpoint(ckpt_path: str, manifest: dict, rootfs: str) -> int:
 
 
 def _apply_tar(tar_path: str, meta: dict, root: str, what: str, strip_setid: bool = False) -> int:
-    tar_file = open(tar_path, "rb")  # opened before the chroot
+    with open(tar_path, "rb") as tar_file:  # opened before the chroot
 
-    def child() -> bytes:
-        os.chroot(root)
-        os.chdir("/")
-        _apply_in_chroot(tar_file, meta, strip_setid)
-        return b""
+        def child() -> bytes:
+            os.chroot(root)
+            os.chdir("/")
+            _apply_in_chroot(tar_file, meta, strip_setid)
+            return b""
 
-    try:
         run_forked(child, what)
-    finally:
-        tar_file.close()
     with tarfile.open(tar_path) as tar:
         return sum(1 for m in tar if _safe(m.name) and layer_member(m))
 

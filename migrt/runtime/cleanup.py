@@ -34,7 +34,9 @@ def unmount_under(path: str) -> list[str]:
                     found.append(mnt)
     except OSError:
         return []
-    if found and _libc is None:
+    if not found:
+        return found
+    if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     for mnt in sorted(found, key=len, reverse=True):
         _libc.umount2(mnt.encode(), 2)  # MNT_DETACH

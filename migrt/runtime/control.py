@@ -63,6 +63,8 @@ class PagePort(tuple):
     taken by the time CRIU bound it, after the whole dump ("Can't bind page server: Address already
     in use" in 1 lazy migration of 6)."""
 
+    _sock: socket.socket | None
+
     def __new__(cls, sock: socket.socket) -> PagePort:
         host, port = sock.getsockname()[:2]
         self = super().__new__(cls, (host, port))

@@ -174,7 +174,7 @@ def _gpu(parsed: RuncArgv, lower: str) -> int | None:
     if parsed.command == "checkpoint":
         root = parsed.root or _lower.default_root(lower)
         if gpu_suspended(root, cmd.container_id or ""):  # its GPU state sits in host memory: refuse
-            runclog.append(parsed.log_path, "error", f"migrt: {gpu_suspended_message(cmd.container_id)}",
+            runclog.append(parsed.log_path, "error", f"migrt: {gpu_suspended_message(cmd.container_id or '')}",
                            log_format=parsed.log_format)
             return 6
         pids = procs.container_cuda_pids(parsed.root or _lower.default_root(lower), cmd.container_id or "")
