@@ -17,7 +17,8 @@ Where the facts live (CRIU 3.x/4.x):
   files.img, fdinfo-<id>.img open files (reg: path, flags, st_mode, mnt_id; tty: tty_info_id)
   tty-info.img               a tty's kind and device number
   mountpoints-<ns>.img       the mount table CRIU recreates (mountpoint, flags)
-  seccomp.img                the BPF filters (only their presence is used)
+  seccomp.img                the BPF filters: program bytes, the index of the filter installed before
+                             it (prev), flags (TSYNC: CRIU recorded the chain on the leader only)
 
 Stdlib only (criu/protobuf.py: no pycriu on the restore path, whose import costs ~0.3 s); the unit
 tests check it against pycriu-written images.
@@ -97,16 +98,47 @@ class Mount:
         return bool(self.flags & MS_RDONLY)
 
 
+@dataclass(frozen=True)
+class SeccompFilter:
+    """One filter of seccomp.img: a classic BPF program, the filter installed before it, flags."""
+    program: bytes
+    prev: int | None
+    flags: int
+
+
+SECCOMP_FILTER_FLAG_TSYNC = 1
+
+
 @dataclass
 class Tasks:
     threads: list[Thread]
     files: list[OpenFile]
     mounts: list[Mount]             # the mount namespace of the tree's root task
     seccomp_filters: int            # filters in seccomp.img
+    filters: list[SeccompFilter] = field(default_factory=list)  # seccomp.img's filters, in order
 
     @property
     def root_mount(self) -> Mount | None:
         return next((m for m in self.mounts if m.mountpoint == "/"), None)
+
+    def seccomp_chain(self, th: Thread) -> list[SeccompFilter] | None:
+        """The filters CRIU installs on `th`, newest first (prev links); None when its mode is not
+        filter or the chain is broken. A thread CRIU recorded without filters while its process
+        leader's chain has TSYNC gets the leader's chain (CRIU's dump keeps shared chains once)."""
+        index = th.seccomp_filter
+        if th.seccomp_mode == SECCOMP_DISABLED and th.tid != th.pid:
+            leader = next((t for t in self.threads if t.tid == th.pid), None)
+            chain = self.seccomp_chain(leader) if leader is not None else None
+            return chain if chain and all(f.flags & SECCOMP_FILTER_FLAG_TSYNC for f in chain) else None
+        if th.seccomp_mode != SECCOMP_FILTER or index is None:
+            return None
+        out: list[SeccompFilter] = []
+        while index is not None:
+            if not 0 <= index < len(self.filters) or len(out) >= len(self.filters):
+                return None  # out of range, or a loop
+            out.append(self.filters[index])
+            index = self.filters[index].prev
+        return out
 
 
 def _ints(fields: list, num: int) -> list[int]:
@@ -208,8 +240,9 @@ def read(images: str) -> Tasks:
             filt = _one(th, 12, _one(tc, 12))
             thread.seccomp_filter = None if filt is None else int(filt)
             threads.append(thread)
+    filters = _seccomp_filters(images)
     return Tasks(threads=threads, files=_open_files(images, files_ids),
-                 mounts=_mounts(images, root_mnt_ns), seccomp_filters=_seccomp_filters(images))
+                 mounts=_mounts(images, root_mnt_ns), seccomp_filters=len(filters), filters=filters)
 
 
 def _ids_image(images: str, pid: int) -> list | None:
@@ -288,12 +321,20 @@ def _mounts(images: str, mnt_ns: int | None) -> list[Mount]:
     return out
 
 
-def _seccomp_filters(images: str) -> int:
+def _seccomp_filters(images: str) -> list[SeccompFilter]:
     p = os.path.join(images, "seccomp.img")
     if not os.path.exists(p):
-        return 0
-    entries = read_entries(p)
-    return sum(len([1 for n, _ in _fields(e) if n == 1]) for e in entries)
+        return []
+    out = []
+    for entry in read_entries(p):
+        for n, raw in _fields(entry):
+            if n == 1 and isinstance(raw, bytes):
+                f = _fields(raw)
+                prev = _one(f, 2)
+                program = _one(f, 1, b"")
+                out.append(SeccompFilter(program=program if isinstance(program, bytes) else b"",
+                                         prev=None if prev is None else int(prev), flags=int(_one(f, 3, 0))))
+    return out
 
 
 def is_device(f: OpenFile) -> bool:

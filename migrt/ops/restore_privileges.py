@@ -18,9 +18,12 @@ bundle's config.json grants (oci/grants.py), and the restore is refused, naming 
                 without noNewPrivileges also within bounding + inheritable: what exec gives root);
                 no capabilities section: runc drops nothing, nothing to compare
   no_new_privs  set on every thread when process.noNewPrivileges is true
-  seccomp       every thread in filter (or strict) mode with its filter in seccomp.img when
-                linux.seccomp is set; the filter's rules are NOT compared with the profile (CRIU
-                restores the checkpoint's BPF programs; they cannot be derived from the profile here)
+  seccomp       CRIU restores the checkpoint's BPF programs, not the profile: every thread's stack
+                of filters (seccomp.img, chained by prev) must answer every system call, on every
+                architecture this kernel runs, at least as strictly as the program runc compiles
+                from linux.seccomp (libseccomp and runc's -ENOSYS stub; seccomp/compare.py: both
+                read symbolically, arguments included); strict mode passes; a filter that cannot
+                be decided, or no libseccomp here, is refused
   LSM label     the label the bundle names (process.apparmorProfile / selinuxLabel, for the LSM this
                 node runs) is applied to every task with runc's --lsm-profile when a task's
                 recorded label differs (SELinux categories differ from pod to pod, so refusing would
@@ -103,13 +106,14 @@ def check(images: str, bundle: Bundle, name: str, *, rootfs_changes: Callable[[]
     verdict = Verdict()
     problems: list[str] = []
     for th in t.threads:
-        problems += _identity(th, g) + _caps(th, g) + _nnp(th, g) + _seccomp(th, g, t)
+        problems += _identity(th, g) + _caps(th, g) + _nnp(th, g)
+    problems += _seccomp(t, g, bundle)
     problems += _devices(t, g)
     problems += _readonly_root(t, g, rootfs_changes() if rootfs_changes is not None and g.readonly_root else None)
     problems += _masked(t, g, bundle)
     problems += _lsm(t, g, images, verdict, host_lsm() if lsm is None else lsm)
     if g.seccomp and not problems:
-        verdict.notes.append("seccomp: filter mode checked; the filters' rules are the checkpoint's own")
+        verdict.notes.append("seccomp: every thread's filters answer at least as strictly as linux.seccomp")
     if problems:
         lines = _by_setting(problems)
         raise PreconditionFailed(
@@ -168,14 +172,46 @@ def _nnp(th: Thread, g: Grants) -> list[str]:
     return [f"{th.what} runs without no_new_privs but the container asks for it (process.noNewPrivileges)"]
 
 
-def _seccomp(th: Thread, g: Grants, t: Tasks) -> list[str]:
+_SECCOMP_DOES = ("the process killed", "the thread killed", "SIGSYS", "an error", "its seccomp agent asked",
+                 "a tracer asked", "allowed, logged", "")
+_SECCOMP_VERB = ("answers by killing the process", "answers by killing the thread", "traps (SIGSYS)", "denies",
+                 "hands to its seccomp agent", "hands to a tracer", "logs", "allows")
+
+
+def _seccomp(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
+    """linux.seccomp: every thread's restored filter stack at least as strict as the profile."""
     if not g.seccomp:
         return []
-    if th.seccomp_mode == SECCOMP_DISABLED:
-        return [f"{th.what} runs without a seccomp filter but the container asks for one (linux.seccomp)"]
-    if th.seccomp_mode == SECCOMP_FILTER and (th.seccomp_filter is None or not 0 <= th.seccomp_filter < t.seccomp_filters):
-        return [f"{th.what} is in seccomp filter mode but seccomp.img holds no filter for it (linux.seccomp)"]
-    return []
+    from migrt.seccomp import bpf, compare, profile
+
+    try:
+        prog = profile.compile_profile(bundle.config["linux"]["seccomp"])
+    except (profile.ProfileError, OSError) as exc:
+        return [f"its seccomp profile cannot be compared with the restored filters: {exc} (linux.seccomp)"]
+    if prog is None:
+        return []  # runc loads no filter for this profile
+    comparer: compare.Comparer | None = None
+    out = []
+    for th in t.threads:
+        chain = t.seccomp_chain(th)
+        if chain is None and th.seccomp_mode == SECCOMP_DISABLED:
+            out.append(f"{th.what} runs without a seccomp filter but the container asks for one (linux.seccomp)")
+        elif chain is None and th.seccomp_mode == SECCOMP_FILTER:
+            out.append(f"{th.what} is in seccomp filter mode but seccomp.img holds no filter for it (linux.seccomp)")
+        elif chain is not None:
+            try:
+                comparer = comparer or compare.Comparer(prog)
+                w = comparer.weaker([(f.program, bpf.decode(f.program)) for f in chain])
+            except (bpf.BpfError, bpf.Uncomparable) as exc:
+                out.append(f"{th.what} runs a seccomp filter that cannot be compared with the container's profile "
+                           f"({exc}) (linux.seccomp)")
+                continue
+            if w is not None:
+                does = _SECCOMP_DOES[compare.level(w.image)]
+                out.append(f"{th.what} may call {w.call}{f' ({does})' if does else ''}"
+                           f"{' with some arguments' if w.some_args else ''}, which the container's seccomp profile "
+                           f"{_SECCOMP_VERB[compare.level(w.profile)]} (linux.seccomp)")
+    return out
 
 
 def _device_number(f: OpenFile, g: Grants) -> tuple[str, int, int] | None:

@@ -24,6 +24,8 @@ from migrt.oci.grants import CAPS, Grants
 from migrt.ops import restore as ops_restore
 from migrt.ops import restore_privileges as rp
 from migrt.pods import rootfs
+from migrt.seccomp.bpf import encode
+from migrt.seccomp.profile import compile_profile
 from migrt.store import Store
 from tests.unit.support import write_bundle
 
@@ -72,6 +74,7 @@ class Images:
         self.fdinfo: list[dict] = []
         self.mounts = [self._mnt(ROOT_MNT, "/", 0)]
         self.seccomp = 0
+        self.seccomp_program = RET_ALLOW  # every filter of seccomp.img
         self.lsmtype = 0
 
     @staticmethod
@@ -137,8 +140,8 @@ class Images:
             img("tty-info.img", "TTY_INFO", self._ttys)
         img("mountpoints-9.img", "MNTS", self.mounts)
         if self.seccomp:
-            img("seccomp.img", "SECCOMP", [{"seccomp_filters": [{"filter": base64.b64encode(RET_ALLOW).decode()}
-                                                                for _ in range(self.seccomp)]}])
+            prog = base64.b64encode(self.seccomp_program).decode()
+            img("seccomp.img", "SECCOMP", [{"seccomp_filters": [{"filter": prog} for _ in range(self.seccomp)]}])
         return d
 
 
@@ -317,9 +320,12 @@ def test_seccomp_profile_needs_a_filter_on_every_thread(tmp_path):
     assert "runs without a seccomp filter but the container asks for one (linux.seccomp)" in \
         str(refused(root_all_caps(tmp_path), b))
     im = Images(tmp_path / "filtered").proc(seccomp="filter")
-    im.seccomp = 1
+    im.seccomp, im.seccomp_program = 1, encode(compile_profile(SECCOMP["seccomp"]))  # the profile's own program
     verdict = passes(im.write(), b)
-    assert any("rules are the checkpoint's own" in n for n in verdict.notes)  # what is not compared, said
+    assert any("filters answer at least as strictly as linux.seccomp" in n for n in verdict.notes)
+    im = Images(tmp_path / "allowall").proc(seccomp="filter")  # a filter, but one that allows everything
+    im.seccomp = 1
+    assert "process 1 (app) may call " in str(refused(im.write(), b))
     im = Images(tmp_path / "nofilter").proc(seccomp="filter")  # mode says filter, seccomp.img has none
     assert "seccomp.img holds no filter" in str(refused(im.write(), b))
 
