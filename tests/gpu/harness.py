@@ -145,17 +145,27 @@ def make_node(base: Path) -> Node:
     if problems:
         raise RuntimeError("GPU test prerequisites missing: " + ", ".join(problems))
     base.mkdir(parents=True, exist_ok=True)
-    binp = base / "bin"
-    binp.mkdir(exist_ok=True)
-    _wrapper(binp / "migrt", "from migrt.cli.main import main\nmain()")
-    _wrapper(binp / "migrt-runc", "from migrt.shim.__main__ import main\nsys.exit(main())")
+    installed = os.environ.get("MIGRT_GPU_PREFIX")
+    if installed:  # an installed migrt (packaging/install-host.sh): its own launchers, Python and CRIU
+        binp = Path(installed) / "bin"
+        if not (os.access(binp / "migrt", os.X_OK) and os.access(binp / "migrt-runc", os.X_OK)):
+            raise RuntimeError(f"MIGRT_GPU_PREFIX={installed}: no bin/migrt and bin/migrt-runc there")
+    else:
+        binp = base / "bin"
+        binp.mkdir(exist_ok=True)
+        _wrapper(binp / "migrt", "from migrt.cli.main import main\nmain()")
+        _wrapper(binp / "migrt-runc", "from migrt.shim.__main__ import main\nsys.exit(main())")
     config = base / "config.yaml"
     config.write_text(f"runtime: {shutil.which('runc')}\nstore: {base / 'store'}\nrestore_failure_policy: fail\n"
                       f"log_file: {base / 'migrt.log'}\nlog_level: debug\n")
     env = dict(os.environ)
     env["MIGRT_CONFIG"] = str(config)
     env["MIGRT_HOOK_LOG"] = str(base / "hook.log")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    if installed:  # nothing of the checkout or the kit's site-packages reaches the installed migrt
+        env.pop("PYTHONPATH", None)
+        env.pop("MIGRT_CRIU", None)
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.pop("MIGRT_GPU_HANDLED", None)
     os.environ["MIGRT_CONFIG"] = str(config)
     results = Path(os.environ.get("MIGRT_GPU_RESULTS") or base / "results")

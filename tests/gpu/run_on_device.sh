@@ -20,7 +20,11 @@ export MIGRT_GPU_RESULTS="$OUT"
 PY=${MIGRT_GPU_PYTHON:-python3}
 # migrt's own CRIU build (packaging/build-criu.sh, the one nodes get), carried as .device/migrt-criu
 # (copy /opt/migrt/criu there on the preparing machine): first on PATH, and migrt's choice.
-if [ -x .device/migrt-criu/sbin/criu ]; then
+# MIGRT_GPU_PREFIX=/opt/migrt: the tests drive an INSTALLED migrt (packaging/install-host.sh) through its
+# own launchers, Python and CRIU, with neither the checkout nor the kit's site-packages on its path.
+if [ -n "${MIGRT_GPU_PREFIX:-}" ]; then
+    export PATH="$MIGRT_GPU_PREFIX/criu/sbin:$PATH"
+elif [ -x .device/migrt-criu/sbin/criu ]; then
     export PATH="$PWD/.device/migrt-criu/sbin:$PATH" MIGRT_CRIU="$PWD/.device/migrt-criu/sbin/criu"
     export PYTHONPATH="$PWD/.device/migrt-criu/python:$PYTHONPATH"  # its pycriu, from the same source
 fi
@@ -61,7 +65,11 @@ if [ -n "$missing" ]; then
     exit 2
 fi
 
-"$PY" -c 'from migrt.cli.main import main; main()' doctor > "$OUT/doctor.txt" 2>&1
+if [ -n "${MIGRT_GPU_PREFIX:-}" ]; then
+    env -u PYTHONPATH -u MIGRT_CRIU "$MIGRT_GPU_PREFIX/bin/migrt" doctor > "$OUT/doctor.txt" 2>&1
+else
+    "$PY" -c 'from migrt.cli.main import main; main()' doctor > "$OUT/doctor.txt" 2>&1
+fi
 "$PY" -m pytest tests/gpu -m gpu -v -ra -p no:cacheprovider --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 if [ -s "$OUT/results.jsonl" ]; then
