@@ -13,24 +13,35 @@ def _progress(as_json: bool) -> ConsoleProgress:
     return ConsoleProgress(enabled=None if not as_json else False)
 
 
+def _timeout(what: str):
+    return click.option(
+        "--timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+        help=f"Give up when the whole {what} (every request, retry and wait) takes longer. Default: registry_timeout "
+             "from the migrt config (60 s) plus the image's size at 8 MiB/s, counted once that size is known; "
+             "a registry that trickles its answers is cut there.")
+
+
 @cli.command()
 @click.argument("name")
 @click.argument("reference")
 @click.option("--format", "fmt", type=click.Choice(["migrt", "cri"]), default="migrt", show_default=True,
               help="migrt: 64 MiB blobs, parallel, unchanged blobs not sent again; cri: one layer in the checkpoint "
                    "archive layout with the CRI-O checkpoint annotations (for CRI-O, Podman, checkpointctl).")
+@_timeout("push (hashing included)")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 @handle_errors
-def push(name, reference, fmt, as_json):
+def push(name, reference, fmt, timeout, as_json):
     """Push checkpoint NAME to a registry as an OCI image (REFERENCE: registry/repository:tag).
     Credentials and CA come from the config (registry_auth_file, registry_ca_file)."""
+    from migrt.registry.connect import deadline_for
     from migrt.registry.push import push as do_push
 
     cfg = load_config()
+    deadline = deadline_for(cfg, "migrt push", timeout)
     progress = _progress(as_json)
     if progress.enabled:
         click.echo(f"pushing {name} to {reference}", err=True)
-    out = do_push(cfg, name, reference, fmt=fmt, progress=progress)
+    out = do_push(cfg, name, reference, fmt=fmt, progress=progress, deadline=deadline)
     if as_json:
         emit_json(out)
         return
@@ -43,22 +54,20 @@ def push(name, reference, fmt, as_json):
 @click.argument("reference")
 @click.option("--name", help="Store name (default: oci-<repository>-<manifest digest prefix>, the name a restore "
                              "by reference looks for).")
-@click.option("--timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
-              help="Give up when the whole pull (every request, retry and wait) takes longer; what arrived is "
-                   "kept and the next pull resumes it. Default: no limit for the whole (each request has its own).")
+@_timeout("pull (what arrived is kept and the next pull resumes it)")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 @handle_errors
 def pull(reference, name, timeout, as_json):
     """Pull a checkpoint image (pushed by migrt, or a CRI-O/Podman checkpoint image) into the store,
     every digest checked before it is committed; prints the checkpoint name."""
-    from migrt.registry.client import Deadline
+    from migrt.registry.connect import deadline_for
     from migrt.registry.pull import pull as do_pull
 
     cfg = load_config()
+    deadline = deadline_for(cfg, "migrt pull", timeout)
     progress = _progress(as_json)
     if progress.enabled:
         click.echo(f"pulling {reference}", err=True)
-    deadline = Deadline.after(timeout, "migrt pull --timeout") if timeout else None
     out = do_pull(cfg, reference, name=name, progress=progress, deadline=deadline)
     if as_json:
         emit_json(out)

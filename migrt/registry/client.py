@@ -64,22 +64,33 @@ _TRANSIENT = (OSError, http.client.HTTPException, ssl.SSLError)
 
 @dataclass
 class Deadline:
-    """The end of a whole operation (a pull), on time.monotonic(), and the setting that chose it (named
-    in the error)."""
+    """The end of a whole operation (a push or a pull), on time.monotonic(), and the setting that chose
+    it (named in the error). With a `rate` (bytes/s), allow(n) extends it by n / rate once the size of
+    the data is known (before any of it moves), so that a budget sized for the exchange of manifests
+    also carries a large image; without one it is a plain wall-clock budget. `then`: what the error
+    says happens to what moved."""
     at: float
     seconds: float
     setting: str
+    rate: float | None = None
+    then: str = "what arrived is kept and the next pull of the same image resumes it"
 
     @classmethod
-    def after(cls, seconds: float, setting: str) -> "Deadline":
-        return cls(time.monotonic() + seconds, seconds, setting)
+    def after(cls, seconds: float, setting: str, *, rate: float | None = None, then: str | None = None) -> Deadline:
+        return cls(time.monotonic() + seconds, seconds, setting, rate, then or cls.then)
+
+    def allow(self, nbytes: int) -> None:
+        """nbytes of data are about to move: with a rate, the budget grows by their time at that rate."""
+        if self.rate and nbytes > 0:
+            extra = nbytes / self.rate
+            self.at += extra
+            self.seconds += extra
 
     def left(self) -> float:
         return self.at - time.monotonic()
 
     def error(self, what: str) -> RegistryError:
-        return RegistryError(f"{what}: not finished within {self.seconds:g} s ({self.setting}); what arrived "
-                             "is kept and the next pull of the same image resumes it")
+        return RegistryError(f"{what}: not finished within {round(self.seconds, 1):g} s ({self.setting}); {self.then}")
 
     def check(self, what: str) -> None:
         if self.left() <= 0:

@@ -22,7 +22,8 @@ registry at all (a restore still works while the registry is down).
 A create's pull (`ensure_local`) is the pod's request, not the node operator's: its registry must be
 one of the config's `restore_registries` (refused before any connection), the whole pull ends within
 `registry_timeout`, and an image that says it was taken in another Kubernetes namespace than the
-pod's is refused before any layer is fetched (the caller's `admit`). `migrt pull` is not limited.
+pod's is refused before any layer is fetched (the caller's `admit`). `migrt pull` may name any
+registry; it too ends within a whole deadline (registry/connect.py deadline_for).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from migrt.pagefill.images import record_beside
 from migrt.progress import Progress, null_progress
 from migrt.registry import image
 from migrt.registry.client import Client, Deadline
-from migrt.registry.connect import client_for
+from migrt.registry.connect import client_for, deadline_for
 from migrt.registry.reference import Reference, parse, registry_allowed
 from migrt.store import Store
 from migrt.store import importer, reserve
@@ -64,23 +65,20 @@ Admit = Callable[[str | None], None]
 
 
 @contextlib.contextmanager
-def image_lock(store: Store, manifest_digest: str, deadline: Deadline | None = None) -> Iterator[None]:
+def image_lock(store: Store, manifest_digest: str, deadline: Deadline) -> Iterator[None]:
     """Lock per image and node (concurrent creates restoring one reference pull once); waited for at
     most until the deadline."""
     store.ensure()
     path = os.path.join(store.root, ".locks", f".pull-{manifest_digest.split(':', 1)[1]}.lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
-        if deadline is None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        else:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    deadline.check(f"waiting for another pull of {manifest_digest} on this node")
-                    time.sleep(0.1)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                deadline.check(f"waiting for another pull of {manifest_digest} on this node")
+                time.sleep(0.1)
         yield
     finally:
         os.close(fd)
@@ -89,11 +87,12 @@ def image_lock(store: Store, manifest_digest: str, deadline: Deadline | None = N
 def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Progress = null_progress,
          deadline: Deadline | None = None, admit: Admit | None = None) -> dict:
     """Pull an image into the store (or find it already there). Returns a summary with `name`.
-    deadline: the end of the whole pull (None: each request's own budget only). admit(namespace):
+    deadline: the end of the whole pull (None: the CLI's default, connect.deadline_for). admit(namespace):
     called before any layer is fetched with the Kubernetes namespace the image's checkpoint was taken
     in (None: none), where the image says so before its layers (a migrt image's config always, a
     CRI-O image's annotation when it has one); it raises to refuse the image."""
     t_start = time.monotonic()
+    deadline = deadline or deadline_for(cfg, "migrt pull")
     ref = parse(reference)
     if name:
         names.validate(name)
@@ -216,6 +215,7 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
             total = sum(f.get("size", 0) for f in files.values())
             have = _resume(partial, plan, journal)
             imp.ensure_space(total - sum(s for (_d, _o, _r), s in have.items()))
+            client.deadline.allow(total - sum(have.values()))  # (checked against free space first)
             for rel, chunks in plan.items():  # every file at its final size before the chunks land
                 full = os.path.join(partial, rel)
                 os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
@@ -341,6 +341,7 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
         # the extraction writes: member by member, decompressed (pods/import_cri.py)
         with reserve.reserving(store.root, what, import_cri.SPACE_MARGIN) as res:
             res.reserve(layer["size"])
+            client.deadline.allow(layer["size"])
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 def sink(view: memoryview) -> None:

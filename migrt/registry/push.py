@@ -20,14 +20,17 @@ from migrt.config import Config
 from migrt.errors import CheckpointInvalid, UsageError
 from migrt.progress import Progress, null_progress
 from migrt.registry import image
-from migrt.registry.client import Client, sha256_bytes
-from migrt.registry.connect import client_for
+from migrt.registry.client import Client, Deadline, sha256_bytes
+from migrt.registry.connect import client_for, deadline_for
 from migrt.registry.reference import Reference, parse
 from migrt.store import Store
 from migrt.store.fsutil import digest_of, fold_chunks, hash_chunks
 
 
-def push(cfg: Config, name: str, reference: str, *, fmt: str = "migrt", progress: Progress = null_progress) -> dict:
+def push(cfg: Config, name: str, reference: str, *, fmt: str = "migrt", progress: Progress = null_progress,
+         deadline: Deadline | None = None) -> dict:
+    """deadline: the end of the whole push, hashing included (None: connect.deadline_for's default)."""
+    deadline = deadline or deadline_for(cfg, "migrt push")
     names.validate(name)
     ref = parse(reference)
     if not ref.tag or ref.digest:
@@ -37,7 +40,8 @@ def push(cfg: Config, name: str, reference: str, *, fmt: str = "migrt", progress
     store = Store(cfg.store)
     t_start = time.monotonic()
     with store.reading(name) as ckpt:
-        client = client_for(cfg, ref, push=True)
+        deadline.allow(int(ckpt.manifest.get("size_bytes") or 0))  # our own checkpoint: its size is known
+        client = client_for(cfg, ref, push=True, deadline=deadline)
         try:
             if fmt == "migrt":
                 result = _push_chunked(cfg, client, ckpt, ref, progress)

@@ -394,3 +394,103 @@ def test_migrt_pull_timeout_bounds_the_whole_pull(migrt_env, reg):
     assert res.exit_code == 9, res.output
     assert "not finished within 1.5 s (migrt pull --timeout)" in res.output
     assert time.monotonic() - t0 < 5
+
+
+def _trickler(stop: threading.Event, length: int = 100_000):
+    """Headers at once, then one byte every 0.2 s (never a pause a per-recv timeout would see)."""
+    def answer(h):
+        h.send_response(200)
+        h.send_header("Content-Length", str(length))
+        h.end_headers()
+        while not stop.is_set():
+            try:
+                h.wfile.write(b" ")
+            except OSError:
+                return
+            stop.wait(0.2)
+    return answer
+
+
+def _cli(args: list[str], seconds: float = 30):
+    from click.testing import CliRunner
+
+    import migrt.cli.registry_cmd  # noqa: F401 - registers `migrt push|pull`
+    from migrt.cli.main import cli
+
+    return _within(seconds, lambda: CliRunner().invoke(cli, args))["value"]
+
+
+def _store_is_clean(root: str) -> None:
+    assert Store(root).list() == [] and _pulls_left(root) == []
+    assert [e for e in os.listdir(os.path.join(root, ".tmp")) if not e.startswith(".")] == []
+
+
+@pytest.mark.parametrize("where", ["manifest", "blob"])
+def test_migrt_pull_has_a_whole_deadline_by_default(migrt_env, reg, where):
+    """`migrt pull` of a trickled manifest once ran 487 s (4 tries of 120 s); without --timeout it now
+    ends at registry_timeout (plus the image's size at 8 MiB/s: nothing here), naming the registry and
+    the deadline, and leaves no checkpoint and nothing unverified behind (a blob that arrived whole is
+    kept for the next pull, which resumes)."""
+    registry, host, ca = reg
+    digest = migrt_image(registry, "v1", FILES)
+    stop = threading.Event()
+    layer = json.loads(registry.manifests[digest])["layers"][0]
+    path = "/v2/team/ckpt/manifests/v1" if where == "manifest" else f"/v2/team/ckpt/blobs/{layer['digest']}"
+    registry.hooks[path] = _trickler(stop, 100_000 if where == "manifest" else layer["size"])
+    with open(migrt_env.config, "a") as fh:
+        fh.write(f"registry_ca_file: {ca}\nregistry_timeout: 2\n")
+    t0 = time.monotonic()
+    try:
+        res = _cli(["pull", f"{host}/team/ckpt:v1"])
+    finally:
+        stop.set()
+    took = time.monotonic() - t0
+    assert res.exit_code == 9, res.output
+    assert f"registry {host}: " in res.output and "not finished within 2 s (migrt pull --timeout; by default " \
+        "registry_timeout in the migrt config, plus the image's size at 8 MiB/s)" in res.output, res.output
+    assert took < 8, took
+    root = str(migrt_env.store)
+    if where == "blob":  # the blob that arrived whole (and verified) is kept for the next pull to resume
+        assert Store(root).list() == [] and len(_pulls_left(root)) == 2
+        del registry.hooks[path]
+        res = _cli(["pull", f"{host}/team/ckpt:v1", "--name", "again"])
+        assert res.exit_code == 0, res.output
+        assert [c.name for c in Store(root).list()] == ["again"]
+        other = f"/v2/team/ckpt/blobs/{json.loads(registry.manifests[digest])['layers'][1]['digest']}"
+        assert registry.blob_paths().count(other) == 1  # resumed: not fetched again
+        assert _pulls_left(root) == []
+        return
+    _store_is_clean(root)
+
+
+def test_migrt_push_has_a_whole_deadline_by_default(migrt_env, cfg, reg):
+    registry, host, ca = reg
+    migrt_image(registry, "v1", FILES)
+    name = pull.pull(cfg, f"{host}/team/ckpt:v1")["name"]  # a checkpoint in the store to push
+    stop = threading.Event()
+    registry.hooks["/v2/"] = _trickler(stop)
+    with open(migrt_env.config, "a") as fh:
+        fh.write(f"registry_ca_file: {ca}\nregistry_timeout: 2\n")
+    t0 = time.monotonic()
+    try:
+        res = _cli(["push", name, f"{host}/team/other:v2"])
+    finally:
+        stop.set()
+    assert res.exit_code == 9, res.output
+    assert f"registry {host}: connecting: not finished within 2 s (migrt push --timeout" in res.output, res.output
+    assert "the next push skips them" in res.output
+    assert time.monotonic() - t0 < 8
+    res = _cli(["push", name, f"{host}/team/other:v2", "--timeout", "1.5"])
+    assert res.exit_code == 9 and "not finished within 1.5 s (migrt push --timeout)" in res.output, res.output
+
+
+def test_the_default_deadline_carries_a_large_image():
+    from migrt.registry.connect import WHOLE_RATE, deadline_for
+
+    d = deadline_for(config_mod.Config("x"), "migrt pull")
+    left = d.left()
+    d.allow(16 << 30)
+    assert d.seconds == 60 + (16 << 30) / WHOLE_RATE and d.left() - left == pytest.approx((16 << 30) / WHOLE_RATE, abs=1)
+    fixed = deadline_for(config_mod.Config("x"), "migrt pull", 30)
+    fixed.allow(16 << 30)
+    assert fixed.seconds == 30  # --timeout is a plain wall-clock budget
