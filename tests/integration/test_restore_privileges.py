@@ -203,3 +203,63 @@ def test_a_seccomp_profile_needs_a_filtered_process(containerd, migrt_config, tm
         assert after["Seccomp"] == "2" and after["Seccomp_filters"] == before["Seccomp_filters"]
     finally:
         _remove(containerd, dst)
+
+
+# -- seccomp filters compared with the profile (issue 27 item 3) ---------------------------------------
+ARCHES = ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
+ALLOW_ALL = {"defaultAction": "SCMP_ACT_ALLOW", "architectures": ARCHES}
+NO_MKDIR = {"defaultAction": "SCMP_ACT_ALLOW", "architectures": ARCHES,
+            "syscalls": [{"names": ["mkdir", "mkdirat"], "action": "SCMP_ACT_ERRNO"}]}
+
+
+def _default_profile(ctd) -> dict:
+    """containerd's default seccomp profile, as `ctr --seccomp` writes it into a container's spec."""
+    cid = _id("profile")
+    ctd.ctr("containers", "create", "--seccomp", ctd.image, cid)
+    try:
+        return json.loads(ctd.ctr("containers", "info", cid).stdout)["Spec"]["linux"]["seccomp"]
+    finally:
+        ctd.ctr("containers", "delete", cid, check=False)
+
+
+def test_an_allow_all_filter_is_refused_by_a_pod_that_denies_mkdir(containerd, migrt_config, tmp_path):
+    fresh = _id("fresh")  # what the pod's profile does to a process it starts itself
+    _run(containerd, fresh, _spec(containerd, tmp_path, f"fresh-{fresh}", caps=[], seccomp=NO_MKDIR))
+    try:
+        res = containerd.ctr("task", "exec", "--exec-id", _id("m"), fresh, "mkdir", "/made", check=False)
+        assert res.returncode != 0 and "Operation not permitted" in res.stdout + res.stderr, res
+    finally:
+        _remove(containerd, fresh)
+    # the issue's checkpoint: a filter, so filter mode alone let it through, but one that allows everything
+    name, before = _checkpoint(containerd, tmp_path, "allowall", caps=[], seccomp=ALLOW_ALL)
+    assert before["Seccomp"] == "2"
+    err = _refused(containerd, tmp_path, name, migrt_config, caps=[], seccomp=NO_MKDIR)
+    assert f"migrt: checkpoint {name}: process 1 (sh) may call mkdir, which the container's seccomp profile " \
+           "denies (linux.seccomp)" in err, err
+
+
+def test_the_same_profile_and_a_laxer_one_restore(containerd, migrt_config, tmp_path):
+    name, before = _checkpoint(containerd, tmp_path, "nomkdir", caps=[], seccomp=NO_MKDIR)
+    for profile in (NO_MKDIR, ALLOW_ALL):  # the same restrictions, then a subset of them
+        dst, after = _restored(containerd, tmp_path, name, caps=[], seccomp=profile)
+        try:
+            assert after["Seccomp"] == "2" and after["Seccomp_filters"] == before["Seccomp_filters"]
+        finally:
+            _remove(containerd, dst)
+    # a pod that denies more than the checkpoint's filter does (reboot as well) is refused
+    stricter = {**NO_MKDIR, "syscalls": NO_MKDIR["syscalls"] + [{"names": ["reboot"], "action": "SCMP_ACT_ERRNO"}]}
+    err = _refused(containerd, tmp_path, name, migrt_config, caps=[], seccomp=stricter)
+    assert "process 1 (sh) may call reboot, which the container's seccomp profile denies (linux.seccomp)" in err
+
+
+def test_containerds_default_profile_restores_into_the_same_profile(containerd, migrt_config, tmp_path):
+    profile = _default_profile(containerd)
+    assert profile["defaultAction"] == "SCMP_ACT_ERRNO" and len(profile["syscalls"]) > 5  # the real one
+    name, before = _checkpoint(containerd, tmp_path, "default", seccomp=profile)
+    dst, after = _restored(containerd, tmp_path, name, seccomp=profile)
+    try:
+        assert after["Seccomp"] == "2" and after["Seccomp_filters"] == before["Seccomp_filters"]
+    finally:
+        _remove(containerd, dst)
+    err = _refused(containerd, tmp_path, name, migrt_config, seccomp=NO_MKDIR)  # allows mkdir: refused
+    assert "may call mkdir, which the container's seccomp profile denies (linux.seccomp)" in err, err
