@@ -44,14 +44,15 @@ def checkpoint(container_id, root, name, leave_running, tcp_established, ext_uni
         emit_json({k: data[k] for k in ("name", "created", "size_bytes", "timings", "source", "options")})
     else:
         if progress.enabled:
-            click.echo(f"  total: {data['timings'].get('total_s', 0):.2f} s, {human_size(data['size_bytes'])}", err=True)
+            total = data["timings"].get("total_s", 0)
+            click.echo(f"  total: {total:.2f} s, {human_size(data['size_bytes'])}", err=True)
         click.echo(data["name"])
 
 
 def _summary(ckpt) -> dict:
     try:
         m = ckpt.manifest
-    except Exception as exc:  # a broken checkpoint is still listed, with its problem
+    except Exception as exc:  # noqa: BLE001 - a broken checkpoint is still listed, with its problem
         return {"name": ckpt.name, "error": str(exc)}
     src = m.get("source", {})
     return {
@@ -83,8 +84,10 @@ def ls_cmd(as_json):
             rows.append([it["name"], "-", "-", "-", f"BROKEN: {it['error']}"])
             continue
         cri = it["cri"]
-        pod = f"{cri.get('pod_namespace', '')}/{cri.get('pod_name', '')}/{cri.get('container_name', '')}" if cri else "-"
-        rows.append([it["name"], it["created"] or "-", (it["container_id"] or "-")[:24], pod, human_size(it["size_bytes"])])
+        pod = f"{cri.get('pod_namespace', '')}/{cri.get('pod_name', '')}/{cri.get('container_name', '')}" \
+            if cri else "-"
+        rows.append([it["name"], it["created"] or "-", (it["container_id"] or "-")[:24], pod,
+                     human_size(it["size_bytes"])])
     click.echo(table(["NAME", "CREATED", "CONTAINER", "POD", "SIZE"], rows))
 
 
@@ -164,7 +167,8 @@ def rm(name, wait_s, as_json):
 @cli.command()
 @click.argument("name")
 @click.argument("container_id")
-@click.option("--bundle", required=True, type=click.Path(exists=True, file_okay=False), help="OCI bundle to restore into.")
+@click.option("--bundle", required=True, type=click.Path(exists=True, file_okay=False),
+              help="OCI bundle to restore into.")
 @click.option("--root", help="runc state root (default /run/runc).")
 @click.option("--output", type=click.Path(dir_okay=False), default=os.devnull, show_default=True,
               help="File receiving the restored container's stdout and stderr.")
@@ -187,7 +191,7 @@ def restore(name, container_id, bundle, root, output, pages, wait_pages, as_json
     runtime = cfg.runtime_path()
     progress = ConsoleProgress(enabled=None if not as_json else False)
     try:
-        out = open(output, "ab")  # opened before anything is restored: a bad path costs nothing
+        out = open(output, "ab")  # noqa: SIM115 - opened before anything is restored (a bad path costs nothing)
     except OSError as exc:
         raise UsageError(f"--output {output}: cannot open: {exc.strerror}") from exc
     with open(os.devnull, "rb") as devnull, out:
@@ -235,7 +239,8 @@ def recover(wait_s, list_only, as_json):
             click.echo(o.line())
         for e in left["journal"]:
             state = "interrupted" if e.get("stale") else f"in progress (pid {e.get('pid')})"
-            click.echo(f"journal: {e.get('op')} of {e.get('container') or e.get('name')} at phase {e.get('phase')}: {state}")
+            click.echo(f"journal: {e.get('op')} of {e.get('container') or e.get('name')} at phase {e.get('phase')}: "
+                       f"{state}")
         for inc in left["incomplete"]:
             click.echo(f"incomplete: {inc['path']} ({human_size(inc['size_bytes'])}): {inc.get('reason', '?')}; "
                        "kept, never deleted by migrt: inspect it, then remove it by hand")

@@ -27,7 +27,8 @@ def gpu_lines(gpu: dict) -> list[str]:
     for p in procs:
         ns = f" (ns {p['ns_pid']})" if p.get("ns_pid") is not None else ""
         where = ", ".join(p.get("gpus") or []) or "?"
-        lines.append(f"  pid {p.get('pid'):>7}{ns} {p.get('comm') or '?':<16} {human_size(p.get('memory_bytes'))} on {where}")
+        lines.append(f"  pid {p.get('pid'):>7}{ns} {p.get('comm') or '?':<16} {human_size(p.get('memory_bytes'))} "
+                     f"on {where}")
     return lines
 
 

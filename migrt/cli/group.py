@@ -79,7 +79,8 @@ def load_config(*, auto_recover: bool = True):
         try:
             outcomes = recover.recover(cfg)
         except (MigrtError, OSError) as exc:  # e.g. a read-only store: the command itself may still work
-            click.echo(f"migrt: warning: recovery of interrupted operations failed: {exc}; run 'migrt recover'", err=True)
+            click.echo(f"migrt: warning: recovery of interrupted operations failed: {exc}; run 'migrt recover'",
+                       err=True)
             outcomes = []
         for o in outcomes:
             hint = "" if o.status == "recovered" else "; run 'migrt recover'"

@@ -15,5 +15,6 @@ __all__ = ["cli", "main"]
 
 
 def main() -> None:
-    use_migrt_criu(configured_value("criu"))  # runc and CRIU's children find migrt's CRIU first on PATH (migrt.criu.binary)
+    # runc and CRIU's children find migrt's CRIU first on PATH (migrt.criu.binary)
+    use_migrt_criu(configured_value("criu"))
     cli(prog_name="migrt")

@@ -26,10 +26,11 @@ def human_size(n: float | int | None) -> str:
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)] if rows else [len(h) for h in headers]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=False)] if rows \
+        else [len(h) for h in headers]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths, strict=False)).rstrip()]
     for row in rows:
-        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
     return "\n".join(lines)
 
 

@@ -47,12 +47,16 @@ def choose(cfg: str | None = None) -> tuple[str | None, str]:
     `criu:` value (migrt.runtime.lower.configured_value("criu"))."""
     env = os.environ.get(ENV)
     if env:
-        return (env, f"{ENV} in the environment") if _executable(env) else (None, f"{ENV}={env} is not an executable file")
+        if _executable(env):
+            return env, f"{ENV} in the environment"
+        return None, f"{ENV}={env} is not an executable file"
     if cfg:
         if not _executable(cfg):
             return None, f"'criu: {cfg}' in the migrt config is not an executable file"
         untrusted = trust.problem(cfg)  # CRIU runs as root: only a binary nobody else could have written
-        return (None, f"'criu: {cfg}' in the migrt config: {untrusted}") if untrusted else (cfg, "'criu:' in the migrt config")
+        if untrusted:
+            return None, f"'criu: {cfg}' in the migrt config: {untrusted}"
+        return cfg, "'criu:' in the migrt config"
     own = own_build()
     if _executable(own):
         return own, "migrt's own build beside its venv"
@@ -92,5 +96,6 @@ def use_migrt_criu(cfg: str | None = None) -> str | None:
     d = os.path.dirname(os.path.abspath(path))
     if os.path.basename(path) != "criu":
         return path  # runc looks for the name `criu`: only a file of that name can be handed over
-    os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    default = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", default)
     return path

@@ -22,13 +22,13 @@ def inspect_images(images: str) -> dict:
         return {"error": f"pycriu is not importable ({exc}); install python3-pycriu"}
     try:
         tree = _load(images, "pstree.img")
-    except Exception as exc:  # pycriu raises plain Exceptions on bad images
+    except Exception as exc:  # noqa: BLE001 - pycriu raises plain Exceptions on bad images
         return {"error": f"pstree.img: {exc}"}
     files = {}
     try:
         for e in _load(images, "files.img"):
             files[e["id"]] = e
-    except Exception:
+    except Exception:  # noqa: BLE001 - pycriu: plain Exceptions; the field is left out
         pass
     procs = []
     for p in tree:
@@ -37,18 +37,18 @@ def inspect_images(images: str) -> dict:
         try:
             core = _load(images, f"core-{pid}.img")[0]
             info["comm"] = core.get("tc", {}).get("comm")
-        except Exception:
+        except Exception:  # noqa: BLE001 - pycriu: plain Exceptions; the field is left out
             pass
         try:
             mm = _load(images, f"mm-{pid}.img")[0]
             info["vma_bytes"] = sum(int(v["end"], 0) - int(v["start"], 0) if isinstance(v["start"], str)
                                     else v["end"] - v["start"] for v in mm.get("vmas", []))
-        except Exception:
+        except Exception:  # noqa: BLE001 - pycriu: plain Exceptions; the field is left out
             pass
         try:
             pm = _load(images, f"pagemap-{pid}.img")
             info["dumped_bytes"] = sum(e.get("nr_pages", 0) for e in pm[1:]) * PAGE
-        except Exception:
+        except Exception:  # noqa: BLE001 - pycriu: plain Exceptions; the field is left out
             pass
         info["files"] = _fds(images, pid, files)
         procs.append(info)
@@ -60,7 +60,7 @@ def _fds(images: str, pid: int, files: dict) -> list[dict]:
     try:
         ids = _load(images, f"ids-{pid}.img")[0]
         fdinfo = _load(images, f"fdinfo-{ids['files_id']}.img")
-    except Exception:
+    except Exception:  # noqa: BLE001 - pycriu: plain Exceptions; the field is left out
         return []
     out = []
     for fd in fdinfo:

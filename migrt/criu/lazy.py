@@ -143,7 +143,8 @@ def lazy_dump_problem(memory_bytes: int) -> str | None:
     fix = ("use migrt's own CRIU build (packaging/build-criu.sh: its lazy dumps keep no page pipes), or raise the "
            "hard limit of open files for migrt (e.g. LimitNOFILE in its unit, or ulimit -Hn as a privileged parent)")
     if pipe < CRIU_PIPE_MAX:
-        fix += f", or 'sysctl -w fs.pipe-max-size={4 << 20}' (3.2 MiB pipes: {lazy_dump_fds_at(memory_bytes)} descriptors)"
+        fix += (f", or 'sysctl -w fs.pipe-max-size={4 << 20}' (3.2 MiB pipes: {lazy_dump_fds_at(memory_bytes)} "
+                "descriptors)")
     return (f"a lazy dump of {memory_bytes >> 20} MiB needs about {need} open files for CRIU's page pipes "
             f"({pipe >> 10} KiB each), over this node's hard limit of {hard}; {fix}")
 

@@ -7,7 +7,7 @@ import re
 import subprocess
 import tempfile
 
-from migrt.criu.binary import criu_binary  # noqa: F401 - one rule for which CRIU (migrt.criu.binary)
+from migrt.criu.binary import criu_binary  # one rule for which CRIU (migrt.criu.binary)
 
 MIN_CRIU = (4, 2)
 # The oldest lower runtime and containerd migrt supports (Debian 12's runc 1.1.5 and containerd 1.6.20

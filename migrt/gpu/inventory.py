@@ -157,13 +157,13 @@ def take(with_processes: bool = True, *, procfs_root: str = PROC_NVIDIA) -> Inve
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the deprecated 'pynvml' wrapper package warns on import
-            import pynvml  # noqa: PLC0415
+            import pynvml
     except ImportError as exc:
         reason = f"pynvml not importable ({exc})"
     else:
         try:
             return _nvml(pynvml, with_processes)
-        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
             reason = f"NVML: {exc}"
     inv = _procfs(procfs_root)
     if inv.source == "none":

@@ -53,7 +53,8 @@ def memory_per_gpu(section: dict) -> dict[str, int]:
     return out
 
 
-def check(section: dict, inv: Inventory, targets: list[str] | None, *, what: str, keep_order: bool = False) -> Placement:
+def check(section: dict, inv: Inventory, targets: list[str] | None, *, what: str,
+          keep_order: bool = False) -> Placement:
     """keep_order: pair the checkpoint's GPUs, in their recorded order, with targets in the order given
     (a person naming GPUs for `migrt gpu resume --gpus`), instead of both in PCI order."""
     nproc = len(section.get("processes") or [])

@@ -229,7 +229,7 @@ def _tune(sock: socket.socket) -> None:
 def _join_server(sock: socket.socket, key: bytes, token: str, *, tls: TLSFiles | None, stall: float) -> Channel:
     """S -> C MAGIC | ns;  C -> S nc | token (32) | HMAC(key, client | ns | nc | token);
     S -> C HMAC(key, server | ns | nc); both then seal with HMAC(key, session | ns | nc)."""
-    peer = "%s:%s" % sock.getpeername()[:2]
+    peer = "{}:{}".format(*sock.getpeername()[:2])
     _tune(sock)
     sock.settimeout(JOIN_TIMEOUT)
     if tls:

@@ -105,11 +105,11 @@ class Channel:
     def __init__(self, sock: socket.socket, session: bytes, *, is_server: bool,
                  stall: float = STALL_TIMEOUT) -> None:
         self.sock = sock
-        self.peer = "%s:%s" % sock.getpeername()[:2]
+        self.peer = "{}:{}".format(*sock.getpeername()[:2])
         self.peer_host = sock.getpeername()[0]
         self.local_host = sock.getsockname()[0]
-        self.pages_key = page_key(session)
-        self.on_alive: Callable[[dict], None] | None = None  # sees the peer's heartbeats (progress)  # the page streams' key (pagefill/remote.py): never on the wire
+        self.pages_key = page_key(session)  # the page streams' key (pagefill/remote.py): never on the wire
+        self.on_alive: Callable[[dict], None] | None = None  # sees the peer's heartbeats (progress)
         mine, theirs = (b"S", b"C") if is_server else (b"C", b"S")
         self._out = p.Sealer(session, mine)
         self._in = p.Sealer(session, theirs)
@@ -327,7 +327,7 @@ def connect(address: str, key: bytes, *, timeout: float = CONNECT_TIMEOUT, tls: 
 
 def accept(sock: socket.socket, key: bytes, *, tls: TLSFiles | None = None, stall: float = STALL_TIMEOUT) -> Channel:
     """Authenticate a freshly accepted connection (server side). Raises AuthError for a wrong key."""
-    peer = "%s:%s" % sock.getpeername()[:2]
+    peer = "{}:{}".format(*sock.getpeername()[:2])
     _keepalive(sock)
     sock.settimeout(HANDSHAKE_TIMEOUT)
     with _io(f"receiving from {peer}"):

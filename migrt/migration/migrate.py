@@ -221,7 +221,8 @@ def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
         raise Conflict(markers.gpu_suspended_message(req.container_id))
     state = runtime.state(root, req.container_id)
     if state.get("status") not in ("running", "paused"):
-        raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be migrated")
+        raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be "
+                       "migrated")
     name = names.validate(req.name) if req.name else default_name(req.container_id)
     mode = "lazy" if req.lazy else "direct" if req.direct else "stop-and-copy"
     plan = pre_dump_plan(req.pre_dump)

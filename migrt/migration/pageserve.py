@@ -13,8 +13,9 @@ It runs as its own process (`python -m migrt.migration.pageserve`, a session of 
 `migrt migrate` does not cut a target that already runs off from its memory. Its settings come as one
 JSON line on stdin (the stream key never appears on argv); it answers `port N` on stdout once it
 listens (it is started before the freeze, so its start costs no downtime), then takes the map of the
-dumped processes (pid inside the container -> host pid) as a second line and serves; it ends when the target says every page is in, on SIGTERM from its owner, or once its
-owner is gone and no stream has asked for anything for `idle_s`.
+dumped processes (pid inside the container -> host pid) as a second line and serves; it ends when
+the target says every page is in, on SIGTERM from its owner, or once its owner is gone and no stream
+has asked for anything for `idle_s`.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class PageServer:
             with self.lock:
                 self.refused += 1
                 self.errors.append(str(exc))
-        except (OSError, ssl.SSLError, FetchError):
+        except (OSError, FetchError):
             pass  # the target closed the stream (or lost it): the filler says what it makes of it
         finally:
             if "reader" in locals():

@@ -159,7 +159,7 @@ class Receiver:
     # -- one migration ---------------------------------------------------------------------------
     def handle(self, conn: socket.socket) -> dict:
         try:
-            peer = "%s:%s" % conn.getpeername()[:2]
+            peer = "{}:{}".format(*conn.getpeername()[:2])
         except OSError:
             peer = "?"
         ticket = self.admission.admit(conn)
@@ -192,7 +192,7 @@ class Receiver:
             if ch:
                 ch.error(str(exc), exc.exit_code)
             out.update(error=str(exc), exit_code=exc.exit_code)
-        except Exception as exc:  # a broken migration must not take the receiver down
+        except Exception as exc:  # noqa: BLE001 - a broken migration must not take the receiver down
             if ch:
                 ch.error(f"internal error on the receiver: {exc!r}")
             out.update(error=f"internal error: {exc!r}", exit_code=1)

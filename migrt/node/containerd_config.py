@@ -75,7 +75,7 @@ class LoadedConfig:
     def effective(self, exclude: tuple[str, ...] = (), extra: tuple[tuple[str, dict], ...] = ()) -> dict:
         """The merged configuration, leaving out files in `exclude` and appending `extra` files."""
         out: dict = {}
-        for path, data in [*(f for f in self.files if f[0] not in exclude), *extra]:
+        for _path, data in [*(f for f in self.files if f[0] not in exclude), *extra]:
             merge(self.version, out, data)
         return out
 
@@ -173,8 +173,8 @@ def handler(effective: dict, version: int, name: str = HANDLER) -> dict | None:
 
 def containerd_major(root: str = "/", binary: str | None = None) -> int | None:
     """Major version of the installed containerd (`containerd --version`), None if not found."""
-    candidates = [binary] if binary else [host_path(root, p) for p in ("/usr/bin/containerd", "/usr/local/bin/containerd",
-                                                                        "/usr/sbin/containerd", "/bin/containerd")]
+    known = ("/usr/bin/containerd", "/usr/local/bin/containerd", "/usr/sbin/containerd", "/bin/containerd")
+    candidates = [binary] if binary else [host_path(root, p) for p in known]
     if not binary and root in ("", "/"):
         from shutil import which
 

@@ -77,7 +77,8 @@ def run_checks() -> list[dict]:
         v = criu_version()
         ok = parse_version(v) >= MIN_CRIU
         out.append(_check("criu", "ok" if ok else "fail", f"{crit} version {v} ({why})",
-                          "" if ok else f"CRIU >= {'.'.join(map(str, MIN_CRIU))} is needed on kernel {kernel_version()}; {setup}"))
+                          "" if ok else f"CRIU >= {'.'.join(map(str, MIN_CRIU))} is needed on kernel "
+                                        f"{kernel_version()}; {setup}"))
         try:
             res = run_query([crit, "check"], 60)  # from a private directory: a relative log-file in CRIU's config
             text = (res.stdout + res.stderr).strip().splitlines()
@@ -100,7 +101,8 @@ def run_checks() -> list[dict]:
         sd = _criu_feature(crit, "mem_dirty_track")
         out.append(_check("pre-dump (soft-dirty)", "ok" if sd else "warn",
                           "available" if sd else "not available (CONFIG_MEM_SOFT_DIRTY unset)",
-                          "" if sd else "pre-dump rounds cannot be incremental here; migrations use stop-and-copy or lazy pages"))
+                          "" if sd else "pre-dump rounds cannot be incremental here; migrations use stop-and-copy "
+                                        "or lazy pages"))
     runtime = None
     try:
         runtime = cfg.runtime_path() if cfg else None
@@ -112,7 +114,8 @@ def run_checks() -> list[dict]:
         rv = runtime_version(runtime)
         old = os.path.basename(runtime).startswith("runc") and parse_version(rv) < MIN_RUNC
         out.append(_check("lower runtime", "fail" if old else "ok", f"{runtime} version {rv}",
-                          f"migrt needs runc >= {'.'.join(map(str, MIN_RUNC))}: upgrade the node's runc" if old else ""))
+                          f"migrt needs runc >= {'.'.join(map(str, MIN_RUNC))}: upgrade the node's runc"
+                          if old else ""))
     out += install_checks()
     ctrd = shutil.which("containerd")
     if ctrd:
@@ -171,7 +174,8 @@ def _recovery_check(root: str) -> dict:
     stale = [e for e in journal.entries(root) if e.get("stale")]
     kept = Store(root).incomplete()
     if stale:
-        what = ", ".join(f"{e.get('op')} of {e.get('container') or e.get('name')} at {e.get('phase')}" for e in stale[:3])
+        what = ", ".join(f"{e.get('op')} of {e.get('container') or e.get('name')} at {e.get('phase')}"
+                         for e in stale[:3])
         return _check("recovery", "fail", f"{len(stale)} interrupted operation(s) not recovered: {what}",
                       "run 'migrt recover' (it thaws frozen containers and resumes their GPU processes)")
     if kept:
@@ -193,7 +197,8 @@ def _store_check(root: str) -> dict:
 
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != 0 or mode & 0o077:
-        return _check("store", "fail", f"{root} is owned by uid {st.st_uid} with mode {mode:o}; must be root, 0700", fix)
+        return _check("store", "fail", f"{root} is owned by uid {st.st_uid} with mode {mode:o}; must be root, 0700",
+                      fix)
     why = unsafe_root(root)  # what every command refuses (the directories above it too)
     if why:
         return _check("store", "fail", f"{why}; every migrt command refuses this store", fix)

@@ -27,7 +27,8 @@ def containerd_handler_check(config: str | None = None, root: str = "/") -> dict
     if not cfg.exists:
         return _check(name, "warn", f"{config} absent: containerd runs with defaults, no handler migrt", fix)
     if cfg.version not in cc.SUPPORTED_VERSIONS:
-        return _check(name, "fail", f"{config}: config version {cfg.version} not supported", "containerd config migrate")
+        return _check(name, "fail", f"{config}: config version {cfg.version} not supported",
+                      "containerd config migrate")
     h = cc.handler(cfg.effective(), cfg.version)
     if h is None:
         return _check(name, "warn", f"not configured in {config} or its imports (needed for Kubernetes)", fix)

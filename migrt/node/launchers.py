@@ -124,7 +124,8 @@ def default_python() -> str:
 
 
 def default_repair(bindir: str) -> str:
-    return f"reinstall migrt for a Python >= 3.11 (pip install migrt), then run 'migrt install runtime --bindir {bindir}'"
+    return (f"reinstall migrt for a Python >= 3.11 (pip install migrt), then run "
+            f"'migrt install runtime --bindir {bindir}'")
 
 
 def render(name: str, python: str, repair: str, hook: str | None = None) -> str:

@@ -87,7 +87,8 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                        store: Store, t_start: float) -> dict:
     state = runtime.state(root, req.container_id)
     if state.get("status") not in ("running", "paused"):
-        raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be checkpointed")
+        raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be "
+                       "checkpointed")
     was_paused = state.get("status") == "paused"
     name = names.validate(req.name) if req.name else default_name(req.container_id)
     # memory a lazy restore is still filling would be missing from the dump (and from the estimate)

@@ -10,10 +10,10 @@ manifest (`dump_pages`) and the journal:
             before the freeze, GPU memory included), the node has at least AUTO_MIN_CPUS CPUs (one
             writer thread copies about as fast as CRIU's one thread: the gain is in the other cores;
             on the 2-core test VM the parallel dump was no faster, docs/benchmarks.md) and
-            userfaultfd is usable here (runc asks CRIU whether it can do lazy pages); criu otherwise. A parallel dump that cannot be completed
-            (a lazy dump CRIU refused, images with pre-dump parents or anything unexpected, a task
-            whose memory cannot be read) falls back to CRIU's own dump of the still frozen container,
-            the reason recorded.
+            userfaultfd is usable here (runc asks CRIU whether it can do lazy pages); criu otherwise.
+            A parallel dump that cannot be completed (a lazy dump CRIU refused, images with pre-dump
+            parents or anything unexpected, a task whose memory cannot be read) falls back to CRIU's
+            own dump of the still frozen container, the reason recorded.
 
 The mode comes from MIGRT_DUMP_PAGES when set, else from the config's `dump_pages`; the threads from
 MIGRT_DUMP_THREADS, else `dump_threads`.

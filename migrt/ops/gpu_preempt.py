@@ -313,7 +313,8 @@ def resume(cfg, cid: str, root: str, *, gpus: list[str] | None = None, progress:
     if problems:
         log_mod.get().warning("app_hook_unanswered", container=cid, hook_event=apphooks.POST, problems=problems)
     log_mod.get().info("gpu_resumed_in_place", container=cid, pids=pids, pairs=placement.to_dict(), seconds=seconds)
-    return {"container_id": cid, "root": root, "processes": pids, "exited": gone, "gpus": [n for _, n in placement.pairs],
+    return {"container_id": cid, "root": root, "processes": pids, "exited": gone,
+            "gpus": [n for _, n in placement.pairs],
             "pairs": placement.to_dict(), "moved": placement.moved,
             "timings": {**rec.get("timings", {}), "resume_s": seconds},
             **({"app_hook": {"processes": sorted({p for ep in told for p in ep.holders}), "unanswered": problems}}

@@ -122,7 +122,8 @@ def wait_helpers(paths: list[str | None], wait_s: float, poke=None) -> None:
             poke(pids)
         if time.monotonic() >= deadline:
             who = ", ".join(f"{p} ({_comm(p)})" for p in pids)
-            raise Pending(f"process(es) {who} of the interrupted operation are still at work on {', '.join(p for p in paths if p)}; "
+            where = ", ".join(p for p in paths if p)
+            raise Pending(f"process(es) {who} of the interrupted operation are still at work on {where}; "
                           "run 'migrt recover' again once they end")
         time.sleep(0.3)
 
@@ -163,8 +164,9 @@ def _resume_gpu(cfg: Config, pids: list[int], actions: list[str]) -> None:
         actions.append(f"resumed GPU processes {', '.join(map(str, done))}")
         from migrt.gpu import apphooks  # those the dead migrt had told "pre-checkpoint" rebuild now
 
+        timeout_s = float(getattr(cfg, "gpu_hook_timeout_s", apphooks.DEFAULT_TIMEOUT_S))
         told, _ = apphooks.after_restore(done, what="recovered container", reason=apphooks.RESUMED,
-                                         timeout_s=float(getattr(cfg, "gpu_hook_timeout_s", apphooks.DEFAULT_TIMEOUT_S)))
+                                         timeout_s=timeout_s)
         if told:
             actions.append(f"told {len(told)} application hook(s) 'post-restore'")
 
@@ -254,7 +256,8 @@ def _checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> l
         staging = d.get("staging")
         if staging and os.path.isdir(staging) and any(os.scandir(os.path.join(staging, "images"))
                                                       if os.path.isdir(os.path.join(staging, "images")) else []):
-            kept = store.keep_incomplete(staging, reason="checkpoint interrupted before its commit; the container is gone",
+            kept = store.keep_incomplete(staging,
+                                         reason="checkpoint interrupted before its commit; the container is gone",
                                          container=cid, name=d.get("name"), phase=e.phase, journal=e.id)
             actions.append(f"container {cid} is gone: kept its uncommitted images in {kept}")
         else:

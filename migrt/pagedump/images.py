@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from migrt.pagefill.images import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, ImageError, read_pids, split_entries
 from migrt.pagefill.images import _varint as _read_varint
 
-_FLAGS = 4  # PagemapEntry.flags (criu/images/pagemap.proto: vaddr 1, compat_nr_pages 2, in_parent 3, flags 4, nr_pages 5)
+# PagemapEntry.flags (criu/images/pagemap.proto: vaddr 1, compat_nr_pages 2, in_parent 3, flags 4, nr_pages 5)
+_FLAGS = 4
 _NR_PAGES, _COMPAT_NR_PAGES, _VADDR = 5, 2, 1
 NEW_SUFFIX = ".migrt-new"  # files being written; renamed over CRIU's once all pages are in
 

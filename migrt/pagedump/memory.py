@@ -2,8 +2,8 @@
 
 Every new pages file is created beside CRIU's (suffix NEW_SUFFIX) at its final size, once the file
 system's free space was found to hold them all (a full store says so before any copy). The files are
-cut into pieces, the store's 64 MiB digest chunks (below); each thread takes the next piece of any file, preallocates its
-blocks (fallocate: contiguous on disk file systems) and writes it at its planned offset: a task's
+cut into pieces, the store's 64 MiB digest chunks (below); each thread takes the next piece of any file,
+preallocates its blocks (fallocate: contiguous on disk file systems) and writes it at its planned offset: a task's
 memory is read with process_vm_readv into the thread's own buffer and pwrite()n, CRIU's own pages are
 moved with copy_file_range. The GIL is released in every one of those calls, so the threads copy in
 parallel. The preallocation is per piece, in the writer threads: one fallocate of a whole 32 GiB file
@@ -249,7 +249,7 @@ def _map(files, dst_fds) -> list[tuple[int, int]]:
     """A shared writable mapping of each new file (0 where the file is empty), in huge pages where the
     store's tmpfs gives them (store/hugetmpfs.py)."""
     out: list[tuple[int, int]] = []
-    for f, fd in zip(files, dst_fds):
+    for f, fd in zip(files, dst_fds, strict=True):  # one new file per source file
         addr = 0
         if f.size:
             addr = _libc.mmap(None, f.size, 3, 0x01, fd, 0)  # PROT_READ|PROT_WRITE, MAP_SHARED
@@ -277,7 +277,8 @@ def _view(addr: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(addr)).cast("B").toreadonly()
 
 
-def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, directory=".", chunk: int = PIECE) -> dict:
+def _run(files, pieces, dst_fds, src_fds, pids, threads, progress, maps=None, directory=".",
+         chunk: int = PIECE) -> dict:
     lock = threading.Lock()
     todo = iter(pieces)
     failed = threading.Event()

@@ -253,8 +253,8 @@ class Filler:
         self.t0 = time.monotonic()
         self.t_finished: float | None = None
         self.t_done: float | None = None
-        self.counts: dict[str, int | float] = {"faults": 0, "zero_faults": 0, "eagain": 0, "eexist": 0, "forks": 0, "removes": 0,
-                       "unmaps": 0, "remaps": 0}
+        self.counts: dict[str, int | float] = {"faults": 0, "zero_faults": 0, "eagain": 0, "eexist": 0, "forks": 0,
+                                               "removes": 0, "unmaps": 0, "remaps": 0}
         self.fault_after = _fault_seam()
         self.pace = int(os.environ.get("MIGRT_FILL_PACE_MIBS", "0") or 0) << 20
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -631,7 +631,8 @@ class Filler:
         self.next_id += 1
         os.set_blocking(fd, False)
         try:
-            self.guard.sendmsg([f"K {tid}".encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fd.to_bytes(4, "little"))])
+            self.guard.sendmsg([f"K {tid}".encode()],
+                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fd.to_bytes(4, "little"))])
         except OSError:
             pass  # the guard is gone: we are the only holder now
         # (the child holds no GPU state: no first ranges)

@@ -73,9 +73,8 @@ class Guard:
         """Plan the images and fork the filler; False when the images cannot be filled (the status
         says why, as plan_error). The restore holds the restored tree until the status says either
         (ops/pages.py PlanCheck): a manifest's record chose the filler, this plan is what counts."""
-        with contextlib.suppress(OSError):
-            with open("/proc/self/oom_score_adj", "w") as fh:  # best effort: needs CAP_SYS_RESOURCE
-                fh.write("-999")
+        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as fh:  # needs CAP_SYS_RESOURCE
+            fh.write("-999")
         images = f"/proc/self/fd/{self.args['images_fd']}"
         remote = None
         if self.args.get("remote"):  # lazy migration: the pages are on the source node
@@ -110,9 +109,8 @@ class Guard:
                 ours.close()
                 self.listen.close()
                 os.close(self.control)
-                with contextlib.suppress(OSError):
-                    with open("/proc/self/oom_score_adj", "w") as fh:
-                        fh.write("0")
+                with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as fh:
+                    fh.write("0")
                 code = Filler(plan, threads=self.args["threads"], guard=theirs, status_path=self.status_path,
                               post_restore=self.args.get("post_restore"),
                               remote=RemotePages(remote, REMOTE_CHUNK) if remote else None,
@@ -493,9 +491,8 @@ def _migrt_log(path: str | None, why: str, cid: str | None, status: dict, stderr
     rec = {"event": "page_fill_failed", "level": "error", "component": "migrt-pagefill", "container": cid,
            "error": why, "status": status, "stderr": stderr,
            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with contextlib.suppress(OSError):
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(rec) + "\n")
+    with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(rec) + "\n")
 
 
 def main(argv: list[str]) -> int:

@@ -195,8 +195,8 @@ class Verifier:
 
     def snapshot(self) -> dict:
         with self.lock:
-            out: dict[str, object] = {**self.counts, "eager_done": self.t_eager is not None, "hash_s": round(self.hash_s, 3),
-                   "files": len(self.files)}
+            out: dict[str, object] = {**self.counts, "eager_done": self.t_eager is not None,
+                                      "hash_s": round(self.hash_s, 3), "files": len(self.files)}
             if self.t_eager is not None:
                 out["eager_s"] = round(self.t_eager - self._t0, 3)
             if self.t_all is not None:

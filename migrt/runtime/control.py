@@ -215,7 +215,8 @@ class LazyCheckpoint:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired as exc:
-            raise RuntimeFailed(f"lazy checkpoint of {self.cid}: pages still being served after {timeout:.0f} s") from exc
+            raise RuntimeFailed(f"lazy checkpoint of {self.cid}: pages still being served after {timeout:.0f} s") \
+                from exc
         if self.proc.returncode != 0:
             raise self._failure("serving memory pages")
 

@@ -216,8 +216,8 @@ def find_root(container_id: str, extra: list[str] | None = None) -> str:
     names.container_id(container_id)  # before it becomes a path
     hits = [r for r in candidate_roots(extra) if os.path.isfile(os.path.join(r, container_id, "state.json"))]
     if not hits:
-        raise NotFound(f"container {container_id}: not found under {', '.join(candidate_roots(extra)) or 'any runc root'}; "
-                       "pass --root")
+        where = ", ".join(candidate_roots(extra)) or "any runc root"
+        raise NotFound(f"container {container_id}: not found under {where}; pass --root")
     if len(hits) > 1:
         raise Conflict(f"container {container_id}: found in several roots ({', '.join(hits)}); pass --root")
     return hits[0]

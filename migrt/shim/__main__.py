@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                        "migrt: no lower runtime found: set 'runtime:' in the migrt config or put runc on PATH",
                        log_format=parsed.log_format)
         return 127
-    use_migrt_criu(_lower.configured_value("criu"))  # runc runs `criu` from PATH: migrt's own CRIU first (migrt.criu.binary)
+    # runc runs `criu` from PATH: migrt's own CRIU first (migrt.criu.binary)
+    use_migrt_criu(_lower.configured_value("criu"))
     if parsed.command == "create":
         rc = _create(parsed, lower, warning)
         if rc is not None:
