@@ -28,6 +28,10 @@ Keys (all optional):
                                      and their questions; its port is the one a pulling pod's node is asked on
   migrate_any_container: false       the agent hands over any container of this node to a pull; otherwise
                                      only pods annotated migrt.io/migratable=true (docs/migration.md)
+  migrate_peers: []                  node agents a pod's migrate-from may name (this node connects to them):
+                                     ADDRESS[:PORT] entries, ADDRESS an IP, a CIDR block, a host name or
+                                     '*.domain'; no port: 7070, '*': any; names are matched as written, never
+                                     resolved to be checked; none by default: every pull is refused
   registry_auth_file: (none)         docker-style config.json with registry credentials (docs/registry.md)
   registry_ca_file: (none)           CA bundle for registries (default: the system's)
   registry_parallel: 4               blobs moved at once by push and pull
@@ -97,6 +101,7 @@ class Config:
     migration_streams: int = 0
     agent_listen: str = "0.0.0.0:7070"
     migrate_any_container: bool = False
+    migrate_peers: list[str] = field(default_factory=list)
     gpu_backend: str = "auto"
     gpu_lock_timeout_ms: int = 30_000
     gpu_hook_timeout_s: float = 30.0
@@ -214,6 +219,7 @@ def load(path: str | None = None) -> Config:
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
              "allow_cross_namespace_restore", "allow_unbound_checkpoints", "migration_key_file", "migration_tls", "store_space_check",
              "migration_stall_timeout", "migration_streams", "agent_listen", "migrate_any_container",
+             "migrate_peers",
              "criu"}  # criu: read as one line by migrt.criu.binary (which CRIU migrt uses)
     known |= set(REGISTRY_KEYS)
     known |= set(GPU_KEYS) | set(PAGE_KEYS) | set(DUMP_KEYS)
@@ -288,6 +294,25 @@ def _load_agent(cfg: Config, data: dict, path: str) -> None:
         raise ConfigError(f"config {path}: 'agent_listen' must be ADDRESS:PORT (e.g. 0.0.0.0:7070), got {listen!r}")
     cfg.agent_listen = listen
     _flag(cfg, data, path, "migrate_any_container")
+    _load_peers(cfg, data, path)
+
+
+def _load_peers(cfg: Config, data: dict, path: str) -> None:
+    peers = data.get("migrate_peers", [])
+    peers = [] if peers is None else peers
+    if not isinstance(peers, list):
+        raise ConfigError(f"config {path}: 'migrate_peers' must be a list of node agents as ADDRESS[:PORT] "
+                          "(e.g. ['10.0.0.0/24', 'node-a.example:7070', '[fd00::/64]:*'])")
+    if peers:
+        from migrt.migration.peers import parse_entry
+
+        for entry in peers:
+            try:
+                parse_entry(entry)
+            except ValueError as exc:
+                raise ConfigError(f"config {path}: 'migrate_peers' entry {entry!r}: {exc}; entries are "
+                                  "ADDRESS[:PORT], ADDRESS an IP, a CIDR block, a host name or '*.domain'") from None
+    cfg.migrate_peers = peers
 
 
 def _load_registry(cfg: Config, data: dict, path: str) -> None:

@@ -136,8 +136,10 @@ def serve(listen, as_json):
 
     A pod created elsewhere with the annotation migrt.io/migrate-from=<this node>/<namespace>/<pod>/<container>
     pulls that container live (docs/migration.md); the source pod must opt in (migrt.io/migratable=true)
-    unless the config says 'migrate_any_container: true'. Also answers other nodes' questions about
-    migrations that ended here. Peers need the same migration key (and TLS, when configured).
+    unless the config says 'migrate_any_container: true'; the pulling node lists this one in its
+    'migrate_peers'. A refused pull is told the same whatever the reason; the reason is in this
+    command's report and the migrt log. Also answers other nodes' questions about migrations that
+    ended here. Peers need the same migration key (and TLS, when configured).
     """
     from migrt.migration.agent import Agent
 
@@ -159,8 +161,9 @@ def _reporter(command: str, as_json: bool):
             click.echo(json.dumps(r, sort_keys=True, default=str))
             sys.stdout.flush()
         if r.get("error"):
+            why = f" (why: {r['reason']})" if r.get("reason") else ""  # a pull's refusal: what the puller is not told
             click.echo(f"migrt {command}: from {r['peer']}: {'refused' if r.get('refused') else 'failed'}: "
-                       f"{r['error']}", err=True)
+                       f"{r['error']}{why}", err=True)
             return
         t = r["timings"]
         if r.get("mode") == "query":

@@ -5,15 +5,20 @@ A connection (authenticated like every migration: the migration key, inside TLS 
 carries one request:
 
     pull {source, namespace, pod, container, container_id, agent_port}
-        the source is looked up (Kubernetes namespace/pod/container, or a container id), then the
-        rules, before anything is touched:
+        the source is looked up (Kubernetes namespace/pod/container, or a container id: checked
+        before it becomes a path), then the rules, before anything is touched:
+          - an application container: a pod's sandbox (pause container) is never handed over, by
+            name or by id;
           - opt-in: the source pod's annotation migrt.io/migratable=true, or the node setting
             `migrate_any_container: true`;
           - namespace: the pulling pod's Kubernetes namespace is the source's (or both nodes set
             `allow_cross_namespace_restore`; the target also applies its own binding, mounts and GPU
             checks to the offer);
+          - running (asked of the runtime only for a container that passed the rules above);
           - one hand-over of a container at a time.
-        A refusal is an `error` message; otherwise the migration runs on this very connection, this
+        A refusal is an `error` message that says the same whatever the rule (Refused): a pod learns
+        nothing of containers it may not take, of another namespace or not; the reason goes to the
+        agent's log and report. Otherwise the migration runs on this very connection, this
         node being the sender (migrate.send: freeze, lazy dump, images, pages from the page server,
         the handover rule and the guards, all as `migrt migrate --lazy`). Before the frozen source is
         destroyed, a record is left that refuses its restart on this node (runtime/moved.py). A
@@ -28,23 +33,29 @@ Records of pods that have gone are swept every minute.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from migrt import log as log_mod
 from migrt.config import Config
-from migrt.errors import Conflict, NotFound, PreconditionFailed, UsageError
+from migrt.errors import Conflict, PreconditionFailed, UsageError
 from migrt.migration import migrate
 from migrt.migration.channel import Channel
+from migrt.migration.pull import describe
 from migrt.migration.receive import ReceiveOptions, Receiver, Report
 from migrt.oci.bundle import MIGRATABLE_ANNOTATION, Bundle
 from migrt.runtime import moved
-from migrt.runtime.runc import LowerRuntime, candidate_roots, find_root
+from migrt.runtime.runc import LowerRuntime, candidate_roots
 
 SWEEP_EVERY_S = 60.0
 _TRUE = ("true", "1", "yes")
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,1023}")  # runc's container ids; never '.', '..' or a path
 
 
 @dataclass
@@ -76,21 +87,40 @@ def _state_bundle(root: str, cid: str) -> Bundle | None:
         return None
 
 
-def locate(cfg: Config, source: object) -> Located:
-    """The running container a pull names, on this node."""
-    if not isinstance(source, dict):
-        raise UsageError(f"pull: malformed source {source!r}")
-    runtime = LowerRuntime(cfg.runtime_path())
-    if source.get("container_id"):
-        cid = str(source["container_id"])
-        root = find_root(cid, cfg.runtime_roots)
-        bundle = _state_bundle(root, cid)
-        if bundle is None or not _running(runtime, root, cid):
-            raise NotFound(f"container {cid} is not running on this node")
-        return Located(root, cid, bundle)
-    want = (source.get("namespace"), source.get("pod"), source.get("container"))
-    if not all(isinstance(x, str) and x for x in want):
-        raise UsageError(f"pull: malformed source {source!r}")
+class Refused(PreconditionFailed):
+    """A pull this agent does not serve. Its text is the same whatever the reason (absent, not
+    running, not opted in, another namespace, a sandbox, not a container id), so that a pod learns
+    nothing of other namespaces' containers; `reason` is for the agent's own log."""
+
+    def __init__(self, source: dict, namespace: object, node: str, reason: str,
+                 container_id: str | None = None) -> None:
+        ns = f"namespace {namespace!r}" if isinstance(namespace, str) and namespace else "no namespace"
+        super().__init__(
+            f"no migratable {describe(source)} for a pod of {ns} on node {node}: a pull takes a running container "
+            f"(never a pod's sandbox) whose pod opted in ({MIGRATABLE_ANNOTATION}=true) and is in the pulling pod's "
+            "namespace; nothing was touched (the node agent's log says why)")
+        self.reason = reason
+        self.container_id = container_id
+
+
+def _wanted(source: object) -> dict:
+    """The source as the pull names it: {"container_id"} or {"namespace", "pod", "container"}, each a
+    non-empty printable string of at most 1024 characters (they are echoed in the refusal)."""
+    if isinstance(source, dict) and set(source) in ({"container_id"}, {"namespace", "pod", "container"}) \
+            and all(isinstance(v, str) and v.isprintable() and 0 < len(v) <= 1024 for v in source.values()):
+        return dict(source)
+    raise UsageError(f"pull: malformed source {source!r}")
+
+
+def _by_id(cfg: Config, cid: str) -> list[Located]:
+    if not _ID.fullmatch(cid):
+        return []  # never a path: '..', '.hidden', 'a/b'
+    roots = [r for r in candidate_roots(cfg.runtime_roots) if os.path.isfile(os.path.join(r, cid, "state.json"))]
+    return [Located(r, cid, b) for r in roots if (b := _state_bundle(r, cid)) is not None]
+
+
+def _by_name(cfg: Config, want: dict) -> list[Located]:
+    key = (want["namespace"], want["pod"], want["container"])
     found = []
     for root in candidate_roots(cfg.runtime_roots):
         try:
@@ -102,31 +132,49 @@ def locate(cfg: Config, source: object) -> Located:
             if bundle is None or not bundle.is_application_container:
                 continue
             meta = bundle.cri_metadata()
-            if (meta.get("pod_namespace"), meta.get("pod_name"), meta.get("container_name")) == want \
-                    and _running(runtime, root, cid):
+            if (meta.get("pod_namespace"), meta.get("pod_name"), meta.get("container_name")) == key:
                 found.append(Located(root, cid, bundle))
-    what = f"container {want[2]} of pod {want[0]}/{want[1]}"
-    if not found:
-        raise NotFound(f"{what} is not running on this node (nothing to hand over)")
-    if len(found) > 1:
-        raise Conflict(f"{what}: several running containers match ({', '.join(f.cid[:12] for f in found)}); "
-                       "pull one by its container id")
-    return found[0]
+    return found
 
 
-def check_rules(cfg: Config, src: Located, msg: dict, node: str) -> None:
-    """Refusals, before anything is touched."""
-    what = src.describe()
-    if not cfg.migrate_any_container and src.bundle.annotations.get(MIGRATABLE_ANNOTATION, "").lower() not in _TRUE:
-        raise PreconditionFailed(
-            f"{what} has not opted in to live migration: give its pod the annotation {MIGRATABLE_ANNOTATION}=true "
-            f"(or set 'migrate_any_container: true' in the migrt config of node {node}); it was not touched")
-    src_ns, dst_ns = src.bundle.cri_metadata().get("pod_namespace"), msg.get("namespace")
-    if src_ns and src_ns != dst_ns and not cfg.allow_cross_namespace_restore:
-        raise PreconditionFailed(
-            f"{what} is in Kubernetes namespace {src_ns!r} and may only move into a pod of that namespace (the pulling "
-            f"pod is in {dst_ns or 'no namespace'!r}); set 'allow_cross_namespace_restore: true' on both nodes to "
-            "allow it; it was not touched")
+def ineligible(cfg: Config, bundle: Bundle, namespace: object) -> str | None:
+    """Why this container may not be handed over to a pod of `namespace` (None: it may), from its
+    state alone (nothing is run for a container that fails these: no timing tells them apart)."""
+    if not bundle.is_application_container:
+        return "it is a pod's sandbox (pause container), never handed over"
+    if not cfg.migrate_any_container and bundle.annotations.get(MIGRATABLE_ANNOTATION, "").lower() not in _TRUE:
+        return (f"its pod has not opted in to live migration (annotation {MIGRATABLE_ANNOTATION}=true, or "
+                "'migrate_any_container: true' in this node's migrt config)")
+    src_ns = bundle.cri_metadata().get("pod_namespace")
+    if src_ns and src_ns != namespace and not cfg.allow_cross_namespace_restore:
+        return (f"it is in Kubernetes namespace {src_ns!r}, the pulling pod in {namespace!r} (set "
+                "'allow_cross_namespace_restore: true' on both nodes to allow it)")
+    return None
+
+
+def locate(cfg: Config, source: object, namespace: object, node: str,
+           running: Callable[[str, str], bool] | None = None) -> Located:
+    """The one running container of this node that the pull names and that a pod of `namespace` may
+    take; Refused otherwise (one text whatever the reason). running(root, cid): a seam for tests."""
+    want = _wanted(source)
+    if running is None:
+        runtime = LowerRuntime(cfg.runtime_path())
+        running = functools.partial(_running, runtime)
+    found = _by_id(cfg, want["container_id"]) if "container_id" in want else _by_name(cfg, want)
+    eligible, reasons = [], []
+    for src in found:
+        why = ineligible(cfg, src.bundle, namespace) or (None if running(src.root, src.cid) else "it is not running")
+        if why:
+            reasons.append(f"container {src.cid} (runc root {src.root}): {why}")
+        else:
+            eligible.append(src)
+    if not eligible:
+        raise Refused(want, namespace, node, "; ".join(reasons) or "no such container on this node",
+                      found[0].cid if len(found) == 1 else None)
+    if len(eligible) > 1:
+        ids = ", ".join(f.cid[:12] for f in eligible)
+        raise Conflict(f"{describe(want)}: several running containers match ({ids}); pull one by its container id")
+    return eligible[0]
 
 
 class Agent:
@@ -153,9 +201,14 @@ class Agent:
     def hand_over(self, ch: Channel, msg: dict, out: dict) -> None:
         t_start = time.monotonic()
         out.update(mode="pull", source=msg.get("source"))
-        src = locate(self.cfg, msg.get("source"))
+        try:
+            src = locate(self.cfg, msg.get("source"), msg.get("namespace"), ch.local_host)
+        except Refused as exc:  # the puller reads one text; the reason stays here
+            out.update(container_id=exc.container_id, reason=exc.reason)
+            log_mod.get().warning("pull_refused", peer=ch.peer, source=msg.get("source"),
+                                  namespace=msg.get("namespace"), container=exc.container_id, reason=exc.reason)
+            raise
         out["container_id"] = src.cid
-        check_rules(self.cfg, src, msg, ch.local_host)
         port = msg.get("agent_port")
         if not isinstance(port, int) or not 0 < port < 65536:
             raise UsageError(f"pull: the target did not say where its agent listens ({port!r})")

@@ -7,6 +7,8 @@ is `namespace/pod/container`, `namespace/pod` (the container of this one's name)
 the port defaults to the agent's (7070). containerd runs migrt-runc `create` for it inside kubelet's
 StartContainer; that create:
 
+    the source's agent must be one of the node's `migrate_peers` (peers.py): checked on the address
+    as written, before any name is resolved or any connection made; a refusal names the setting
     connect to the source's agent, authenticate    (migration key; TLS when configured)
     pull {source, this pod's namespace}    -> the agent checks the rules (opt-in, namespace) and
                                               then offers, as `migrt migrate` would
@@ -26,6 +28,12 @@ rule as for a killed `migrt receive` (guard.py): what was received or restored h
 the source, which asks this node's agent (`query`), resumes. A failure before the copy runs resumes
 the source and fails the create with `OCI runtime create failed: migrt: ...`; a pull is never
 retried here and never falls back to a fresh start (the source would run beside it).
+
+What the pod reads (runc's log, so kubelet's events) of a failure to reach or authenticate the agent
+is one line, "cannot pull from ADDRESS (see the node's migrt log)", whatever the network answered
+(refused, reset, silence, TLS, another protocol's bytes): that goes to the node's log alone. Once the
+agent proved it holds the migration key, its answers (its refusals, which say the same whatever the
+reason: agent.py) and the migration's own failures reach the pod as they are.
 """
 
 from __future__ import annotations
@@ -34,9 +42,15 @@ import json
 import os
 import signal
 import threading
+from typing import TYPE_CHECKING
 
-from migrt.errors import MigrtError, UsageError
+from migrt.errors import MigrtError, PreconditionFailed, UsageError
+from migrt.migration import peers
+from migrt.migration.protocol import TransferError
 from migrt.runtime import runclog
+
+if TYPE_CHECKING:
+    from migrt.config import Config
 
 DEFAULT_AGENT_PORT = 7070
 CONNECT_TIMEOUT = 5.0  # an unreachable source fails the create within seconds, long before kubelet's deadline
@@ -64,7 +78,7 @@ def parse(value: str, own_container: str | None) -> tuple[str, dict]:
     if not host or (port and (not port.isdigit() or not 0 < int(port) < 65536)):
         raise UsageError(usage)
     parts = rest.split("/")
-    if not all(p and set(p) <= _PART_CHARS for p in parts) or len(parts) > 3:
+    if not all(p and set(p) <= _PART_CHARS and p.strip(".") for p in parts) or len(parts) > 3:
         raise UsageError(usage)
     if len(parts) == 1:
         source = {"container_id": parts[0]}
@@ -74,6 +88,25 @@ def parse(value: str, own_container: str | None) -> tuple[str, dict]:
             raise UsageError(f"{usage} (this container has no name to look for in pod {parts[0]}/{parts[1]})")
         source = {"namespace": parts[0], "pod": parts[1], "container": container}
     return f"{shown}:{port or DEFAULT_AGENT_PORT}", source
+
+
+class PeerUnreachable(TransferError):
+    """The source's agent could not be reached or did not authenticate; the detail is in the node's log."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"cannot pull from {address} (see the node's migrt log)")
+
+
+def admit_peer(cfg: Config, address: str) -> None:
+    """A pod may name only an agent of the node's migrate_peers: refused here, before any name is
+    resolved or any connection made (peers.py says how addresses and names match)."""
+    if peers.allowed(address, cfg.migrate_peers):
+        return
+    why = "lists no node, so every pull is refused" if not cfg.migrate_peers else "does not list it"
+    raise PreconditionFailed(
+        f"{address} is not a node agent this node may pull from: migrate_peers in the node's migrt config "
+        f"({cfg.path}) {why}; ask the cluster's administrators to add the source node's agent; nothing was "
+        "contacted")
 
 
 def describe(source: dict) -> str:
@@ -182,6 +215,7 @@ def _worker(parsed, cmd, bundle, request, lower: str, lower_warning: str | None,
     try:
         address, source = parse(request.value, bundle.cri_metadata().get("container_name"))
         what = f"pull of {describe(source)} from {address}"
+        admit_peer(cfg, address)
         if not cid:
             raise UsageError("create without a container id")
         from migrt.ops.restore import _check_create_flags
@@ -207,7 +241,7 @@ def _worker(parsed, cmd, bundle, request, lower: str, lower_warning: str | None,
 def _pull(cfg, log, parsed, cmd, bundle, cid: str, address: str, source: dict, verdict_w: int, said: dict) -> dict:
     from migrt.migration.receive import ReceiveOptions, Receiver
     from migrt.migration.tls import TLSFiles
-    from migrt.migration.wire import TransferError, connect, load_key, parse_address
+    from migrt.migration.wire import connect, load_key, parse_address
     from migrt.runtime import lower as lower_mod
 
     def restored(res: dict) -> None:
@@ -231,9 +265,11 @@ def _pull(cfg, log, parsed, cmd, bundle, cid: str, address: str, source: dict, v
     try:
         tls = TLSFiles(**cfg.migration_tls) if cfg.migration_tls else None
         ch = connect(address, key, timeout=CONNECT_TIMEOUT, tls=tls, stall=cfg.migration_stall_timeout)
-    except TransferError as exc:
-        raise TransferError(f"{exc}; nothing was touched there (is the node agent 'migrt serve' running on "
-                            f"{address}, and do the two nodes share the migration key?)") from exc
+    except TransferError as exc:  # what the network answered: the node's log only
+        log.warning("pull_unreachable", address=address, detail=str(exc),
+                    hint="nothing was touched there; is the node agent 'migrt serve' running there, and do the "
+                         "two nodes share the migration key (and TLS settings)?")
+        raise PeerUnreachable(address) from exc
     ch.send({"type": "pull", "source": source, "namespace": meta.get("pod_namespace"), "pod": meta.get("pod_name"),
              "container": meta.get("container_name"), "container_id": cid,
              "agent_port": parse_address(cfg.agent_listen)[1]})

@@ -1,9 +1,9 @@
 """Two Kubernetes-like "nodes" on one machine for pod-to-pod live migration (migrt serve + a pod's
 pull): each node is a network namespace holding its own containerd with CRI (a CNI bridge for its
-pods, its own runc root for handler `migrt`), its own migrt config, key file (the same secret),
-store and log, and its own node agent (`migrt serve`). The two namespaces are joined by a veth pair:
-node A is 198.51.100.1, node B 198.51.100.2 (tests/helpers/twohosts.py). Pods are driven through CRI
-as kubelet does (tests/helpers/cri.py).
+pods, its own runc root for handler `migrt`), its own migrt config (naming both nodes' agents in
+`migrate_peers`), key file (the same secret), store and log, and its own node agent (`migrt
+serve`). The two namespaces are joined by a veth pair: node A is 198.51.100.1, node B 198.51.100.2
+(tests/helpers/twohosts.py). Pods are driven through CRI as kubelet does (tests/helpers/cri.py).
 
 What the two nodes share (one machine): the kernel, /proc, the cgroup tree (each containerd has its
 own cgroup parent), and the host's mount namespace. Each containerd's shims run the node's runc root
@@ -165,7 +165,8 @@ def _write_node(base: str, name: str, addr: str, secret: str, root: str, extra_c
     with open(node.config, "w") as fh:
         fh.write(f"runtime: runc\nstore: {node.store}\nlog_file: {node.log}\nlog_level: debug\n"
                  f"restore_failure_policy: fail\nmigration_key_file: {key}\nagent_listen: {addr}:{AGENT_PORT}\n"
-                 f"runtime_roots: [{json.dumps(root)}]\n{extra_config}")
+                 f"runtime_roots: [{json.dumps(root)}]\nmigrate_peers: {json.dumps([ADDR_A, ADDR_B])}\n"
+                 f"{extra_config}")
     return node
 
 

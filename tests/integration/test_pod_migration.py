@@ -14,8 +14,10 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -133,41 +135,125 @@ def test_pod_pulls_a_running_container_and_its_restart_is_refused(clean):
     assert [n for n in os.listdir(a.root) if n.startswith(".migrt-moved-")] == []
 
 
-def test_refusals_come_before_anything_is_frozen(clean):
-    """No opt-in, another namespace, an agent that is not there: the create fails at once with the
-    reason, the source never stopped, nothing is left on the target."""
+def _refusal(what: str, namespace: str) -> str:
+    """What the agent answers a pull it does not serve, whatever the reason."""
+    return (f"{ADDR_A}:{AGENT_PORT}: no migratable {what} for a pod of namespace {namespace!r} on node {ADDR_A}: a "
+            "pull takes a running container (never a pod's sandbox) whose pod opted in (migrt.io/migratable=true) "
+            "and is in the pulling pod's namespace; nothing was touched (the node agent's log says why)")
+
+
+def _runc_status(node, cid: str) -> str | None:
+    res = subprocess.run(["runc", "--root", node.root, "state", cid], capture_output=True, text=True)
+    return json.loads(res.stdout)["status"] if res.returncode == 0 else None
+
+
+def test_refusals_come_before_anything_is_frozen_and_say_the_same_whatever_the_reason(clean):
+    """No opt-in, another namespace, no such pod, an unknown id, the source pod's sandbox (its pause
+    container, opted in with its pod) by id: the create fails at once with one text that names only
+    what the pod asked for; the agent's report has the reason; nothing was frozen or left behind."""
     a, b = clean["a"], clean["b"]
     plain_name, _, plain_cid = _source(a, "plain", annotations=None)
-    name, _, scid = _source(a, "optin")
-    cases = [
-        (f"{ADDR_A}/team-a/{plain_name}/app", "team-a", plain_cid,
-         f"container app of pod team-a/{plain_name} ({plain_cid[:12]}) has not opted in to live migration: give its "
-         "pod the annotation migrt.io/migratable=true"),
-        (f"{ADDR_A}/team-a/{name}/app", "team-b", scid,
-         f"is in Kubernetes namespace 'team-a' and may only move into a pod of that namespace (the pulling pod is in "
-         "'team-b')"),
-        (f"{ADDR_A}:{AGENT_PORT + 1}/team-a/{name}/app", "team-a", scid,
-         f"connecting to {ADDR_A}:{AGENT_PORT + 1}: Connection refused; nothing was touched there"),
+    name, spod, scid = _source(a, "optin")
+    nobody, unknown = f"nobody-{uuid.uuid4().hex[:4]}", uuid.uuid4().hex * 2
+    cases = [  # (what the pod names, its namespace, the container the agent found, the reason it reports)
+        (spod, "team-a", spod, "it is a pod's sandbox (pause container), never handed over"),
+        (f"team-a/{plain_name}/app", "team-a", plain_cid, "its pod has not opted in"),
+        (f"team-a/{plain_name}/app", "team-b", plain_cid, "its pod has not opted in"),
+        (f"team-a/{name}/app", "team-b", scid, "namespace 'team-a', the pulling pod in 'team-b'"),
+        (f"team-a/{nobody}/app", "team-b", None, "no such container on this node"),
+        (unknown, "team-b", None, "no such container on this node"),
     ]
-    for spec, namespace, src, why in cases:
-        _, tcid = _target(b, spec, namespace=namespace)
-        last = _ticks(a, src)[-1][0]
+    for source, namespace, found, reason in cases:
+        what = f"container app of pod {source.rsplit('/', 1)[0]}" if "/" in source else f"container {source}"
+        _, tcid = _target(b, f"{ADDR_A}/{source}", namespace=namespace)
+        last = _ticks(a, scid)[-1][0]
         t0 = time.monotonic()
         with pytest.raises(CriError) as info:
             b.cri.start(tcid)
-        assert time.monotonic() - t0 < 10, spec  # within seconds, far from kubelet's deadline
-        assert "OCI runtime create failed: migrt: pull of container app of pod team-a/" in info.value.details, spec
-        assert why in info.value.details
+        assert time.monotonic() - t0 < 10, source  # within seconds, far from kubelet's deadline
+        assert (f"OCI runtime create failed: migrt: pull of {what} from {ADDR_A}:{AGENT_PORT} failed: "
+                f"{_refusal(what, namespace)}") in info.value.details, (source, info.value.details)
+        assert a.root not in info.value.details and reason not in info.value.details
         assert b.cri.state_name(tcid) != "CONTAINER_RUNNING"
-        # the source was never frozen: the agent refused before its migration began, and it ticks on
-        refusals = [r for r in a.agent_results() if r.get("mode") == "pull" and r.get("container_id") == src
-                    and r["error"] and why.split(":")[0] in r["error"]]
-        assert ("Connection refused" in why) != bool(refusals), refusals
-        assert all(r["name"] is None for r in refusals)
-        assert a.cri.state_name(src) == "CONTAINER_RUNNING"
-        assert _wait_ticks(a, src, 1, after=last)[0][0] == last + 1
+        # the agent says why, to its own report only
+        (res,) = [r for r in a.agent_results() if r.get("mode") == "pull" and r["error"] == _refusal(what, namespace)
+                  .split(": ", 1)[1]]
+        assert res["container_id"] == found and reason in res["reason"] and res["name"] is None, res
+        # the source and its sandbox were never frozen: they run, and the source ticks on
+        assert a.cri.state_name(scid) == "CONTAINER_RUNNING" and _runc_status(a, spod) == "running"
+        assert _wait_ticks(a, scid, 1, after=last)[0][0] == last + 1
+    assert a.cri.state_name(plain_cid) == "CONTAINER_RUNNING"
     _no_copy_on(b)
     assert a.staging() == []
+
+
+LISTENER = """
+import socket, sys
+srv = socket.create_server(("127.0.0.1", int(sys.argv[2])))
+print("listening", flush=True)
+while True:
+    conn, peer = srv.accept()
+    with open(sys.argv[1], "a") as fh:
+        fh.write(f"{peer}\\n")
+    with conn:
+        conn.settimeout(5)
+        try:
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\\r\\nContent-Length: 0\\r\\n\\r\\n")
+        except OSError:
+            pass
+"""
+
+
+def _configure(node, text: str) -> None:
+    """Replace a node's migrt config atomically: containerd may run migrt-runc at any time."""
+    with open(node.config + ".tmp", "w") as fh:
+        fh.write(text)
+    os.replace(node.config + ".tmp", node.config)
+
+
+def test_a_pod_makes_its_node_connect_only_to_migrate_peers(clean, tmp_path):
+    """migrate-from naming an address outside node B's migrate_peers fails before any connection (a
+    listener on B's loopback records none); once listed, the node connects, and whatever answered (an
+    HTTP server, a closed port) the pod reads one line; what the network said is in B's migrt log."""
+    a, b = clean["a"], clean["b"]
+    name, _, scid = _source(a, "peers")
+    accepts = tmp_path / "accepts"
+    accepts.touch()
+    listener = subprocess.Popen(b.ctd.network.wrap([sys.executable, "-c", LISTENER, str(accepts), "7073"]),
+                                stdout=subprocess.PIPE)
+    plain = Path(b.config).read_text()
+    try:
+        assert listener.stdout.readline() == b"listening\n"
+        http, closed = "127.0.0.1:7073", f"{ADDR_A}:{AGENT_PORT + 1}"
+        for address in (http, closed):
+            _, tcid = _target(b, f"{address}/team-a/{name}/app")
+            with pytest.raises(CriError) as info:
+                b.cri.start(tcid)
+            assert (f"migrt: pull of container app of pod team-a/{name} from {address} failed: {address} is not a "
+                    f"node agent this node may pull from: migrate_peers in the node's migrt config ({b.config}) "
+                    "does not list it") in info.value.details, info.value.details
+        time.sleep(0.5)
+        assert accepts.read_text() == ""  # nothing was contacted
+        _configure(b, plain.replace(f"migrate_peers: {json.dumps([ADDR_A, ADDR_B])}",
+                                    f"migrate_peers: {json.dumps([ADDR_A, ADDR_B, http, closed])}"))
+        for address, detail in ((http, "frame type 72, length 1414811695"), (closed, "Connection refused")):
+            _, tcid = _target(b, f"{address}/team-a/{name}/app")
+            with pytest.raises(CriError) as info:
+                b.cri.start(tcid)
+            assert (f"migrt: pull of container app of pod team-a/{name} from {address} failed: cannot pull from "
+                    f"{address} (see the node's migrt log)") in info.value.details, info.value.details
+            assert "frame" not in info.value.details and "HTTP" not in info.value.details
+            assert "refused" not in info.value.details.lower()
+            events = [json.loads(line) for line in Path(b.log).read_text().splitlines() if "pull_unreachable" in line]
+            assert any(e["address"] == address and detail in e["detail"] for e in events), events
+        assert len(accepts.read_text().splitlines()) == 1  # the listed listener was contacted, once
+    finally:
+        _configure(b, plain)
+        listener.kill()
+        listener.wait()
+    assert a.cri.state_name(scid) == "CONTAINER_RUNNING"
+    _no_copy_on(b)
 
 
 def _wait_for(what: str, probe, timeout: float = 30):
@@ -279,23 +365,19 @@ def test_pull_inside_mutual_tls(clean, tmp_path):
     tls = {n: plain[n] + f"migration_tls:\n  cert: {tmp_path}/{n}.crt\n  key: {tmp_path}/{n}.key\n"
               f"  ca: {tmp_path}/ca.crt\n" for n in plain}
 
-    def configure(node, text):  # atomically: containerd may run migrt-runc at any time
-        with open(node.config + ".tmp", "w") as fh:
-            fh.write(text)
-        os.replace(node.config + ".tmp", node.config)
-
     try:
-        configure(a, tls["a"])
-        configure(b, plain["b"])
+        _configure(a, tls["a"])
+        _configure(b, plain["b"])
         a.stop_agent()
         a.start_agent()
         name, _, scid = _source(a, "tls")
         _, tcid = _target(b, f"{ADDR_A}/team-a/{name}/app")
         with pytest.raises(CriError) as info:  # B speaks without TLS: refused, the source untouched
             b.cri.start(tcid)
-        assert "requires TLS" in info.value.details
+        assert f"cannot pull from {ADDR_A}:{AGENT_PORT} (see the node's migrt log)" in info.value.details
+        assert "TLS" not in info.value.details and "requires TLS" in Path(b.log).read_text()
         assert a.cri.state_name(scid) == "CONTAINER_RUNNING"
-        configure(b, tls["b"])
+        _configure(b, tls["b"])
         _, tcid = _target(b, f"{ADDR_A}/team-a/{name}/app")
         b.cri.start(tcid)
         a.cri.wait_state(scid, "CONTAINER_EXITED", timeout=60)
@@ -303,7 +385,7 @@ def test_pull_inside_mutual_tls(clean, tmp_path):
         (res,) = [r for r in a.agent_results() if r.get("mode") == "pull" and not r.get("error")]
         assert res["pages"]["bytes"] >= DATA_MIB << 20
     finally:
-        configure(a, plain["a"])
-        configure(b, plain["b"])
+        _configure(a, plain["a"])
+        _configure(b, plain["b"])
         a.stop_agent()
         a.start_agent()
