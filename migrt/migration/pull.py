@@ -73,8 +73,8 @@ def parse(value: str, own_container: str | None) -> tuple[str, dict]:
     elif addr.count(":") == 1:
         host, port = addr.split(":")
         shown = host
-    else:
-        host, port, shown = addr, "", addr
+    else:  # a name, an IPv4 address, or an IPv6 address without brackets (and so without a port)
+        host, port, shown = addr, "", f"[{addr}]" if ":" in addr else addr
     if not host or (port and (not port.isdigit() or not 0 < int(port) < 65536)):
         raise UsageError(usage)
     parts = rest.split("/")
@@ -226,7 +226,7 @@ def _worker(parsed, cmd, bundle, request, lower: str, lower_warning: str | None,
         result = _pull(cfg, log, parsed, cmd, bundle, cid, address, source, verdict_w, said)
     except MigrtError as exc:
         result = {"error": str(exc), "exit_code": exc.exit_code}
-    except Exception as exc:  # noqa: BLE001 - never a traceback in kubelet's events
+    except Exception as exc:  # never a traceback in kubelet's events
         log.exception("pull_crashed", container=cid)
         result = {"error": f"internal error: {exc!r}", "exit_code": 1}
     if result.get("error"):

@@ -43,6 +43,7 @@ def _pod_annotations(name: str = "app", sandbox: str = SANDBOX, **extra) -> dict
                                                                  "container": "mine"}),
     ("[fd00::5]:7000/abc123", "[fd00::5]:7000", {"container_id": "abc123"}),
     ("[fd00::5]/abc123", "[fd00::5]:7070", {"container_id": "abc123"}),
+    ("fd00::5/abc123", "[fd00::5]:7070", {"container_id": "abc123"}),
 ])
 def test_migrate_from_forms(value, address, source):
     assert parse(value, "mine") == (address, source)
@@ -117,6 +118,11 @@ def test_numbers_the_resolver_reads_as_addresses_are_names_and_match_nothing():
         assert not peers.allowed(f"{host}:7070", ["127.0.0.0/8:*", "10.0.0.0/8"]), host
         with pytest.raises(ValueError):
             peers.parse_entry(host)
+
+
+def test_an_ipv6_address_without_brackets_is_checked_as_the_address_it_is():
+    address, _ = parse("fd00::5/abc123", None)
+    assert peers.allowed(address, ["fd00::/64"]) and not peers.allowed(address, ["fd01::/64"])
 
 
 def test_no_peers_no_pulls():
