@@ -1,15 +1,23 @@
 #!/bin/sh
-# Builds migrt's DaemonSet payload: a self-contained migrt under /opt/migrt that runs on any node with a
-# C library >= the build's (Debian 12's glibc 2.36: Debian 12/13, Ubuntu 24.04), and the installer image
-# that carries it (packaging/daemonset.yaml). Two commands, one recipe:
+# Builds migrt's DaemonSet payload: a self-contained migrt under /opt/migrt that carries its own C library
+# and dynamic loader, so it runs on any Linux node of its architecture whatever C library the node has,
+# or none (docs/install.md: the supported nodes), and the installer image that carries it
+# (packaging/daemonset.yaml). Two commands, one recipe:
 #
 #   build-payload.sh stage [--source DIR]
 #       Inside a Debian 12 system (packaging/Containerfile's build stage, or the chroot `image` makes),
 #       as root: installs what the build needs from that system's release, then builds /opt/migrt:
+#         libc/        the release's C library: its dynamic loader (ld-linux-x86-64.so.2; on arm64
+#                      ld-linux-aarch64.so.1), libc.so.6 and companions, libnss_compat, libgcc_s. The two
+#                      executables below name that loader as their ELF interpreter (absolute path, room
+#                      for 256 bytes: install-host.sh rewrites it for another prefix, packaging/elf-interp.sh)
+#                      and libc/ in their DT_RPATH; nothing goes into the environment, so the node's
+#                      programs the payload runs (runc, iptables, containerd) start on the node's own
 #         criu/        migrt's own CRIU (packaging/build-criu.sh: 4.2.1, bundled libraries, RPATH)
-#         python/      the release's CPython (bin/python3.X with an RPATH to lib/, its standard library
-#                      in lib/python3.X, every shared library it and its extension modules need except
-#                      the C library's own in lib/): the same interpreter Debian ships, moved out of /usr
+#         python/      the release's CPython (bin/python3.X with an RPATH to lib/ and libc/, its standard
+#                      library in lib/python3.X, every shared library it and its extension modules need
+#                      in lib/; a sitecustomize naming the node's CA bundle where Debian's /usr/lib/ssl is
+#                      absent): the same interpreter Debian ships, moved out of /usr
 #         venv/        migrt (from --source, default the checkout this script is in) and its PyPI
 #                      dependencies, pycriu from the CRIU build; no system site-packages
 #         bin/migrt, bin/migrt-runc, libexec/cuda-criu-action   launchers bound to venv/bin/python
@@ -29,8 +37,15 @@
 #       Environment: MIGRT_PAYLOAD_MIRRORS (apt source lines separated by '|'; default the release's
 #       deb.debian.org main, -updates and -security suites), MIGRT_SKIP_APT=1 (mmdebstrap already here).
 #
-# The release is Debian 12 (bookworm) on purpose: its glibc 2.36 is the oldest migrt supports, so one
-# build runs on every supported node. Nothing from another suite goes in.
+# The release is Debian 12 (bookworm): CPython 3.11, glibc 2.36, OpenSSL 3. Nothing from another suite
+# goes in. Libraries the payload lacks are still found on the node (its /etc/ld.so.cache, /lib and
+# /usr/lib): the driver's libcuda.so.1 and libnvidia-ml.so.1 (built against an old glibc, they load into
+# the payload's 2.36), NSS modules that nsswitch.conf names beyond files and dns (one built against a
+# newer glibc than 2.36 fails to load and is skipped, as a missing one is).
+# arm64 (Grace Hopper): the same recipe on an arm64 host (mmdebstrap makes the host's architecture;
+# the loader's name and the multiarch directory are read from the build root, the image's
+# architecture from dpkg); across architectures, mmdebstrap --arch=arm64 with qemu-user-static's
+# binfmt handlers (untested here).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 suite=bookworm
@@ -44,12 +59,15 @@ criu_deps=$(sed -n 's/^build_deps="\(.*\)"$/\1/p' "$here/build-criu.sh")
 [ -n "$criu_deps" ] || { echo "build-payload: error: no build_deps=\"...\" line in $here/build-criu.sh" >&2; exit 1; }
 stage_deps="$criu_deps xz-utils python3-venv patchelf ca-certificates"
 # Bump when the recipe changes (part of the cache key).
-recipe=1
+recipe=2
+# The kernel below which nothing in the payload can run: CRIU's floor (the C library's is 3.2).
+kernel_floor=3.11
+. "$here/elf-interp.sh"
 
 log() { printf 'build-payload: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-# The C library's own objects: never bundled (the node's are used).
+# The C library's own objects: in libc/ (bundle_libc), never in python/lib or criu/lib.
 is_libc() {
     case ${1##*/} in
     libc.so.*|libm.so.*|libdl.so.*|libpthread.so.*|librt.so.*|libresolv.so.*|libutil.so.*|libanl.so.*|ld-linux*|libnss_*|libmvec.so.*) return 0 ;;
@@ -65,6 +83,45 @@ bundle_libs() {
     while read -r name path; do
         is_libc "$name" && continue
         [ -e "$dest/$name" ] || cp -L "$path" "$dest/$name"
+    done
+}
+
+# bundle_libc DEST: the release's C library copied into DEST: the dynamic loader (its name is the
+# architecture's: ld-linux-x86-64.so.2, ld-linux-aarch64.so.1), libc and its companion libraries, the
+# NSS modules not built into libc (compat; files and dns are built in since glibc 2.34, the stubs are
+# copied all the same), libgcc_s (libc dlopens it to unwind a cancelled thread). Prints the loader's name.
+bundle_libc() {
+    interp=$(readelf -l /usr/bin/python3 | sed -n 's/.*Requesting program interpreter: \(.*\)]$/\1/p')
+    [ -n "$interp" ] || die "/usr/bin/python3 names no ELF interpreter"
+    libc=$(ldd /usr/bin/python3 | awk '$1 == "libc.so.6" {print $3}')
+    libdir=$(dirname "$(readlink -f "$libc")")
+    mkdir -p "$1"
+    cp -L "$interp" "$1/${interp##*/}"
+    for name in libc.so.6 libm.so.6 libmvec.so.1 libpthread.so.0 libdl.so.2 librt.so.1 libresolv.so.2 \
+        libutil.so.1 libanl.so.1 libnss_compat.so.2 libnss_files.so.2 libnss_dns.so.2 libgcc_s.so.1; do
+        if [ -e "$libdir/$name" ]; then cp -L "$libdir/$name" "$1/$name"
+        else case $name in libc.so.6|libm.so.6|libgcc_s.so.1) die "$libdir/$name is missing" ;; esac
+        fi
+    done
+    echo "${interp##*/}"
+}
+
+# own_libc FILE RPATH: FILE runs on the payload's C library: its interpreter PREFIX/libc/<loader> (room
+# for INTERP_ROOM bytes, so that install-host.sh can move it: packaging/elf-interp.sh) and RPATH (DT_RPATH:
+# it covers every library FILE loads and dlopens; nothing is set in the environment, so no child of
+# FILE inherits the payload's C library).
+own_libc() {
+    placeholder=$(printf "%0$((INTERP_ROOM - 1))d" 0)
+    patchelf --set-interpreter "$placeholder" --force-rpath --set-rpath "$2" "$1" || die "patchelf $1 failed"
+    set_elf_interp "$1" "$prefix/libc/$ld" || die "cannot set $1's interpreter"
+}
+
+# check_own FILE...: every library the payload's loader resolves for FILEs lies in the payload.
+check_own() {
+    for f in "$@"; do
+        "$prefix/libc/$ld" --list "$f" || die "$prefix/libc/$ld --list $f failed"
+    done | awk '$2 == "=>" {print $1, $3}' | while read -r name path; do
+        case $path in "$prefix"/*) ;; *) die "$name resolves to $path, outside the payload" ;; esac
     done
 }
 
@@ -94,13 +151,19 @@ stage() {
             die "apt-get install$missing failed"
     fi
 
-    # 1. CRIU (idempotent: a build whose stamp matches build-criu.sh's recipe stays)
+    # 1. The C library, then CRIU (idempotent: a build whose stamp matches build-criu.sh's recipe
+    #    stays) on it.
+    rm -rf "$prefix/libc"
+    ld=$(bundle_libc "$prefix/libc")
     PREFIX=$prefix/criu MIGRT_SKIP_APT=1 sh "$src/packaging/build-criu.sh"
+    own_libc "$prefix/criu/sbin/criu" '$ORIGIN/../lib:$ORIGIN/../../libc'
 
-    # 2. The release's CPython, out of /usr: bin/python3.X with DT_RPATH $ORIGIN/../lib (DT_RPATH, not
-    #    RUNPATH: it covers the extension modules' libraries too, which get $ORIGIN/../.. besides;
-    #    nothing leaks into children as
-    #    LD_LIBRARY_PATH would), the standard library in lib/python3.X, where the interpreter looks
+    # 2. The release's CPython, out of /usr: bin/python3.X on the payload's C library with DT_RPATH
+    #    $ORIGIN/../lib:$ORIGIN/../../libc (DT_RPATH, not RUNPATH: it covers the extension modules'
+    #    libraries and ctypes' dlopen too; the extension modules get $ORIGIN/../.. besides; nothing
+    #    leaks into children as LD_LIBRARY_PATH would; a library the payload lacks, e.g. the driver's
+    #    libcuda.so.1, is found where the node's loader would: /etc/ld.so.cache, then /lib and /usr/lib's
+    #    multiarch directories), the standard library in lib/python3.X, where the interpreter looks
     #    first (its landmark, lib/python3.X/os.py, beside its bin/), so the node's /usr/lib/python3* is
     #    never read.
     py=$(readlink -f /usr/bin/python3)
@@ -120,11 +183,25 @@ stage() {
         "$std/sitecustomize.py" "$std"/config-"$ver"-*
     find "$std" -xtype l -print | sed -n 1p | grep -q . && die "dangling links in $std: $(find "$std" -xtype l | head -3)"
     bundle_libs "$pyd.new/lib" "$py" "$std"/lib-dynload/*.so
-    patchelf --force-rpath --set-rpath '$ORIGIN/../lib' "$pyd.new/bin/python$ver"
+    own_libc "$pyd.new/bin/python$ver" '$ORIGIN/../lib:$ORIGIN/../../libc'
     for m in "$std"/lib-dynload/*.so; do  # (also found through the interpreter's; this way ldd shows it)
-        patchelf --force-rpath --set-rpath '$ORIGIN/../..' "$m"
+        patchelf --force-rpath --set-rpath '$ORIGIN/../..:$ORIGIN/../../../../libc' "$m"
     done
     readelf -d "$pyd.new/bin/python$ver" | grep -q 'RPATH.*\$ORIGIN/../lib' || die "python$ver lacks its RPATH"
+    # Its OpenSSL looks for CA certificates in Debian's /usr/lib/ssl; on a node without it (RHEL, Amazon
+    # Linux, SUSE) the node's own bundle is named by SSL_CERT_FILE, for this process and its children.
+    cat > "$std/sitecustomize.py" <<'PY'
+"""migrt's payload (packaging/build-payload.sh): its OpenSSL was built for Debian's /usr/lib/ssl. On a node
+without that store, and where nothing names one (SSL_CERT_FILE, SSL_CERT_DIR), the node's own bundle."""
+import os
+
+if not ({"SSL_CERT_FILE", "SSL_CERT_DIR"} & os.environ.keys() or os.path.exists("/usr/lib/ssl/cert.pem")):
+    for _ca in ("/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/certs/ca-certificates.crt", "/etc/ssl/ca-bundle.pem",
+                "/etc/ssl/cert.pem"):
+        if os.path.isfile(_ca):
+            os.environ["SSL_CERT_FILE"] = _ca
+            break
+PY
     "$pyd.new/bin/python$ver" -m compileall -q "$std" >/dev/null || true
     rm -rf "$pyd" "$prefix/venv"
     mv "$pyd.new" "$pyd"
@@ -141,6 +218,9 @@ stage() {
     # pip and setuptools served the build only (a node's payload is replaced, never pip-installed
     # into); setuptools' distutils-precedence.pth would also run at every start of migrt-runc's Python.
     "$venv/bin/python" -m pip uninstall -q -y setuptools pip >/dev/null || die "pip uninstall setuptools pip failed"
+    # Wheels' extension modules as PyPI ships them carry their debug information (zstandard's two: 23 MB
+    # of 24); the payload keeps their code and symbols only.
+    find "$venv" -name '*.so' -type f -exec strip --strip-debug {} + || die "strip --strip-debug failed"
 
     # 4. Launchers bound to the venv's python, the CRIU hook, the files install-host.sh copies.
     mkdir -p "$prefix/bin" "$prefix/libexec" "$prefix/share"
@@ -152,6 +232,7 @@ stage() {
         >/dev/null || die "migrt install runtime failed"
     install -m 0644 "$src/configs/config.yaml" "$prefix/share/config.yaml"
     install -m 0755 "$src/packaging/install-host.sh" "$prefix/share/install-host.sh"
+    install -m 0644 "$src/packaging/elf-interp.sh" "$prefix/share/elf-interp.sh"
 
     # 5. Check it: migrt, pycriu and the standard library's C modules import with nothing from /usr
     #    on sys.path and no library outside the payload but the C library's.
@@ -162,25 +243,28 @@ import ssl, hashlib, sqlite3, ctypes, lzma, bz2, zlib, uuid, decimal, readline
 bad = [p for p in sys.path if p and not p.startswith(sys.argv[1] + "/")]
 assert not bad, "sys.path outside the payload: %s" % bad
 ' "$prefix" || die "the payload's python cannot import what migrt needs"
-    for f in "$pybin" "$pyd"/lib/python"$ver"/lib-dynload/*.so "$prefix/criu/sbin/criu"; do
-        ldd "$f" | awk -v f="$f" '$2 == "=>" {print f ": " $1 " " $3}'
-    done | while read -r f name path; do
-        is_libc "$name" && continue
-        case $path in "$prefix"/*) ;; *) die "$f loads $name from $path, outside the payload" ;; esac
-    done
+    check_own "$pybin" "$pyd"/lib/python"$ver"/lib-dynload/*.so "$prefix/criu/sbin/criu"
+    env -i "$venv/bin/python" -P -c '
+import sys
+maps = {l.split()[-1] for l in open("/proc/self/maps") if len(l.split()) > 5 and ".so" in l}
+bad = sorted(p for p in maps if not p.startswith(sys.argv[1] + "/"))
+assert not bad, "mapped from outside the payload: %s" % bad
+' "$prefix" || die "the payload's python maps a library from outside the payload"
     "$prefix/bin/migrt" --version >/dev/null || die "$prefix/bin/migrt does not run"
 
     glibc=$(ldd --version | head -1 | awk '{print $NF}')
     {
         echo "payload: migrt $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("migrt"))') recipe $recipe"
-        echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on ${PRETTY_NAME:-?}, glibc $glibc (nodes need glibc >= $glibc)"
+        echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on ${PRETTY_NAME:-?}, glibc $glibc (its own, in libc/: a node needs no C library)"
+        echo "needs: $(uname -m), Linux >= $kernel_floor"
+        echo "libc: $prefix/libc/$ld $(cd "$prefix/libc" && ls | grep -v "^$ld\$" | tr '\n' ' ')"
         echo "prefix: $prefix"
         echo "python: $pybin $("$pybin" -c 'import sys; print(sys.version.split()[0])') (Debian $(dpkg-query -W -f '${Version}' "python$ver"))"
         echo "python libraries: $(cd "$pyd/lib" && ls | grep '\.so' | tr '\n' ' ')"
         echo "criu: $("$prefix/criu/sbin/criu" --version | sed -n 's/^Version: //p') ($(sed -n 's/^libraries: //p' "$prefix/criu/BUILD"))"
         echo "venv: $("$venv/bin/python" -c 'import importlib.metadata as m; print(" ".join(sorted("%s==%s" % (d.metadata["Name"], d.version) for d in m.distributions())))')"
     } > "$prefix/PAYLOAD"
-    log "built $prefix ($(du -sh "$prefix" | cut -f1)): Python $ver, CRIU $("$prefix/criu/sbin/criu" --version | sed -n 's/^Version: //p'), glibc $glibc"
+    log "built $prefix ($(du -sh "$prefix" | cut -f1)): Python $ver, CRIU $("$prefix/criu/sbin/criu" --version | sed -n 's/^Version: //p'), its own glibc $glibc"
 }
 
 # The inputs of the payload from this checkout, as "sha256  path" lines (the cache key's basis).
@@ -198,8 +282,8 @@ oci_layout() {
     lsum=$(sha256sum "$layer" | cut -d' ' -f1)
     lsize=$(stat -c %s "$layer")
     ln "$layer" "$d/blobs/sha256/$lsum" 2>/dev/null || cp "$layer" "$d/blobs/sha256/$lsum"
-    printf '{"architecture":"amd64","os":"linux","config":{"Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],"Cmd":["/opt/migrt/share/install-host.sh","--help"],"Labels":{"org.opencontainers.image.title":"migrt-installer"}},"rootfs":{"type":"layers","diff_ids":["sha256:%s"]}}' \
-        "$lsum" > "$d/config"
+    printf '{"architecture":"%s","os":"linux","config":{"Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],"Cmd":["/opt/migrt/share/install-host.sh","--help"],"Labels":{"org.opencontainers.image.title":"migrt-installer"}},"rootfs":{"type":"layers","diff_ids":["sha256:%s"]}}' \
+        "$(dpkg --print-architecture)" "$lsum" > "$d/config"
     csum=$(sha256sum "$d/config" | cut -d' ' -f1)
     csize=$(stat -c %s "$d/config")
     mv "$d/config" "$d/blobs/sha256/$csum"
@@ -299,6 +383,6 @@ cmd=${1:-}
 case $cmd in
 stage) stage "$@" ;;
 image) image "$@" ;;
--h|--help|'') sed -n '2,33p' "$0" ;;
+-h|--help|'') sed -n '2,48p' "$0" ;;
 *) die "unknown command $cmd (stage or image)" ;;
 esac

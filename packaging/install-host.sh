@@ -7,12 +7,15 @@
 #
 #   --root DIR       where the host's / is mounted (default /; the DaemonSet uses /host)
 #   --source DIR     the payload to copy (default /opt/migrt, the image's; packaging/build-payload.sh):
-#                    python/ (Debian 12's CPython with its libraries), venv/ (migrt), criu/ (migrt's
-#                    CRIU 4.2 with its libraries), bin/migrt and bin/migrt-runc (launchers bound to the
-#                    venv's python), libexec/cuda-criu-action (the CRIU GPU hook), share/config.yaml
+#                    libc/ (Debian 12's C library and dynamic loader, the interpreter of the two
+#                    executables), python/ (Debian 12's CPython with its libraries), venv/ (migrt),
+#                    criu/ (migrt's CRIU 4.2 with its libraries), bin/migrt and bin/migrt-runc
+#                    (launchers bound to the venv's python), libexec/cuda-criu-action (the CRIU GPU
+#                    hook), share/config.yaml
 #   --prefix DIR     where migrt goes, as a host path (default /opt/migrt). The payload is built for
 #                    /opt/migrt; another prefix gets the copy's absolute paths rewritten (the venv's
-#                    pyvenv.cfg, links and script headers, the launchers, `interpreter`)
+#                    pyvenv.cfg, links and script headers, the launchers, `interpreter`, the ELF
+#                    interpreter of python and criu: packaging/elf-interp.sh, at most 255 bytes)
 #   --bindir DIR     where the links migrt and migrt-runc go, as a host path (default /usr/local/bin)
 #   --no-check       do not try the payload's python and CRIU in the root first (a root that cannot run
 #                    programs: e.g. a node image being assembled, without /proc)
@@ -32,10 +35,13 @@
 #   containerd's config          `migrt install containerd` (a drop-in naming BINDIR/migrt-runc;
 #                                backups of changed files), run by the source's migrt (the image's),
 #                                or with --root / by the one just installed
-# The node needs nothing else from its distribution but a C library at least as new as the payload's
-# build (glibc 2.36: Debian 12/13, Ubuntu 24.04), runc >= 1.1 and containerd >= 1.6, and iptables
-# (CRIU's network lock). Its own criu and python3, if any, are not used.
+# The node needs nothing else from its distribution but runc >= 1.1, containerd >= 1.6 and iptables
+# (CRIU's network lock): the payload carries its own C library, so the node's (any glibc, or none) does
+# not matter. Refused, with nothing changed: a node of another architecture than the payload's, a kernel
+# older than the payload's floor (its PAYLOAD's `needs:` line), a root where the payload's python or
+# CRIU does not run. Its own criu and python3, if any, are not used.
 set -eu
+here=$(cd "$(dirname "$0")" && pwd)
 
 prefix=/opt/migrt
 bindir=/usr/local/bin
@@ -48,6 +54,8 @@ restart=${MIGRT_RESTART_CONTAINERD:-0}
 
 log() { printf 'install-host: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
+[ -f "$here/elf-interp.sh" ] || die "$here/elf-interp.sh is missing (it comes with install-host.sh: packaging/, or the payload's share/)"
+. "$here/elf-interp.sh"
 
 while [ $# -gt 0 ]; do
     case $1 in
@@ -64,7 +72,7 @@ while [ $# -gt 0 ]; do
     --no-containerd) do_containerd=0; shift ;;
     --no-check) check=0; shift ;;
     --restart-containerd) restart=1; shift ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
     *) die "unknown argument: $1" ;;
     esac
 done
@@ -95,6 +103,20 @@ case $built in /*[!A-Za-z0-9._/+-]*|[!/]*) die "$source/venv/pyvenv.cfg: home = 
 [ "$built/python/bin" = "$home" ] && [ -n "$built" ] ||
     die "$source/venv was not made by the payload's own python (home = $home): rebuild it with packaging/build-payload.sh"
 
+# What the payload cannot run without (PAYLOAD's "needs: ARCH, Linux >= X.Y"; none in a payload from
+# before its own C library): the node's architecture and kernel, checked before anything is written.
+needs=$(sed -n 's/^needs: \([A-Za-z0-9_]*\), Linux >= \([0-9]*\.[0-9]*\)$/\1 \2/p' "$source/PAYLOAD" 2>/dev/null || true)
+if [ -n "$needs" ]; then
+    arch=$(uname -m) kernel=$(uname -r)
+    [ "$arch" = "${needs% *}" ] ||
+        die "this node is $arch, the payload in $source is built for ${needs% *}: use the $arch image (packaging/build-payload.sh on an $arch host); nothing changed"
+    floor=${needs#* } k=${kernel%%[!0-9.]*}
+    kmaj=${k%%.*} kmin=${k#*.}; kmin=${kmin%%.*}
+    if [ "${kmaj:-0}" -lt "${floor%.*}" ] || { [ "$kmaj" -eq "${floor%.*}" ] && [ "${kmin:-0}" -lt "${floor#*.}" ]; }; then
+        die "this node's kernel $kernel is older than Linux $floor, below which the payload cannot run (CRIU's floor); nothing changed"
+    fi
+fi
+
 # relocate DIR: rewrite the absolute paths of a copy of the payload from $built to $prefix. Every
 # pattern is anchored where the path starts (a new prefix may end with the old one: /tmp/x/opt/migrt).
 relocate() {
@@ -112,6 +134,12 @@ relocate() {
     done
     for f in "$d/bin/migrt" "$d/bin/migrt-runc" "$d/libexec/cuda-criu-action"; do   # the launchers
         [ ! -f "$f" ] || sed -i "s#^PYTHON='$o/#PYTHON='$prefix/#; s#^HOOK='$o/#HOOK='$prefix/#" "$f"
+    done
+    for f in "$d"/python/bin/python3* "$d/criu/sbin/criu"; do                       # ELF interpreters
+        [ ! -L "$f" ] && t=$(elf_interp "$f") || continue
+        case $t in "$built"/libc/*) ;; *) continue ;; esac
+        set_elf_interp "$f" "$prefix/${t#"$built"/}" || die "could not move the payload from $built to $prefix (see above)"
+        [ "$(elf_interp "$f")" = "$prefix/${t#"$built"/}" ] || die "$f: its interpreter is $(elf_interp "$f") after rewriting"
     done
     left=$({ grep -l -e "[ =]$o/" "$d/venv/pyvenv.cfg"; grep -l -e "^$o/" "$d/interpreter"
              grep -lI -e "^#!$o/" -e "\"$o/venv\"" "$d"/venv/bin/*
@@ -137,13 +165,19 @@ elif same "$new" "$dest"; then
     log "$prefix is up to date"
 else
     # The payload's python and CRIU run from any directory (found by their own location): try them on
-    # the host, in its root, before anything is replaced.
+    # the host, in its root, before anything is replaced. Their ELF interpreter names the prefix, where
+    # the copy is not yet (or an older payload is): the copy's own loader runs them by name instead.
     at=${new#"$root"}
     run_host() { if [ "$check" = 0 ]; then return 0; elif [ -z "$root" ]; then "$@"; else chroot "$root" "$@"; fi; }
-    out=$(run_host "$at/python/bin/python3" -P -c 'import ssl, ctypes, sqlite3, sys; print(sys.version.split()[0])' 2>&1) ||
-        die "the payload's python does not run on this node ($(printf '%s' "$out" | tail -1)); it needs" \
-            "$(sed -n 's/.*(nodes need \(.*\))$/\1/p' "$source/PAYLOAD" 2>/dev/null || echo 'glibc >= 2.36'); nothing changed"
-    out=$(run_host "$at/criu/sbin/criu" --version 2>&1) ||
+    run_copy() {  # PATH ARG...: the copy's PATH (relative), on the copy's loader if it has its own
+        f=$1; shift
+        [ ! -L "$new/$f" ] || f=$(dirname "$f")/$(readlink "$new/$f")
+        t=$(elf_interp "$new/$f" 2>/dev/null) || t=
+        case $t in "$prefix"/libc/*) run_host "$at/libc/${t##*/}" "$at/$f" "$@" ;; *) run_host "$at/$f" "$@" ;; esac
+    }
+    out=$(run_copy python/bin/python3 -P -c 'import ssl, ctypes, sqlite3, sys; print(sys.version.split()[0])' 2>&1) ||
+        die "the payload's python does not run on this node ($(printf '%s' "$out" | tail -1)); nothing changed"
+    out=$(run_copy criu/sbin/criu --version 2>&1) ||
         die "the payload's CRIU does not run on this node ($(printf '%s' "$out" | tail -1)); nothing changed"
     if [ -e "$dest" ]; then mv "$dest" "$old"; fi
     mv "$new" "$dest"

@@ -6,6 +6,7 @@ tests/integration/test_payload.py runs the real payload from the real image."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -223,3 +224,66 @@ def test_containerd_failure_stops_before_any_restart(host, tmp_path):
     res = _run(root, source, env={"MIGRT_RESTART_CONTAINERD": "1", "MIGRT_RESTART_COMMAND": f"touch {marker}"})
     assert res.returncode != 0 and "not supported" in res.stderr and "nothing restarted" in res.stderr
     assert not marker.exists()
+
+
+def _needs(source: Path, line: str) -> None:
+    (source / "PAYLOAD").write_text(f"payload: migrt 0.1.0 recipe 2\n{line}\n")
+
+
+@pytest.mark.parametrize("needs,words", [
+    (f"needs: {'aarch64' if os.uname().machine != 'aarch64' else 'x86_64'}, Linux >= 3.11", "is built for"),
+    (f"needs: {os.uname().machine}, Linux >= 99.0", "older than Linux 99.0"),
+])
+def test_refuses_a_node_of_another_architecture_or_too_old_a_kernel(host, needs, words):
+    """The payload's PAYLOAD says what it cannot run without; nothing is written on such a node."""
+    root, source = host
+    _needs(source, needs)
+    res = _run(root, source)
+    assert res.returncode != 0 and words in res.stderr and "nothing changed" in res.stderr, res.stderr
+    assert not (root / "opt").exists() and not (root / "usr").exists()
+    _needs(source, f"needs: {os.uname().machine}, Linux >= 3.11")  # this node: installed
+    assert _run(root, source).returncode == 0
+
+
+def _own_loader(payload: Path, built: str, room: bool) -> None:
+    """Like the real payload: libc/ holds a loader (this host's) that python/bin/python3.11 names as its ELF
+    interpreter at the built prefix, with the build's room for another path (packaging/elf-interp.sh) or
+    none. The stand-in python3.11 is /bin/true (the installer's check only needs it to run)."""
+    (payload / "libc").mkdir()
+    shutil.copy2(os.path.realpath("/lib64/ld-linux-x86-64.so.2"), payload / "libc" / "ld-linux-x86-64.so.2")
+    py = payload / "python" / "bin" / "python3.11"
+    shutil.copy2("/bin/true", py)
+    interp = f"{built}/libc/ld-linux-x86-64.so.2"
+    lib = REPO / "packaging" / "elf-interp.sh"
+    placeholder = "x" * 255 if room else interp
+    subprocess.run(["patchelf", "--set-interpreter", placeholder, str(py)], check=True)
+    subprocess.run(["sh", "-c", f'. "{lib}" && set_elf_interp "$1" "$2"', "-", str(py), interp], check=True)
+    (payload / "python" / "bin" / "python3").unlink()
+    os.symlink("python3.11", payload / "python" / "bin" / "python3")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64" or not shutil.which("patchelf"), reason="x86_64 loader, patchelf")
+def test_another_prefix_gets_the_elf_interpreter_rewritten_and_runs_here(tmp_path):
+    """The copy's python names the payload's own loader by absolute path: under another prefix the installer
+    writes the new path into the same bytes, and its check runs that copy on this host (--root /)."""
+    source = _payload(tmp_path / "payload")
+    _own_loader(source, PREFIX, room=True)
+    prefix, bindir = tmp_path / ("long-" * 20) / "migrt", tmp_path / "b"
+    res = _run(Path("/"), source, "--prefix", str(prefix), "--bindir", str(bindir), "--no-containerd", check=True)
+    assert res.returncode == 0 and f"installed {prefix}" in res.stderr, res.stderr
+    interp = subprocess.run(["readelf", "-l", str(prefix / "python/bin/python3.11")], capture_output=True, text=True)
+    assert f"[Requesting program interpreter: {prefix}/libc/ld-linux-x86-64.so.2]" in interp.stdout, interp.stdout
+    assert subprocess.run([str(prefix / "python/bin/python3")]).returncode == 0
+    interp = subprocess.run(["readelf", "-l", str(source / "python/bin/python3.11")], capture_output=True, text=True)
+    assert f"interpreter: {PREFIX}/libc/ld-linux-x86-64.so.2]" in interp.stdout  # the source untouched
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64" or not shutil.which("patchelf"), reason="x86_64 loader, patchelf")
+def test_an_elf_interpreter_without_room_for_the_prefix_stops_the_install(tmp_path):
+    source = _payload(tmp_path / "payload")
+    _own_loader(source, PREFIX, room=False)
+    prefix, bindir = tmp_path / "p" / "migrt", tmp_path / "b"
+    res = _run(Path("/"), source, "--prefix", str(prefix), "--bindir", str(bindir), "--no-containerd", check=True)
+    assert res.returncode != 0 and "has room for" in res.stderr, res.stderr
+    assert "could not move the payload" in res.stderr, res.stderr
+    assert not prefix.exists() and not bindir.exists() and not list(prefix.parent.glob(".migrt.*"))
