@@ -5,7 +5,9 @@
 #   sbin/criu                  the binary, with an RPATH to lib/ (DT_RPATH, so it covers the whole
 #                              dependency tree; no LD_LIBRARY_PATH leaks into CRIU's children)
 #   lib/                       every shared library it needs except the C library itself, copied from
-#                              the build machine: the build serves any glibc >= the build's
+#                              the build machine: the build serves any glibc >= the build's (the node
+#                              payload, build-payload.sh, adds the build's C library and loader beside it
+#                              and makes it the binary's interpreter: it then runs on any C library)
 #   lib/criu-plugins/          CRIU's plugin directory, empty (a node's /usr/lib/criu plugins, e.g.
 #                              CRIU's own CUDA plugin, are never loaded: migrt drives the GPU itself)
 #   python/pycriu/             pycriu generated from the same source (setup-host.sh copies it into the venv)
@@ -15,8 +17,8 @@
 # (MIGRT_CRIU_LAZY_NO_PIPES=1; migrt's parallel dump and lazy migration set it: docs/dump-pages.md).
 # Why: distributions ship CRIU 3.17 (Debian 12), 4.1 (Debian 13) or nothing recent (Ubuntu 24.04,
 # RHEL 9); migrt needs >= 4.2 (3.17 fails on 6.x kernels' vDSO, 4.1 cannot dump inet sockets on
-# kernels >= 6.16). Built on the oldest C library migrt supports (Debian 12's glibc 2.36), one build
-# serves Debian 12/13 and Ubuntu 24.04 alike.
+# kernels >= 6.16). Built on Debian 12 (glibc 2.36), one build serves Debian 12/13 and Ubuntu 24.04
+# alike as it is, and every node once in the payload.
 #
 # Idempotent: an installation whose BUILD stamp matches this script's recipe is left alone.
 # Options (environment): PREFIX, MIGRT_SKIP_APT=1 (build dependencies already there), MIGRT_CRIU_JOBS.
