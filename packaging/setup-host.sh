@@ -1,178 +1,126 @@
 #!/bin/sh
-# Idempotent set-up of a node for migrt (Debian 12/13, Ubuntu 24.04; run as root). It leaves the node's
-# system alone: no other suite's package, no upgrade of a package the node already has.
-#  - packages from the node's OWN release, only those missing: python3-venv, iptables (CRIU's network
-#    lock), the build dependencies of CRIU (packaging/build-criu.sh lists them), and runc and containerd
-#    only when the node has none (a node keeps its own: migrt needs runc >= 1.1 and containerd >= 1.6);
-#  - migrt's own CRIU 4.2 in $MIGRT_PREFIX/criu (built from CRIU's release source by
-#    packaging/build-criu.sh, its libraries beside it; migrt hands it to runc, the node's PATH and
-#    /usr/sbin/criu are not touched);
-#  - a virtual environment with the project under $MIGRT_PREFIX (default /opt/migrt), made with a
-#    pinned interpreter (recorded in $MIGRT_PREFIX/interpreter) that survives python3 upgrades, pycriu
-#    from the same CRIU build;
+# Idempotent set-up of a node for migrt (run as root). Nothing is compiled on the node: it installs
+# migrt's node payload (packaging/build-payload.sh: migrt's own Python, venv and CRIU 4.2 under one
+# prefix) with packaging/install-host.sh, the installer the DaemonSet runs. The node's system is left
+# alone: no package it has changes version or goes, nothing from another suite.
+#  - from the node's OWN release, only those absent: runc, containerd (a node keeps its own: migrt
+#    needs runc >= 1.1 and containerd >= 1.6) and iptables (CRIU's network lock); nothing else;
+#  - the payload: MIGRT_PAYLOAD=DIR (an unpacked payload tree, the image's /opt/migrt) or
+#    MIGRT_PAYLOAD=FILE (the installer image as build-payload.sh writes it, oci.tar); where none is
+#    given, this host builds one first (build-payload.sh image, cached in $MIGRT_PAYLOAD_CACHE, default
+#    /var/cache/migrt/payload, by the hash of its inputs: minutes the first time, seconds after; the
+#    build host takes mmdebstrap from its release, the build itself happens in a Debian 12 root);
+#  - install-host.sh --source PAYLOAD --prefix $MIGRT_PREFIX --bindir $MIGRT_BINDIR --no-containerd:
+#    migrt in /opt/migrt, /usr/local/bin/migrt and migrt-runc, /etc/migrt/config.yaml if absent,
+#    /var/lib/migrt (0700); containerd's handler is a step of its own (`migrt install containerd`);
 #  - /usr/local/sbin/criu -> migrt's CRIU when the node has no criu on PATH (containerd 2.x looks for
 #    one before serving kubelet's checkpoint API; MIGRT_CRIU_LINK=0 skips it);
-#  - /usr/local/bin/migrt and /usr/local/bin/migrt-runc, $MIGRT_PREFIX/libexec/cuda-criu-action,
-#    /etc/migrt/config.yaml (if absent), /var/lib/migrt, and fs.pipe-max-size 4 MiB (sysctl.d file).
+#  - fs.pipe-max-size 4 MiB (a sysctl.d file: big lazy dumps).
+# MIGRT_DEV=1 (scripts/test.sh, a development machine, not a node): then this checkout, editable, with
+# the test extras, in the payload's venv (pip from the payload's ensurepip, which takes its wheels from
+# the host's python3-pip-whl); re-runs keep it while the payload is the same.
 # Test-only components (newer runc/containerd, podman, a registry) are packaging/setup-test.sh's.
-# Options (environment): MIGRT_PREFIX, MIGRT_SKIP_APT=1 (packages already there), MIGRT_DEV=1
-# (editable install of this checkout with the test extras).
+# Options (environment): MIGRT_PREFIX, MIGRT_BINDIR, MIGRT_PAYLOAD, MIGRT_PAYLOAD_CACHE,
+# MIGRT_SKIP_APT=1 (packages already there), MIGRT_DEV=1.
 set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
 prefix=${MIGRT_PREFIX:-/opt/migrt}
 bindir=${MIGRT_BINDIR:-/usr/local/bin}
+cache=${MIGRT_PAYLOAD_CACHE:-/var/cache/migrt/payload}
+dev=${MIGRT_DEV:-0}
 
 log() { printf 'setup-host: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+. "$here/packaging/apt-release.sh"
 
-[ "$(id -u)" = 0 ] || { log "must run as root"; exit 1; }
+[ "$(id -u)" = 0 ] || die "must run as root"
+work=$(mktemp -d "${TMPDIR:-/tmp}/migrt-setup.XXXXXX")
+trap 'rm -rf "$work"' EXIT
 
+# 1. What the node needs from its release (and, where the payload is built here, what the build needs).
 if [ "${MIGRT_SKIP_APT:-0}" != 1 ]; then
-    want="python3-venv iptables"
+    want=iptables
     command -v runc >/dev/null 2>&1 || want="$want runc"
     command -v containerd >/dev/null 2>&1 || want="$want containerd"
-    missing=
-    for p in $want; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+    [ -n "${MIGRT_PAYLOAD:-}" ] || command -v mmdebstrap >/dev/null 2>&1 || want="$want mmdebstrap"
+    [ "$dev" != 1 ] || want="$want python3-pip-whl"
+    missing=$(apt_absent $want)
     if [ -n "$missing" ]; then
-        export DEBIAN_FRONTEND=noninteractive
         log "installing from the node's release:$missing"
-        apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confold $missing >/dev/null ||
-            { apt-get update -qq && apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confold $missing >/dev/null; } ||
-            { log "apt-get install$missing failed"; exit 1; }
+        apt_release_install node $missing
     fi
 fi
 
-# migrt's CRIU (>= 4.2: Debian 12's 3.17 fails on 6.x kernels' vDSO, 4.1 cannot dump inet sockets on
-# kernels >= 6.16). MIGRT_CRIU_PREBUILT=DIR installs a build made elsewhere (the DaemonSet's payload).
-criu_dir=$prefix/criu
-if [ -n "${MIGRT_CRIU_PREBUILT:-}" ]; then
-    "$MIGRT_CRIU_PREBUILT/sbin/criu" --version | grep -q 'Version: 4\.[2-9]' ||
-        { log "MIGRT_CRIU_PREBUILT=$MIGRT_CRIU_PREBUILT holds no CRIU >= 4.2"; exit 1; }
-    rm -rf "$criu_dir.new" && cp -a "$MIGRT_CRIU_PREBUILT" "$criu_dir.new" && rm -rf "$criu_dir" && mv "$criu_dir.new" "$criu_dir"
-else
-    PREFIX=$criu_dir sh "$here/packaging/build-criu.sh"
+# 2. The payload: given (a tree, or the installer image's oci.tar), else built here (cached).
+payload_tree() {  # OCI_TAR: unpack its one layer's opt/migrt under $work; prints the tree's path
+    tar -C "$work" -xf "$1" index.json || die "$1: no OCI image layout (index.json)"
+    m=$(sed -n 's/.*"digest":"sha256:\([0-9a-f]*\)".*/\1/p' "$work/index.json" | head -1)
+    tar -C "$work" -xf "$1" "blobs/sha256/$m" || die "$1: manifest $m missing"
+    l=$(sed -n 's/.*"layers":\[{[^}]*"digest":"sha256:\([0-9a-f]*\)".*/\1/p' "$work/blobs/sha256/$m")
+    mkdir -p "$work/layer"
+    { tar -xOf "$1" "blobs/sha256/$l" | tar -C "$work/layer" -xf - --wildcards './opt/migrt/*' 'opt/migrt/*'; } 2>/dev/null ||
+        true  # (one of the two spellings is absent from the layer: tar says so and fails)
+    [ -f "$work/layer/opt/migrt/PAYLOAD" ] || die "$1: its layer ($l) holds no /opt/migrt payload"
+    echo "$work/layer/opt/migrt"
+}
+payload=${MIGRT_PAYLOAD:-}
+if [ -z "$payload" ]; then
+    log "no MIGRT_PAYLOAD given: building the node payload here (packaging/build-payload.sh, cache $cache)"
+    MIGRT_SKIP_APT=1 sh "$here/packaging/build-payload.sh" image --cache "$cache" > "$work/built" ||
+        die "the payload build failed (see above); a payload built elsewhere: MIGRT_PAYLOAD=DIR-or-oci.tar"
+    payload=$(tail -1 "$work/built")
 fi
-"$criu_dir/sbin/criu" --version | grep -q 'Version: 4\.[2-9]' ||
-    { log "CRIU 4.2 or newer is required; $criu_dir/sbin/criu says: $("$criu_dir/sbin/criu" --version 2>&1 | head -1)"; exit 1; }
-# containerd 2.x checks for a `criu` on its own PATH before it serves CRI CheckpointContainer (kubelet's
-# checkpoint API), then checkpoints through migrt-runc, which uses migrt's CRIU whatever containerd
-# found. A node with no criu at all gets $sbindir/criu -> migrt's (MIGRT_CRIU_LINK=0: none); a node's
-# own criu is left alone.
+if [ -f "$payload" ]; then
+    payload=$(payload_tree "$payload")
+fi
+[ -d "$payload" ] || die "MIGRT_PAYLOAD=$payload is neither a payload tree nor an oci.tar"
+[ -f "$payload/PAYLOAD" ] || die "$payload is not a migrt payload: no PAYLOAD file (packaging/build-payload.sh builds one)"
+
+# 3. Install it (install-host.sh checks it runs here first; an unchanged payload is left in place).
+#    A development install (its venv holds this checkout, so it differs from the payload) is kept while
+#    the payload it was made from is the same.
+stamp="$(sha256sum < "$payload/PAYLOAD" | cut -c1-16) $here"
+if [ "$dev" = 1 ] && [ "$(cat "$prefix/DEV" 2>/dev/null)" = "$stamp" ] &&
+    "$prefix/venv/bin/python" -c 'import migrt, sys; sys.exit(not migrt.__file__.startswith(sys.argv[1]))' "$here/migrt/" 2>/dev/null; then
+    log "$prefix: the development install of $here is up to date"
+else
+    rm -f "$prefix/DEV"
+    sh "$here/packaging/install-host.sh" --source "$payload" --prefix "$prefix" --bindir "$bindir" --no-containerd ||
+        die "install-host.sh failed (see above)"
+    if [ "$dev" = 1 ]; then
+        log "development install: $here (editable, test extras) into $prefix/venv"
+        "$prefix/venv/bin/python" -m ensurepip >"$work/pip.log" 2>&1 ||
+            { cat "$work/pip.log" >&2; die "ensurepip failed in $prefix/venv (python3-pip-whl installed?)"; }
+        "$prefix/venv/bin/python" -m pip install -q --disable-pip-version-check -e "$here[test]" ||
+            die "pip install -e $here[test] failed"
+        printf '%s\n' "$stamp" > "$prefix/DEV"
+    fi
+fi
+criu=$prefix/criu/sbin/criu
+
+# 4. containerd 2.x checks for a `criu` on its own PATH before it serves CRI CheckpointContainer
+#    (kubelet's checkpoint API), then checkpoints through migrt-runc, which uses migrt's CRIU whatever
+#    containerd found. A node with no criu at all gets $sbindir/criu -> migrt's; its own is left alone.
 sbindir=${MIGRT_SBINDIR:-/usr/local/sbin}
 if [ "${MIGRT_CRIU_LINK:-1}" = 1 ]; then
     current=$(command -v criu 2>/dev/null || true)
-    if [ -z "$current" ] || [ "$(readlink -f "$current")" = "$(readlink -f "$criu_dir/sbin/criu")" ]; then
+    if [ -z "$current" ] || [ "$(readlink -f "$current")" = "$(readlink -f "$criu")" ]; then
         mkdir -p "$sbindir"
-        ln -sfn "$criu_dir/sbin/criu" "$sbindir/criu"
+        ln -sfn "$criu" "$sbindir/criu"
     else
-        log "kept the node's own $current for containerd's CRI checkpoint check (migrt uses $criu_dir/sbin/criu)"
+        log "kept the node's own $current for containerd's CRI checkpoint check (migrt uses $criu)"
     fi
 fi
 
-# The venv: made with a versioned interpreter resolved once (/usr/bin/python3 -> /usr/bin/python3.11),
-# recorded in $prefix/interpreter, and self-contained (no system site-packages): an apt upgrade that
-# moves /usr/bin/python3 to a newer Python, or rebuilds Debian's python3-* modules for it, leaves the
-# venv alone. pycriu is not on PyPI: the CRIU build's pycriu is copied in, and protobuf (its runtime)
-# comes from PyPI (pyproject.toml). A venv whose interpreter vanished or changed, or that cannot import
-# pycriu, is made again: re-running this script repairs an installation broken by an upgrade.
-# MIGRT_PYTHON=/usr/bin/python3.X picks the interpreter; MIGRT_PYCRIU_DIR where pycriu is copied from.
-venv=$prefix/venv
-pycriu_src=${MIGRT_PYCRIU_DIR:-$criu_dir/python/pycriu}
-die() { log "error: $*"; exit 1; }
-# The versioned path of a usable interpreter (>= 3.11, venv and ensurepip there), else nothing.
-usable_python() {
-    [ -n "$1" ] && [ -x "$1" ] || return 0
-    "$1" -c 'import ensurepip, os, sys, venv
-if sys.version_info >= (3, 11): print(os.path.realpath(sys.executable))' 2>/dev/null || true
-}
-venv_problem() {  # why the venv cannot stay (empty: it can)
-    [ -f "$venv/pyvenv.cfg" ] || { echo "there is none"; return; }
-    [ -n "$recorded" ] || { echo "no $prefix/interpreter: made by an older setup-host.sh"; return; }
-    [ -x "$recorded" ] || { echo "its interpreter $recorded is gone"; return; }
-    [ "$(readlink -f "$venv/bin/python")" = "$recorded" ] || {
-        echo "$venv/bin/python is $(readlink -f "$venv/bin/python"), not $recorded"; return; }
-    made=$(sed -n 's/^version *= *\([0-9]*\.[0-9]*\).*/\1/p' "$venv/pyvenv.cfg")
-    now=$("$recorded" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo "?")
-    [ "$made" = "$now" ] || { echo "its interpreter $recorded is now Python $now, the venv was made for $made"; return; }
-    [ -z "$want" ] || [ "$want" = "$recorded" ] || { echo "MIGRT_PYTHON asks for $want"; return; }
-    grep -qs '^include-system-site-packages *= *false' "$venv/pyvenv.cfg" ||
-        { echo "it sees the system site-packages: made by an older setup-host.sh"; return; }
-    "$venv/bin/python" -c 'import pycriu' 2>/dev/null || echo "pycriu does not import in it"
-}
-[ -f "$pycriu_src/__init__.py" ] ||
-    die "pycriu not found in $pycriu_src: rebuild migrt's CRIU (rm -rf $criu_dir, run this again) or set MIGRT_PYCRIU_DIR"
-recorded=$(cat "$prefix/interpreter" 2>/dev/null || true)
-want=
-if [ -n "${MIGRT_PYTHON:-}" ]; then
-    want=$(usable_python "$MIGRT_PYTHON")
-    [ -n "$want" ] || die "MIGRT_PYTHON=$MIGRT_PYTHON is not a Python >= 3.11 with the venv module and ensurepip"
-fi
-problem=$(venv_problem)
-if [ -n "$problem" ]; then
-    py=$want
-    [ -n "$py" ] || py=$(usable_python "$recorded")
-    [ -n "$py" ] || py=$(usable_python /usr/bin/python3)
-    [ -n "$py" ] || die "no Python >= 3.11 with the venv module here (tried ${recorded:+$recorded and }/usr/bin/python3):" \
-        "install python3-venv, or set MIGRT_PYTHON=/usr/bin/python3.X"
-    log "creating $venv with $py ($problem)"
-    mkdir -p "$prefix"
-    rm -rf "$venv" "$prefix/interpreter"
-    "$py" -m venv "$venv" || die "$py -m venv $venv failed"
-    printf '%s\n' "$py" > "$prefix/interpreter.new"
-    mv -f "$prefix/interpreter.new" "$prefix/interpreter"
-fi
-py=$(cat "$prefix/interpreter")
-site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-if ! diff -rq -x __pycache__ "$pycriu_src" "$site/pycriu" >/dev/null 2>&1; then
-    rm -rf "$site/.pycriu.new"
-    cp -r "$pycriu_src" "$site/.pycriu.new"
-    find "$site/.pycriu.new" -name __pycache__ -prune -exec rm -rf {} +
-    rm -rf "$site/pycriu"
-    mv "$site/.pycriu.new" "$site/pycriu"
-fi
-# migrt once depended on the deprecated `pynvml` wrapper (12+), whose .pth import hook slows every
-# Python start in the venv; nvidia-ml-py (a dependency now) provides the pynvml module itself. Only
-# that wrapper goes (an old pynvml 11 that ships pynvml.py stays).
-if "$venv/bin/python" -c 'import importlib.metadata as m, sys
-names = {str(f) for f in (m.files("pynvml") or [])}
-sys.exit(0 if "_pynvml_redirector.pth" in names and "pynvml.py" not in names else 1)' 2>/dev/null; then
-    "$venv/bin/pip" uninstall -q -y pynvml >/dev/null 2>&1 || log "could not remove the deprecated pynvml wrapper"
-fi
-if [ "${MIGRT_DEV:-0}" = 1 ]; then
-    "$venv/bin/pip" install -q -e "$here[test]"
-else
-    "$venv/bin/pip" install -q "$here"
-fi
-err=$("$venv/bin/python" -c 'import pycriu, migrt' 2>&1) ||
-    die "the venv ($py) cannot import pycriu (copied from $pycriu_src) and migrt: $(printf '%s' "$err" | tail -1)"
-
-# $bindir/migrt (the CLI) and $bindir/migrt-runc (the POSIX-sh fast path, which hands every call that
-# needs a decision to Python), both bound to the venv's python; when that cannot start migrt they say
-# so and name this command (as it was run) as the repair.
-repair="sh $here/packaging/setup-host.sh"
-for v in MIGRT_DEV MIGRT_SKIP_APT MIGRT_BINDIR MIGRT_PREFIX; do
-    eval "val=\${$v:-}"
-    [ -z "$val" ] || repair="$v=$val $repair"
-done
-# $prefix/libexec/cuda-criu-action: the CRIU action script (GPU hook, docs/gpu.md) behind a wrapper bound
-# to the same python; CRIU's configuration is left alone (GPU nodes name it there).
-printf '%s\n' "$repair" > "$prefix/repair"
-install -d "$prefix/libexec"
-install -m 0644 "$here/hooks/cuda-criu-action" "$prefix/libexec/cuda-criu-action.py"
-out=$("$venv/bin/migrt" install runtime --bindir "$bindir" --python "$venv/bin/python" --repair "$repair" \
-    --criu-hook "$prefix/libexec/cuda-criu-action" --criu-hook-source "$prefix/libexec/cuda-criu-action.py" 2>&1) ||
-    die "migrt install runtime --bindir $bindir failed: $out"
-
-# Lazy dumps (lazy migration, the parallel memory dump) keep the memory they leave in the tasks
-# referenced from CRIU's page pipes, two descriptors per pipe of at most fs.pipe-max-size (CRIU stops at
-# 3.2 MiB): at the 1 MiB default a 32 GiB container needs 65k descriptors, at 4 MiB 20k
-# (docs/migration.md; migrt checks the limit before freezing anything).
+# 5. Lazy dumps (lazy migration, the parallel memory dump) keep the memory they leave in the tasks
+#    referenced from CRIU's page pipes, two descriptors per pipe of at most fs.pipe-max-size (CRIU stops
+#    at 3.2 MiB): at the 1 MiB default a 32 GiB container needs 65k descriptors, at 4 MiB 20k
+#    (docs/migration.md; migrt checks the limit before freezing anything).
 if [ "$(cat /proc/sys/fs/pipe-max-size 2>/dev/null || echo 0)" -lt 4194304 ]; then
     echo 'fs.pipe-max-size = 4194304' > /etc/sysctl.d/90-migrt.conf
-    sysctl -q -w fs.pipe-max-size=4194304 || log "could not raise fs.pipe-max-size (big lazy dumps need more descriptors then)"
+    echo 4194304 2>/dev/null > /proc/sys/fs/pipe-max-size ||
+        log "could not raise fs.pipe-max-size (big lazy dumps need more descriptors then)"
 fi
-
-mkdir -p /etc/migrt
-[ -f /etc/migrt/config.yaml ] || install -m 0644 "$here/configs/config.yaml" /etc/migrt/config.yaml
-install -d -m 0700 /var/lib/migrt
-log "done: Python $py, CRIU $("$criu_dir/sbin/criu" --version | sed -n 's/^Version: //p') in $criu_dir," \
+log "done: migrt $("$bindir/migrt" --version 2>/dev/null | sed 's/.*version //') in $prefix (CRIU" \
+    "$("$criu" --version | sed -n 's/^Version: //p'))," \
     "$(runc --version 2>/dev/null | head -1 || echo 'no runc'), containerd $(containerd --version 2>/dev/null | cut -d' ' -f3 || echo none)"

@@ -1,6 +1,9 @@
 #!/bin/sh
 # Test-only components (scripts/test.sh runs this after setup-host.sh; never needed on a node).
-# Nothing here moves the base system: no other suite's package is ever installed.
+# No other suite's package is ever installed. Installing from the release may take the same-release
+# point updates apt requires (on Debian 12, podman takes login and passwd +deb12u2 where +deb12u1 is
+# installed): listed as they are taken; a removal, a downgrade or another release's version is refused
+# (packaging/apt-release.sh; packaging/base-check.sh compare --point-updates checks it afterwards).
 #  - from the node's own release (apt-get install): podman, docker-registry, apache2-utils (htpasswd),
 #    openssl, busybox-static, containernetworking-plugins, iproute2, nftables, gcc (test workloads
 #    in C), runc and containerd (on Debian 12: runc 1.1.5 and containerd 1.6.20, the oldest that migrt
@@ -13,22 +16,21 @@
 #    scripts/test.sh puts it first on PATH, so the tests run runc 1.3 and containerd 2.1 by default.
 # Options (environment): MIGRT_DEPS, MIGRT_SKIP_APT=1 (everything already there).
 set -eu
+here=$(cd "$(dirname "$0")/.." && pwd)
 deps=${MIGRT_DEPS:-/opt/migrt-deps}
 log() { printf 'setup-test: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
+. "$here/packaging/apt-release.sh"
 [ "$(id -u)" = 0 ] || die "must run as root"
 [ "${MIGRT_SKIP_APT:-0}" != 1 ] || { log "MIGRT_SKIP_APT=1: nothing installed"; exit 0; }
 export DEBIAN_FRONTEND=noninteractive
 
 # 1. The node's own release.
 release_debs="podman docker-registry apache2-utils openssl busybox-static containernetworking-plugins iproute2 nftables iptables gcc libc6-dev patchelf runc containerd"
-missing=
-for p in $release_debs; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+missing=$(apt_absent $release_debs)
 if [ -n "$missing" ]; then
     log "installing from the node's release:$missing"
-    apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confold $missing >/dev/null ||
-        { apt-get update -qq && apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confold $missing >/dev/null; } ||
-        die "apt-get install$missing failed"
+    apt_release_install test $missing
 fi
 # Packages' services (containerd, docker-registry) may have started: the tests run private instances and
 # need neither; a node's own would be left alone, but these came with this script.
