@@ -16,10 +16,14 @@ from dataclasses import dataclass
 
 from migrt.errors import PreconditionFailed, StoreFull
 from migrt.gpu import inventory, procs
+from migrt.store import hugetmpfs
 from migrt.store import reserve as reserve_mod
 
 MARGIN = 0.10           # on top of the estimate
 SLACK = 16 << 20        # metadata, logs, manifest, the rootfs diff of a small layer
+# CRIU's image files (core-, mm-, pagemap-, fdinfo-... per process, a few dozen shared): on a store whose
+# every file takes whole 2 MiB pages (store/hugetmpfs.py), each small one takes a page
+FILES_FIXED, FILES_PER_PROCESS = 32, 12
 _ROLLUP_KEYS = ("Pss_Anon", "Pss_Shmem", "SwapPss")
 
 
@@ -119,14 +123,18 @@ def reserve(store_root: str, est: Estimate, what: str, *, check: bool = True) ->
     system cannot hold it beside what the other writers reserved (check=False: recorded, never refused).
     The caller releases it when the checkpoint ends."""
     res = reserve_mod.Reservation(store_root, what, margin=0)  # the estimate has its own margin
+    unit = res.alloc.unit
+    pages = (FILES_FIXED + FILES_PER_PROCESS * est.processes) * unit if unit >= hugetmpfs.HUGE_PAGE else 0
     try:
-        res.reserve(est.needed, check=check)
+        res.reserve(est.needed + pages, check=check)
     except StoreFull as exc:
         parts = f"memory {_mib(est.memory)}, tmpfs {_mib(est.tmpfs)}" + (f", GPU {_mib(est.gpu)}" if est.gpu else "")
         held = reserve_mod.held_text(exc.others, _mib)
+        files = f", {_mib(pages)} for its files in whole pages: {res.alloc.where}" if pages else ""
         raise PreconditionFailed(
             f"{what}: the store {store_root} has {_mib(exc.free)} free{held}, the checkpoint needs about "
-            f"{_mib(est.needed)} ({parts}, +{int(MARGIN * 100)}% and {_mib(SLACK)} margin); nothing was frozen. Free "
+            f"{_mib(est.needed + pages)} ({parts}, +{int(MARGIN * 100)}% and {_mib(SLACK)} margin{files}); nothing "
+            "was frozen. Free "
             "space in the store or point 'store:' in the migrt config at a larger file system") from None
     return res
 

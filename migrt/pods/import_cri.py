@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO
 
-from migrt import names
+from migrt import jsonsafe, names
 from migrt.config import Config
 from migrt.errors import CheckpointInvalid, NotFound, PreconditionFailed
 from migrt.gpu import records
@@ -57,8 +57,9 @@ from migrt.oci.bundle import Bundle
 from migrt.pagefill.images import record_beside
 from migrt.pods import engines, rootfs
 from migrt.progress import Progress, null_progress
-from migrt.store import Store, reserve
+from migrt.store import Store, hugetmpfs, reserve
 from migrt.store import manifest as mf
+from migrt.text import printable
 
 FORMAT = "kubernetes-checkpoint-archive"
 CHECKPOINT_DIR = "checkpoint"
@@ -121,10 +122,11 @@ def member_parts(name: str) -> tuple[str, ...]:
 BLOCK = 4096
 
 
-def on_disk(nbytes: int, new_dirs: int = 0) -> int:
-    """What a file of nbytes takes once written (whole blocks, one at least), with the directories its
-    path may create: a compressed archive of many tiny, deeply nested members must not pass as ~0 bytes."""
-    return max(1, -(-nbytes // BLOCK)) * BLOCK + new_dirs * BLOCK
+def on_disk(nbytes: int, new_dirs: int = 0, alloc: hugetmpfs.Alloc | None = None) -> int:
+    """What a file of nbytes takes once written in the store (alloc: whole blocks, or whole 2 MiB pages
+    on a tmpfs with huge=always; one block at least), with the directories its path may create: a
+    compressed archive of many tiny, deeply nested members must not pass as ~0 bytes."""
+    return max(BLOCK, (alloc or hugetmpfs.Alloc(BLOCK)).file(nbytes)) + new_dirs * BLOCK
 
 
 class _Space:
@@ -149,6 +151,10 @@ class _Space:
                                      f"{reserve.human(self.used)})") from None
         self._pending = nbytes
         self.used += nbytes
+
+    def take_file(self, size: int, what: str, new_dirs: int = 0) -> None:
+        """A file of `size` bytes is about to be written: what it takes in this store (on_disk)."""
+        self.take(on_disk(size, new_dirs, self.res.alloc), what)
 
 
 _MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")  # gzip, bzip2, xz: tarfile reads them
@@ -281,7 +287,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                         raise CheckpointInvalid(f"archive member {member.name!r}: a file without a name")
                     top = parts[0]
                     if top == CHECKPOINT_DIR and len(parts) > 1:
-                        space.take(on_disk(member.size, len(parts) - 2), f"member {member.name!r}")
+                        space.take_file(member.size, f"member {member.name!r}", len(parts) - 2)
                         n = _write_member(tar, member, os.path.join(images_dir, *parts[1:]), raw_fd)
                         out.images += 1
                         out.image_bytes += n
@@ -293,7 +299,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                             raise CheckpointInvalid(f"archive member {member.name!r} appears twice")
                         out.meta[top] = _read_small(tar, member, MAX_META_BYTES)
                     elif top in (DIFF, engines.DEVSHM_SRC):
-                        space.take(on_disk(member.size), f"member {member.name!r}")  # the conversion takes its own
+                        space.take_file(member.size, f"member {member.name!r}")  # the conversion takes its own
                         dest = os.path.join(work_dir, "src-" + top)
                         if top == DIFF:
                             out.diff = dest
@@ -305,7 +311,7 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                         if member.size > MAX_LOG_BYTES:
                             out.ignored.append(top)
                             continue
-                        space.take(on_disk(member.size), f"member {member.name!r}")
+                        space.take_file(member.size, f"member {member.name!r}")
                         dest = os.path.join(work_dir, DUMP_LOG) if top == DUMP_LOG else os.path.join(images_dir, STATS)
                         out.written += _write_member(tar, member, dest, raw_fd)
                         if top == DUMP_LOG:
@@ -334,11 +340,11 @@ def _json(out: Extracted, key: str, kind: type, archive: str, *, strict: bool = 
     if raw is None:
         return None
     try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+        value = jsonsafe.loads(raw)  # bounded: an archive's metadata is anyone's
+    except ValueError as exc:
         if not strict:
             return None
-        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        why = "nested too deeply" if isinstance(exc, jsonsafe.JSONRejected) else printable(exc, 200)
         raise CheckpointInvalid(f"{archive}: {key} is not valid JSON ({why})") from None
     if not isinstance(value, kind):
         if not strict:
@@ -607,7 +613,7 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
     spec = Bundle("", spec_data)
 
     cri_dir = os.path.join(staging.path, "cri")
-    space.take(sum(on_disk(len(raw)) for raw in ext.meta.values()), "the metadata files (cri/)")
+    space.take(sum(on_disk(len(raw), alloc=space.res.alloc) for raw in ext.meta.values()), "the metadata files (cri/)")
     os.makedirs(cri_dir, mode=0o700, exist_ok=True)
     for key, raw in sorted(ext.meta.items()):
         with open(os.path.join(cri_dir, key), "wb") as fh:

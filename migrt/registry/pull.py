@@ -214,7 +214,8 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
         with importer.importing(store, name, adopt=partial) as imp:
             total = sum(f.get("size", 0) for f in files.values())
             have = _resume(partial, plan, journal)
-            imp.ensure_space(total - sum(s for (_d, _o, _r), s in have.items()))
+            # what the files take on this store (whole 2 MiB pages each on a huge=always tmpfs)
+            imp.ensure_space(imp.space.alloc.files(f.get("size", 0) for f in files.values()) - sum(have.values()))
             client.deadline.allow(total - sum(have.values()))  # (checked against free space first)
             for rel, chunks in plan.items():  # every file at its final size before the chunks land
                 full = os.path.join(partial, rel)
@@ -340,7 +341,7 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
         # the layer as it arrives (its size is checked by the client), then the import reserves what
         # the extraction writes: member by member, decompressed (pods/import_cri.py)
         with reserve.reserving(store.root, what, import_cri.SPACE_MARGIN) as res:
-            res.reserve(layer["size"])
+            res.reserve_files([layer["size"]])
             client.deadline.allow(layer["size"])
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:

@@ -15,6 +15,14 @@ the CPU on a tmpfs with huge=always, docs/benchmarks.md). A tmpfs gives 2 MiB pa
 
 The mount is the one that holds the path: the last line of /proc/self/mountinfo whose mount point is
 the longest prefix of the path's real location (mounts stacked on one point: the last one shows).
+
+What a file takes there (Alloc, the one rule every space check of the store counts with: reserve.py
+and its callers, the bulk receiver's footprint()): its size in whole blocks of the file system, or,
+where every page of a file is huge (huge=always, shmem_enabled=force), in whole 2 MiB pages: a
+one-byte file takes 2 MiB (200 of them from a 450 KB archive once took 400 MiB where 200 KiB were
+reserved, and ate the store's 64 MiB margin). huge=within_size gives huge pages only inside the
+file's size and advise only to mappings that ask: their tails stay in small pages, so the size in
+whole blocks counts them.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
+BLOCK = 4096                                                     # where statvfs cannot say
 MOUNTINFO = "/proc/self/mountinfo"                               # test seams
 SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 HUGE_MODES = ("always", "within_size", "advise")                 # a mount's huge= that gives huge pages to our writers
@@ -110,16 +119,36 @@ def mount_of(path: str) -> Mount | None:
     return Mount(best[0], best[1], options, _shmem_enabled())
 
 
-def footprint(path: str, sizes) -> int:
-    """What files of these sizes take in the file system holding `path`: their sizes, each rounded up
-    to a whole huge page where every page of a file is huge (huge=always, or shmem_enabled=force: up to
-    2 MiB more per file); huge=within_size and advise keep a file's tail in small pages."""
-    sizes = list(sizes)
+@dataclass(frozen=True)
+class Alloc:
+    """How the file system holding a store allocates a file's data (module docstring)."""
+    unit: int          # bytes a file's data is allocated in: a block, or HUGE_PAGE
+    where: str = ""    # for messages: "tmpfs huge=always", ...
+
+    def file(self, size: int) -> int:
+        """What a file of `size` bytes takes (an empty one: no data block)."""
+        return -(-max(0, int(size)) // self.unit) * self.unit
+
+    def files(self, sizes) -> int:
+        return sum(self.file(n) for n in sizes)
+
+
+def alloc_of(path: str) -> Alloc:
+    """The allocation rule of the file system holding `path` (a store, made or not)."""
+    try:
+        block = os.statvfs(_existing(path)).f_frsize or BLOCK
+    except OSError:
+        block = BLOCK
     m = mount_of(path)
-    whole = m is not None and m.huge_pages and (m.shmem_enabled == "force" or m.huge == "always")
-    if not whole:
-        return sum(sizes)
-    return sum(-(-n // HUGE_PAGE) * HUGE_PAGE for n in sizes)
+    if m is not None and m.huge_pages and (m.shmem_enabled == "force" or m.huge == "always"):
+        how = "shmem_enabled=force" if m.shmem_enabled == "force" else "huge=always"
+        return Alloc(max(HUGE_PAGE, block), f"tmpfs {m.point} with {how}: every file takes whole 2 MiB pages")
+    return Alloc(block, f"{m.fstype if m else 'file system'} in {block}-byte blocks")
+
+
+def footprint(path: str, sizes) -> int:
+    """What files of these sizes take in the file system holding `path` (alloc_of)."""
+    return alloc_of(path).files(sizes)
 
 
 def small_pages(path: str) -> Mount | None:

@@ -14,7 +14,9 @@ and cheap to lose (a torn one reads as empty); it is rewritten through a tempora
 rename, without fsync.
 
 Callers count what they WRITE, not what they read: a compressed or sparse archive member is
-reserved at the size it takes once written, before it is written.
+reserved at the size it takes once written, before it is written; and what a file takes is what it
+takes on this store (`Reservation.alloc`, store/hugetmpfs.py): whole blocks, or whole 2 MiB pages on
+a tmpfs whose every page is huge, where a one-byte file takes 2 MiB.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import os
 import threading
 from collections.abc import Iterator
 
+from migrt import jsonsafe
 from migrt.errors import PreconditionFailed, StoreFull
+from migrt.store import hugetmpfs
 from migrt.store.fsutil import open_nofollow
 from migrt.store.store import private_dir
 
@@ -83,6 +87,20 @@ class Reservation:
         self.id = f"{os.getpid()}.{n}.{os.urandom(3).hex()}"
         self._start = _start_time(os.getpid())
         self._lock = threading.Lock()
+        self._alloc: hugetmpfs.Alloc | None = None
+
+    @property
+    def alloc(self) -> hugetmpfs.Alloc:
+        """How the store's file system allocates a file (read once per reservation)."""
+        if self._alloc is None:
+            self._alloc = hugetmpfs.alloc_of(self.root)
+        return self._alloc
+
+    def reserve_files(self, sizes, *, check: bool = True) -> int:
+        """reserve() what files of these sizes take on this store (alloc); returns that."""
+        nbytes = self.alloc.files(sizes)
+        self.reserve(nbytes, check=check)
+        return nbytes
 
     # -- the list, under its flock -------------------------------------------------------------
     @contextlib.contextmanager
@@ -99,9 +117,9 @@ class Reservation:
     @staticmethod
     def _read(path: str) -> dict:
         try:
-            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, ValueError, RecursionError):
+            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as fh:
+                data = jsonsafe.load(fh, max_bytes=4 << 20)
+        except (OSError, ValueError):
             return {}
         if not isinstance(data, dict):
             return {}
@@ -172,7 +190,8 @@ class Reservation:
 
     def _refusal(self, nbytes: int, free: int, others: dict) -> StoreFull:
         exc = StoreFull(f"{self.what}: the store {self.root} has {human(free)} free{held_text(others)}, and "
-                        f"{human(self.margin)} are kept free; {human(self.outstanding + nbytes)} more would not fit. "
+                        f"{human(self.margin)} are kept free; {human(self.outstanding + nbytes)} more would not fit"
+                        f"{' (' + self.alloc.where + ')' if self.alloc.unit >= hugetmpfs.HUGE_PAGE else ''}. "
                         "Free space in the store or point 'store:' in the migrt config at a larger file system")
         exc.free, exc.reserved, exc.others = free, sum(e["bytes"] - e["slack"] for e in others.values()), others
         return exc

@@ -62,10 +62,11 @@ def test_shmem_enabled_force_and_deny_override_every_mount(fake_proc):
 
 def test_footprint_rounds_up_only_where_every_page_is_huge(fake_proc):
     sizes = [0, 1, (2 << 20) + 1]
-    assert hugetmpfs.footprint("/dev/shm/x", sizes) == sum(sizes)
+    in_blocks = 0 + 4096 + (2 << 20) + 4096  # whole blocks; an empty file has none
+    assert hugetmpfs.footprint("/dev/shm/x", sizes) == in_blocks
     fake_proc.write_text("always within_size advise never deny [force]\n")  # every tmpfs as huge=always
     assert hugetmpfs.footprint("/dev/shm/x", sizes) == 0 + (2 << 20) + (4 << 20)
-    assert hugetmpfs.footprint("/", sizes) == sum(sizes)  # not a tmpfs
+    assert hugetmpfs.footprint("/", sizes) == in_blocks  # not a tmpfs
 
 
 def test_doctor_warns_about_a_tmpfs_store_in_small_pages(fake_proc, tmp_path):
@@ -153,3 +154,107 @@ def test_odd_sized_files_arrive_whole_in_a_huge_page_store(huge_store, tmp_path,
         assert path.read_bytes() == data, rel
         # within_size: the tail of a file stays in small pages, so no file takes a whole extra 2 MiB
         assert path.stat().st_blocks * 512 <= -(-len(data) // 4096) * 4096, rel
+
+
+# -- a real huge=always tmpfs: what a file takes is counted --------------------------------------
+
+TINY = 100  # one-byte files: 100 x 2 MiB on huge=always
+
+
+@pytest.fixture
+def always_store(tmp_path, fake_runtime, monkeypatch):
+    """A store on a tmpfs mounted here with huge=always, 240 MiB (unmounted at the end)."""
+    point = tmp_path / "always"
+    point.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=always,size=240m,mode=0700", "migrt-test", str(point)],
+                   check=True)
+    try:
+        cfg = tmp_path / "config.yaml"
+        cfg.write_text(f"runtime: {fake_runtime.path}\nstore: {point / 'store'}\nlog_file: {tmp_path / 'migrt.log'}\n")
+        monkeypatch.setenv("MIGRT_CONFIG", str(cfg))
+        yield point / "store"
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def _free(path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_an_archive_of_tiny_files_is_counted_in_huge_pages(always_store, tmp_path):
+    """200 one-byte files of a 450 KB archive once took 400 MiB of a huge=always store where ~1 MiB was
+    reserved, and ate its 64 MiB margin. Counted as 2 MiB each, 100 of them (200 MiB) do not fit in
+    240 MiB beside the margin: refused, nothing kept, the margin intact."""
+    from click.testing import CliRunner
+
+    import migrt.cli.import_cmd  # noqa: F401 - registers `migrt import`
+    from migrt.cli.main import cli
+    from tests.unit.test_import_cri import _entry, base_entries, write_archive
+
+    archive = write_archive(tmp_path / "tiny.tar", base_entries() + [_entry(f"checkpoint/tiny-{i}.img", b"x")
+                                                                     for i in range(TINY)])
+    assert os.path.getsize(archive) < 500_000
+    Store(str(always_store)).ensure()
+    before = _free(always_store)
+    res = CliRunner().invoke(cli, ["import", archive, "--name", "tiny", "--json"])
+    assert res.exit_code == 8, res.output
+    assert "huge=always: every file takes whole 2 MiB pages" in res.output, res.output
+    assert Store(str(always_store)).list() == []
+    assert _free(always_store) >= before - (4 << 20)  # nothing kept (a lock and the reservation list)
+    assert _free(always_store) > 64 << 20
+    alloc = hugetmpfs.alloc_of(str(always_store))
+    assert alloc.unit == hugetmpfs.HUGE_PAGE and alloc.file(1) == 2 << 20 and alloc.file(0) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_what_fits_in_huge_pages_is_imported_and_leaves_the_margin(always_store, tmp_path):
+    from click.testing import CliRunner
+
+    import migrt.cli.import_cmd  # noqa: F401 - registers `migrt import`
+    from migrt.cli.main import cli
+    from tests.unit.test_import_cri import _entry, base_entries, write_archive
+
+    archive = write_archive(tmp_path / "few.tar", base_entries() + [_entry(f"checkpoint/tiny-{i}.img", b"x")
+                                                                    for i in range(20)])
+    res = CliRunner().invoke(cli, ["import", archive, "--name", "few"])
+    assert res.exit_code == 0, res.output
+    assert [c.name for c in Store(str(always_store)).list()] == ["few"]
+    assert _free(always_store) >= 64 << 20
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_pull_of_tiny_files_is_counted_in_huge_pages(always_store, tmp_path):
+    """The same through a registry: the pull reserves what its files take on this store before any
+    layer is fetched, and refuses with the store's rule named; nothing is left in the store."""
+    from migrt.errors import StoreFull
+    from migrt.registry import pull
+    from tests.helpers.fake_registry import Registry, migrt_image, serve, tls_files
+
+    ca, cert, key = tls_files(str(tmp_path / "tls"))
+    registry = Registry()
+    migrt_image(registry, "v1", {f"images/tiny-{i}.img": b"x" for i in range(TINY)})
+    cfg = config.load()
+    cfg.registry_ca_file = ca
+    with serve(registry, cert, key) as host:
+        Store(cfg.store).ensure()
+        before = _free(always_store)
+        with pytest.raises(StoreFull, match="huge=always: every file takes whole 2 MiB pages"):
+            pull.pull(cfg, f"{host}/team/ckpt:v1")
+    assert len(registry.blob_paths()) == 1  # the image config; no layer was fetched
+    assert Store(cfg.store).list() == [] and not os.listdir(os.path.join(cfg.store, ".pulls"))
+    assert _free(always_store) >= before - (4 << 20)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_checkpoints_estimate_counts_its_files_in_huge_pages(always_store):
+    """CRIU writes a few dozen small image files per checkpoint, each a whole 2 MiB page here."""
+    from migrt.errors import PreconditionFailed
+    from migrt.ops import space
+
+    Store(str(always_store)).ensure()
+    est = space.Estimate(memory=100 << 20, processes=3)  # 126 MiB with its margins: fits in 240 MiB alone
+    with pytest.raises(PreconditionFailed, match=r"\d+ MiB for its files in whole pages: tmpfs .* huge=always"):
+        space.reserve(str(always_store), est, "checkpoint of container c1")
+    space.reserve(str(always_store), space.Estimate(memory=10 << 20, processes=1), "checkpoint of c2").release()
