@@ -185,10 +185,10 @@ def _seccomp(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
     from migrt.seccomp import bpf, compare, profile
 
     try:
-        prog = profile.compile_profile(bundle.config["linux"]["seccomp"])
-    except (profile.ProfileError, OSError) as exc:
+        compiled = profile.compile_profile(bundle.config["linux"]["seccomp"])
+    except (profile.ProfileError, bpf.BpfError, OSError) as exc:
         return [f"its seccomp profile cannot be compared with the restored filters: {exc} (linux.seccomp)"]
-    if prog is None:
+    if compiled is None:
         return []  # runc loads no filter for this profile
     comparer: compare.Comparer | None = None
     out = []
@@ -200,7 +200,7 @@ def _seccomp(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
             out.append(f"{th.what} is in seccomp filter mode but seccomp.img holds no filter for it (linux.seccomp)")
         elif chain is not None:
             try:
-                comparer = comparer or compare.Comparer(prog)
+                comparer = comparer or compare.Comparer(compiled)
                 w = comparer.weaker([(f.program, bpf.decode(f.program)) for f in chain])
             except (bpf.BpfError, bpf.Uncomparable) as exc:
                 out.append(f"{th.what} runs a seccomp filter that cannot be compared with the container's profile "

@@ -30,6 +30,7 @@ _ADD, _SUB, _MUL, _DIV, _OR, _AND, _LSH, _RSH, _NEG, _MOD, _XOR = (
     0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0)
 _SRC_X = 0x08
 _STEPS = 2_000_000             # instructions walked over all paths before giving up
+DEFER = -1                     # paths(defer_at=): the path goes on into what follows the program
 
 Insn = tuple[int, int, int, int]          # code, jt, jf, k
 Value = int | tuple[int, int]             # a constant, or (input word, mask): that word ANDed with mask
@@ -250,9 +251,11 @@ def _word(doms: Words, w: int) -> Value:
     return d.lo if d.lo == d.hi else (w, FULL)
 
 
-def paths(prog: Sequence[Insn], inputs: Words, budget: int = _STEPS) -> list[tuple[int, Words]]:
+def paths(prog: Sequence[Insn], inputs: Words, budget: int = _STEPS,
+          defer_at: int | None = None) -> list[tuple[int, Words]]:
     """Every (action, words) region of `inputs` (16 entries: a known int or a Dom) on which `prog`
-    returns `action`. Regions found empty by cheap tests are left out."""
+    returns `action`. Regions found empty by cheap tests are left out. `defer_at`: reaching that
+    instruction ends a path with DEFER (a program's head, read apart from what follows it)."""
     out: list[tuple[int, Words]] = []
     stack: list[tuple[int, Value, Value, tuple, Words]] = [(0, 0, 0, (0,) * 16, inputs)]
     steps = 0
@@ -262,6 +265,9 @@ def paths(prog: Sequence[Insn], inputs: Words, budget: int = _STEPS) -> list[tup
             steps += 1
             if steps > budget:
                 raise Uncomparable(f"more than {budget} steps over its paths")
+            if pc == defer_at:
+                out.append((DEFER, doms))
+                break
             if pc >= len(prog):
                 raise BpfError(f"the program runs past its end at instruction {pc}")
             code, jt, jf, k = prog[pc]

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from migrt.seccomp import profile as P
-from migrt.seccomp.bpf import ARCH, FULL, NR, Dom, Insn, Uncomparable, Words, paths
+from migrt.seccomp.bpf import ARCH, DEFER, FULL, NR, BpfError, Dom, Insn, Uncomparable, Words, decode, paths
 
 LEVELS = {P.ACT_KILL_PROCESS: 0, P.ACT_KILL_THREAD: 1, P.ACT_TRAP: 2, P.ACT_ERRNO: 3, P.ACT_NOTIFY: 4,
           P.ACT_TRACE: 5, P.ACT_LOG: 6, P.ACT_ALLOW: 7}
@@ -74,18 +74,48 @@ class Weaker:
 
 
 class Comparer:
-    """One profile program against any number of filter stacks; regions cached by program."""
+    """One profile against any number of filter stacks; regions cached by program.
 
-    def __init__(self, profile_prog: Sequence[Insn], arches: Sequence[int | None] | None = None) -> None:
+    A filter that ends with the very bytes libseccomp makes of the profile, after a head (runc's
+    -ENOSYS stub, whose instructions vary from run to run) that answers as the profile's own stub
+    does, is the profile's program: then nothing else is read (the common restore, cheaply)."""
+
+    def __init__(self, profile: P.Compiled | Sequence[Insn], arches: Sequence[int | None] | None = None) -> None:
         self.arches = tuple(node_arches() if arches is None else arches)
-        self._profile = {a: _Index(paths(profile_prog, inputs(a))) for a in self.arches}
+        self._compiled = profile if isinstance(profile, P.Compiled) else None
+        self._prog = list(profile.program if isinstance(profile, P.Compiled) else profile)
+        self._profile: dict[int | None, _Index] = {}
         self._cache: dict[tuple, Weaker | None] = {}
         self._regions: dict[tuple[bytes, int | None], list[Path]] = {}
+
+    def _profile_regions(self, arch: int | None) -> _Index:
+        if arch not in self._profile:
+            self._profile[arch] = _Index(paths(self._prog, inputs(arch)))
+        return self._profile[arch]
+
+    def runs_profile(self, raw: bytes) -> bool:
+        """Is filter `raw` the profile's program: its libseccomp bytes after a head that answers
+        as the profile's stub does (where one of them hands over to libseccomp's program the
+        other must too, unless its own answer is the strictest or the other's is ALLOW)?"""
+        c = self._compiled
+        if c is None or not raw.endswith(c.body) or (len(raw) - len(c.body)) % 8 or not _self_contained(c.body):
+            return False
+        head = raw[:len(raw) - len(c.body)]
+        if not head or not c.stub:
+            return not head and not c.stub
+        try:
+            mine = decode(head)
+            return all(_same_answers(paths(mine, inputs(a), defer_at=len(mine)),
+                                     paths(c.stub, inputs(a), defer_at=len(c.stub))) for a in self.arches)
+        except (BpfError, Uncomparable):
+            return False
 
     def weaker(self, stack: Sequence[tuple[bytes, Sequence[Insn]]]) -> Weaker | None:
         """The first input where `stack` ((raw bytes, program) of each filter) is weaker; None
         when there is none. Uncomparable when a program is outside what can be decided."""
         key = tuple(raw for raw, _ in stack)
+        if key not in self._cache and any(self.runs_profile(raw) for raw in key):
+            self._cache[key] = None  # the stack holds the profile's own program: the kernel takes the strictest
         if key not in self._cache:
             found: list[Weaker] = []
             for w in (w for a in self.arches for w in self._weaker(stack, a)):
@@ -102,12 +132,34 @@ class Comparer:
                 self._regions[(raw, arch)] = paths(prog, inputs(arch))
             idx = _Index(self._regions[(raw, arch)])
             regions = [(stacked(a, b), m) for a, d in regions for b, e in idx.over(d) if (m := _meet(d, e))]
-        prof = self._profile[arch]
+        prof = self._profile_regions(arch)
         for a, d in sorted(regions, key=lambda r: _span(r[1])):
             for b, e in prof.over(d):
                 if level(a) > level(b) and (m := _meet(d, e)) is not None and (nr := _inhabited(m)) is not None:
                     yield Weaker(arch=m[ARCH] if isinstance(m[ARCH], int) else -1, nr=nr, image=a, profile=b,
                                  some_args=any(m[w] is not _ANY for w in range(2, 16) if not isinstance(m[w], int)))
+
+
+def _self_contained(body: bytes) -> bool:
+    """A program whose answers do not depend on A, X or scratch words left by a program before it:
+    it loads A first and never reads X or scratch memory (libseccomp's programs are such)."""
+    prog = decode(body)
+    return prog[0][0] == 0x20 and all(code & 7 not in (1, 2, 3, 7) and not (code & 7 in (4, 5) and code & 0x08)
+                                      and not (code & 7 == 6 and code & 0x18) for code, *_ in prog)
+
+
+def _same_answers(mine: list[Path], theirs: list[Path]) -> bool:
+    """Two heads (DEFER: hands over to the same program) that answer alike wherever they meet."""
+    idx = _Index(theirs)
+    for a, d in mine:
+        for b, e in idx.over(d):
+            if (a == DEFER) == (b == DEFER) and (a == DEFER or level(a) <= level(b)):
+                continue
+            if (a != DEFER and level(a) == 0) or (b != DEFER and level(b) == level(P.ACT_ALLOW)):
+                continue
+            if (m := _meet(d, e)) is not None and _inhabited(m) is not None:
+                return False
+    return True
 
 
 def _span(d: Words) -> tuple[int, int]:

@@ -134,7 +134,19 @@ def _rules(profile: dict) -> list[_Rule]:
     return out
 
 
-def compile_profile(profile: dict) -> list[Insn] | None:
+@dataclass(frozen=True)
+class Compiled:
+    """What runc loads for a profile: runc's -ENOSYS stub (here: one with the same answers), then
+    libseccomp's program (the same bytes runc loads, with the same libseccomp)."""
+    stub: list[Insn]
+    body: bytes
+
+    @property
+    def program(self) -> list[Insn]:
+        return self.stub + decode(self.body)
+
+
+def compile_profile(profile: dict) -> Compiled | None:
     """The program runc would load for `profile` (linux.seccomp); None when it loads none."""
     if not isinstance(profile, dict):
         raise ProfileError("linux.seccomp is not an object")
@@ -156,12 +168,13 @@ def compile_profile(profile: dict) -> list[Insn] | None:
             lib.seccomp_attr_set(ctx, _FLTATR_CTL_OPTIMIZE, 2)
         for r in rules:
             _add(lib, ctx, r, default)
-        prog = decode(_export(lib, ctx))
+        body = _export(lib, ctx)
     finally:
         lib.seccomp_release(ctx)
+    decode(body)  # a program at all
     if profile.get("defaultAction") in _ALLOWING:
-        return prog
-    return _enosys_stub(rules, tokens, lib.seccomp_arch_native()) + prog
+        return Compiled([], body)
+    return Compiled(_enosys_stub(rules, tokens, lib.seccomp_arch_native()), body)
 
 
 def _add(lib, ctx, r: _Rule, default: int) -> None:

@@ -15,6 +15,8 @@ import pytest
 
 from migrt.criu import tasks as criu_tasks
 from migrt.oci.grants import cap_names
+from migrt.seccomp.compare import Comparer
+from migrt.seccomp.profile import compile_profile
 from tests.helpers.bundles import make_rootfs
 from tests.integration.conftest import SHIM, run_cli
 
@@ -256,6 +258,9 @@ def test_containerds_default_profile_restores_into_the_same_profile(containerd, 
     profile = _default_profile(containerd)
     assert profile["defaultAction"] == "SCMP_ACT_ERRNO" and len(profile["syscalls"]) > 5  # the real one
     name, before = _checkpoint(containerd, tmp_path, "default", seccomp=profile)
+    images = criu_tasks.read(os.path.join(migrt_config["store"], name, "images"))
+    comparer = Comparer(compile_profile(profile))  # runc's program: libseccomp's bytes after runc's own stub
+    assert all(comparer.runs_profile(images.seccomp_chain(th)[0].program) for th in images.threads)
     dst, after = _restored(containerd, tmp_path, name, seccomp=profile)
     try:
         assert after["Seccomp"] == "2" and after["Seccomp_filters"] == before["Seccomp_filters"]

@@ -320,7 +320,7 @@ def test_seccomp_profile_needs_a_filter_on_every_thread(tmp_path):
     assert "runs without a seccomp filter but the container asks for one (linux.seccomp)" in \
         str(refused(root_all_caps(tmp_path), b))
     im = Images(tmp_path / "filtered").proc(seccomp="filter")
-    im.seccomp, im.seccomp_program = 1, encode(compile_profile(SECCOMP["seccomp"]))  # the profile's own program
+    im.seccomp, im.seccomp_program = 1, encode(compile_profile(SECCOMP["seccomp"]).program)  # the profile's own program
     verdict = passes(im.write(), b)
     assert any("filters answer at least as strictly as linux.seccomp" in n for n in verdict.notes)
     im = Images(tmp_path / "allowall").proc(seccomp="filter")  # a filter, but one that allows everything

@@ -43,9 +43,9 @@ DEFAULT_LIKE = {
 
 
 def prog_of(profile: dict) -> list[bpf.Insn]:
-    prog = P.compile_profile(profile)
-    assert prog is not None
-    return prog
+    compiled = P.compile_profile(profile)
+    assert compiled is not None
+    return compiled.program
 
 
 def weaker(stack: list[list[bpf.Insn]], profile: dict) -> compare.Weaker | None:
@@ -192,3 +192,21 @@ def test_a_threads_chain_follows_prev_and_tsync_covers_unrecorded_threads():
     assert t.seccomp_chain(other) is None
     loop = Thread(pid=9, tid=9, comm="x", seccomp_mode=SECCOMP_FILTER, seccomp_filter=2)
     assert t.seccomp_chain(loop) is None  # prev points at itself
+
+
+# -- the profile's own program, recognised without reading it region by region ----------------------------------
+def test_runcs_program_is_recognised_by_its_libseccomp_bytes_after_an_equivalent_stub():
+    c = P.compile_profile(DEFAULT_LIKE)
+    comparer = compare.Comparer(c, (X86_64, I386))
+    assert comparer.runs_profile(encode(c.stub) + c.body)
+    assert comparer.runs_profile(encode([(0x05, 0, 0, 0)] + c.stub) + c.body)  # assembled otherwise, same answers
+    assert comparer.runs_profile(encode([LD_NR, (0x15, 0, 1, MKDIR), (0x06, 0, 0, P.ACT_KILL_PROCESS)] + c.stub)
+                                 + c.body)  # a head that kills for mkdir: stricter, so still as strict
+    allows_reboot = [LD_NR, (0x15, 0, 1, REBOOT), ALLOW] + c.stub  # the profile leaves reboot to its default
+    assert not comparer.runs_profile(encode(allows_reboot) + c.body)
+    w = comparer.weaker([(encode(allows_reboot) + c.body, allows_reboot + decode(c.body))])
+    assert w is not None and w.call == "reboot"  # then read region by region, and found
+    into_body = [(0x05, 0, 0, 3)]  # jumps past its own end, into the middle of libseccomp's program
+    assert not comparer.runs_profile(encode(into_body) + c.body)
+    assert not comparer.runs_profile(c.body)  # the stub left out: numbers above the largest get the default
+    assert compare.Comparer(P.compile_profile(NO_MKDIR), (X86_64, I386)).runs_profile(P.compile_profile(NO_MKDIR).body)
