@@ -15,7 +15,6 @@ runc's, not its answers. Needs libseccomp (ctypes); without it the caller refuse
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from dataclasses import dataclass
 
@@ -51,9 +50,8 @@ def libseccomp() -> ctypes.CDLL:
     """libseccomp.so.2, loaded once (ProfileError when it cannot be)."""
     global _lib
     if _lib is None:
-        name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
-        try:
-            lib = ctypes.CDLL(name)
+        try:  # the soname of libseccomp 2.x everywhere (ctypes.util.find_library would run ldconfig)
+            lib = ctypes.CDLL("libseccomp.so.2")
         except OSError as exc:
             raise ProfileError(f"cannot load libseccomp ({exc}); install libseccomp2") from exc
         u32, c_int, vp, cp = ctypes.c_uint32, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p
