@@ -190,28 +190,34 @@ def _seccomp(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
         return [f"its seccomp profile cannot be compared with the restored filters: {exc} (linux.seccomp)"]
     if compiled is None:
         return []  # runc loads no filter for this profile
-    comparer: compare.Comparer | None = None
+    comparer = compare.Comparer(compiled)
     out = []
     for th in t.threads:
         chain = t.seccomp_chain(th)
-        if chain is None and th.seccomp_mode == SECCOMP_DISABLED:
-            out.append(f"{th.what} runs without a seccomp filter but the container asks for one (linux.seccomp)")
-        elif chain is None and th.seccomp_mode == SECCOMP_FILTER:
+        if chain is None and th.seccomp_mode == SECCOMP_FILTER:
             out.append(f"{th.what} is in seccomp filter mode but seccomp.img holds no filter for it (linux.seccomp)")
-        elif chain is not None:
-            try:
-                comparer = comparer or compare.Comparer(compiled)
-                w = comparer.weaker([(f.program, bpf.decode(f.program)) for f in chain])
-            except (bpf.BpfError, bpf.Uncomparable) as exc:
-                out.append(f"{th.what} runs a seccomp filter that cannot be compared with the container's profile "
-                           f"({exc}) (linux.seccomp)")
-                continue
-            if w is not None:
-                does = _SECCOMP_DOES[compare.level(w.image)]
-                out.append(f"{th.what} may call {w.call}{f' ({does})' if does else ''}"
-                           f"{' with some arguments' if w.some_args else ''}, which the container's seccomp profile "
-                           f"{_SECCOMP_VERB[compare.level(w.profile)]} (linux.seccomp)")
+        elif chain is None and th.seccomp_mode != criu_tasks.SECCOMP_STRICT:  # CRIU installs nothing then
+            out.append(f"{th.what} runs without a seccomp filter but the container asks for one (linux.seccomp)")
+        else:
+            out += _seccomp_stack(th, chain, comparer)
     return out
+
+
+def _seccomp_stack(th: Thread, chain, comparer) -> list[str]:
+    """One thread's filters (None: strict mode) against the profile."""
+    from migrt.seccomp import bpf, compare
+
+    try:
+        w = comparer.weaker([(f.program, bpf.decode(f.program)) for f in chain] if chain is not None
+                            else [(b"SECCOMP_MODE_STRICT", compare.STRICT_MODE)])
+    except (bpf.BpfError, bpf.Uncomparable) as exc:
+        return [f"{th.what} runs a seccomp filter that cannot be compared with the container's profile ({exc}) "
+                "(linux.seccomp)"]
+    if w is None:
+        return []
+    does = _SECCOMP_DOES[compare.level(w.image)]
+    return [f"{th.what} may call {w.call}{f' ({does})' if does else ''}{' with some arguments' if w.some_args else ''}"
+            f", which the container's seccomp profile {_SECCOMP_VERB[compare.level(w.profile)]} (linux.seccomp)"]
 
 
 def _device_number(f: OpenFile, g: Grants) -> tuple[str, int, int] | None:

@@ -29,7 +29,7 @@ _IMM, _ABS, _MEM, _LEN = 0x00, 0x20, 0x60, 0x80
 _ADD, _SUB, _MUL, _DIV, _OR, _AND, _LSH, _RSH, _NEG, _MOD, _XOR = (
     0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0)
 _SRC_X = 0x08
-_STEPS = 2_000_000             # instructions walked over all paths before giving up
+_STEPS = 200_000               # instructions walked over all paths before giving up (runc's programs: < 5000)
 DEFER = -1                     # paths(defer_at=): the path goes on into what follows the program
 
 Insn = tuple[int, int, int, int]          # code, jt, jf, k

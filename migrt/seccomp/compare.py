@@ -27,6 +27,21 @@ LEVELS = {P.ACT_KILL_PROCESS: 0, P.ACT_KILL_THREAD: 1, P.ACT_TRAP: 2, P.ACT_ERRN
 NODE_ARCHES = {"x86_64": (P.AUDIT_ARCH_X86_64, P.AUDIT_ARCH_I386), "aarch64": (P.AUDIT_ARCH_AARCH64, P.AUDIT_ARCH_ARM)}
 _COMPAT = (P.AUDIT_ARCH_I386, P.AUDIT_ARCH_ARM)
 _ANY = Dom()
+# SECCOMP_MODE_STRICT as a filter: read, write, exit and (rt_)sigreturn of each arch; any other call
+# kills the thread (kernel/seccomp.c mode1_syscalls, and its compat list)
+_STRICT_CALLS = {P.AUDIT_ARCH_X86_64: (0, 1, 60, 15), P.AUDIT_ARCH_I386: (3, 4, 1, 119),
+                 P.AUDIT_ARCH_AARCH64: (63, 64, 93, 139), P.AUDIT_ARCH_ARM: (3, 4, 1, 119)}
+
+
+def _strict_mode() -> list[Insn]:
+    prog: list[Insn] = [(0x20, 0, 0, 4)]  # ld arch; per arch: jeq arch (else skip its 7), ld nr, 4 x jeq, kill, allow
+    for arch, calls in _STRICT_CALLS.items():
+        prog += [(0x15, 0, 7, arch), (0x20, 0, 0, 0), *[(0x15, 4 - i, 0, n) for i, n in enumerate(calls)],
+                 (0x06, 0, 0, P.ACT_KILL_THREAD), (0x06, 0, 0, P.ACT_ALLOW)]
+    return prog + [(0x06, 0, 0, P.ACT_KILL_THREAD)]
+
+
+STRICT_MODE = _strict_mode()
 Path = tuple[int, Words]
 
 

@@ -210,3 +210,24 @@ def test_runcs_program_is_recognised_by_its_libseccomp_bytes_after_an_equivalent
     assert not comparer.runs_profile(encode(into_body) + c.body)
     assert not comparer.runs_profile(c.body)  # the stub left out: numbers above the largest get the default
     assert compare.Comparer(P.compile_profile(NO_MKDIR), (X86_64, I386)).runs_profile(P.compile_profile(NO_MKDIR).body)
+
+
+# -- through the restore's check, on images pycriu writes -----------------------------------------------------------
+def test_strict_mode_is_compared_as_the_kernel_applies_it(tmp_path):
+    from tests.unit.test_restore_privileges import ALL, Images, bundle, passes, refused
+
+    im = Images(tmp_path / "strict").proc(seccomp="strict").write()  # read, write, exit, sigreturn; else killed
+    assert passes(im, bundle(tmp_path, caps=ALL, linux={"seccomp": NO_MKDIR}))
+    no_write = {**NO_MKDIR, "syscalls": [{"names": ["write"], "action": "SCMP_ACT_ERRNO"}]}
+    err = str(refused(im, bundle(tmp_path, caps=ALL, linux={"seccomp": no_write}, name="nowrite")))
+    assert "process 1 (app) may call write, which the container's seccomp profile denies (linux.seccomp)" in err
+
+
+def test_a_filter_outside_the_symbolic_reading_is_refused_not_guessed(tmp_path):
+    from tests.unit.test_restore_privileges import ALL, Images, bundle, refused
+
+    im = Images(tmp_path / "sneaky").proc(seccomp="filter")
+    im.seccomp, im.seccomp_program = 1, encode([LD_NR, (0x04, 0, 0, 1), (0x15, 0, 1, MKDIR + 1), ALLOW, EPERM])
+    err = str(refused(im.write(), bundle(tmp_path, caps=ALL, linux={"seccomp": NO_MKDIR})))
+    assert "process 1 (app) runs a seccomp filter that cannot be compared with the container's profile " \
+           "(arithmetic (ALU 0x0) on an input word) (linux.seccomp)" in err
