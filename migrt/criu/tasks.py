@@ -12,11 +12,17 @@ Where the facts live (CRIU 3.x/4.x):
   pstree.img                 every process and its threads
   core-<tid>.img             per thread: thread_core.creds (uids, gids, groups, capability words,
                              secbits, no_new_privs, lsm_profile), thread_core.seccomp_mode;
-                             per process: tc.task_state, tc.comm, ids (files_id, mnt_ns_id)
+                             per process: tc.task_state, tc.comm, tc.rlimits, tc.oom_score_adj,
+                             ids (files_id, mnt_ns_id, user_ns_id; ids-<pid>.img in some versions)
+  inventory.img              root_ids: CRIU's own namespaces at dump (a tree whose user_ns_id
+                             differs ran in a user namespace of its own, which CRIU recreates);
+                             lsmtype
+  userns-<id>.img            that user namespace's uid and gid maps
   creds-<pid>.img            the same creds in images of CRIU before 3.0 (read when core has none)
   files.img, fdinfo-<id>.img open files (reg: path, flags, st_mode, mnt_id; tty: tty_info_id)
   tty-info.img               a tty's kind and device number
-  mountpoints-<ns>.img       the mount table CRIU recreates (mountpoint, flags)
+  mountpoints-<ns>.img       the mount table CRIU recreates, per mount namespace (fstype, mountpoint,
+                             flags, sb_flags, root, ext_key: runc's key of a bind it supplies)
   seccomp.img                the BPF filters: program bytes, the index of the filter installed before
                              it (prev), flags (TSYNC: CRIU recorded the chain on the leader only)
 
@@ -41,6 +47,13 @@ TTY_PTY, TTY_CONSOLE, TTY_CTTY = 1, 2, 4
 CAP_SETS = ("effective", "permitted", "inheritable", "bounding", "ambient")
 _CRED_CAPS = {9: "inheritable", 10: "permitted", 11: "effective", 12: "bounding", 19: "ambient"}
 MS_RDONLY = 1
+# mnt.proto fstype
+FS_UNSUPPORTED, FS_PROC, FS_SYSFS, FS_DEVTMPFS, FS_BINFMT_MISC, FS_TMPFS, FS_DEVPTS = 0, 1, 2, 3, 4, 5, 6
+FS_SECURITYFS, FS_FUSECTL, FS_DEBUGFS, FS_CGROUP, FS_MQUEUE, FS_TRACEFS, FS_CGROUP2 = 9, 10, 11, 12, 14, 19, 23
+FS_NAMES = {FS_PROC: "proc", FS_SYSFS: "sysfs", FS_DEVTMPFS: "devtmpfs", FS_BINFMT_MISC: "binfmt_misc",
+            FS_TMPFS: "tmpfs", FS_DEVPTS: "devpts", 8: "pstore", FS_SECURITYFS: "securityfs", FS_FUSECTL: "fusectl",
+            FS_DEBUGFS: "debugfs", FS_CGROUP: "cgroup", 13: "aufs", FS_MQUEUE: "mqueue", 15: "fuse", 16: "auto",
+            17: "overlay", 18: "autofs", FS_TRACEFS: "tracefs", FS_CGROUP2: "cgroup2"}
 O_ACCMODE, O_WRONLY, O_RDWR, O_PATH = 0o3, 0o1, 0o2, 0o10000000
 
 
@@ -59,6 +72,9 @@ class Thread:
     lsm_profile: str | None = None
     seccomp_mode: int = SECCOMP_DISABLED
     seccomp_filter: int | None = None  # index of the last filter of its chain in seccomp.img
+    # per process, on its main thread only (tid == pid): the hard limits by RLIMIT_* number, oom_score_adj
+    rlimits_max: tuple[int, ...] = ()
+    oom_score_adj: int | None = None
 
     @property
     def what(self) -> str:
@@ -92,10 +108,17 @@ class Mount:
     mountpoint: str
     flags: int
     fstype: int
+    sb_flags: int = 0
+    root: str = "/"
+    ext_key: str | None = None     # an external bind: CRIU mounts what the restore supplies for this key
 
     @property
     def read_only(self) -> bool:
-        return bool(self.flags & MS_RDONLY)
+        return bool((self.flags | self.sb_flags) & MS_RDONLY)
+
+    @property
+    def fs(self) -> str:
+        return FS_NAMES.get(self.fstype, f"fstype {self.fstype}")
 
 
 @dataclass(frozen=True)
@@ -109,12 +132,18 @@ class SeccompFilter:
 SECCOMP_FILTER_FLAG_TSYNC = 1
 
 
+IdMap = tuple[tuple[int, int, int], ...]  # (first inside, first outside, count), as uid_map lists them
+
+
 @dataclass
 class Tasks:
     threads: list[Thread]
     files: list[OpenFile]
     mounts: list[Mount]             # the mount namespace of the tree's root task
     seccomp_filters: int            # filters in seccomp.img
+    other_mounts: dict[int, list[Mount]] = field(default_factory=dict)  # nested mount namespaces by id
+    userns: tuple[IdMap, IdMap] | None = None  # (uid map, gid map) of the tree's own user namespace
+    lsmtype: int | None = None      # inventory.img lsmtype (None: unreadable)
     filters: list[SeccompFilter] = field(default_factory=list)  # seccomp.img's filters, in order
 
     @property
@@ -202,7 +231,8 @@ def read(images: str) -> Tasks:
         raise ImageError("pstree.img lists no process")
     threads: list[Thread] = []
     files_ids: dict[int, int] = {}
-    root_mnt_ns: int | None = None
+    mnt_ns: list[int] = []          # the root task's first
+    user_ns: int | None = None      # the root task's
     for raw in tree:
         entry = _fields(raw)
         pid = int(_one(entry, 1, 0))
@@ -210,39 +240,91 @@ def read(images: str) -> Tasks:
         core = _core(images, pid)
         tc = _fields(_one(core, 3, b"") or b"")
         state = int(_one(tc, 1, TASK_ALIVE))
-        comm = _text(_one(tc, 6))
         ids = _one(core, 4)
         ids = _fields(ids) if isinstance(ids, bytes) else _ids_image(images, pid)
         if ids:
             files_ids[pid] = int(_one(ids, 2, 0))
-            if root_mnt_ns is None and _one(ids, 9) is not None:
-                root_mnt_ns = int(_one(ids, 9))
+            if _one(ids, 9) is not None and int(_one(ids, 9)) not in mnt_ns:
+                mnt_ns.append(int(_one(ids, 9)))
+            if raw is tree[0] and _one(ids, 10) is not None:
+                user_ns = int(_one(ids, 10))
         if state in (TASK_DEAD, TASK_HELPER):
             continue  # a zombie or CRIU's helper: never runs code after the restore
-        old_seccomp = int(_one(tc, 11, SECCOMP_DISABLED))
         for tid in tids:
-            tcore = core if tid == pid else _core(images, tid)
-            th = _fields(_one(tcore, 5, b"") or b"")
-            thread = Thread(pid=pid, tid=tid, comm=_text(_one(th, 13)) or comm)
-            creds = _one(th, 10)
-            if isinstance(creds, bytes):
-                _creds(thread, _fields(creds))
-            else:
-                legacy = os.path.join(images, f"creds-{tid}.img")
-                if tid == pid and os.path.exists(legacy):
-                    ce = read_entries(legacy)
-                    if ce:
-                        _creds(thread, _fields(ce[0]))
-            if thread.uids is None:
-                raise ImageError(f"core-{tid}.img: {thread.what} records no credentials")
-            mode = _one(th, 11)
-            thread.seccomp_mode = int(mode) if mode is not None else old_seccomp
-            filt = _one(th, 12, _one(tc, 12))
-            thread.seccomp_filter = None if filt is None else int(filt)
-            threads.append(thread)
+            threads.append(_thread(images, pid, tid, core if tid == pid else _core(images, tid), tc))
     filters = _seccomp_filters(images)
+    criu_user_ns, lsmtype = _inventory(images)
+    tables = {ns: _mounts(images, ns) for ns in mnt_ns}
     return Tasks(threads=threads, files=_open_files(images, files_ids),
-                 mounts=_mounts(images, root_mnt_ns), seccomp_filters=len(filters), filters=filters)
+                 mounts=tables.pop(mnt_ns[0]) if mnt_ns else [], seccomp_filters=len(filters), filters=filters,
+                 other_mounts=tables, userns=_userns(images, user_ns, criu_user_ns), lsmtype=lsmtype)
+
+
+def _thread(images: str, pid: int, tid: int, core: list, tc: list) -> Thread:
+    """One thread of process `pid` from its core image (`tc`: the process's task_core)."""
+    th = _fields(_one(core, 5, b"") or b"")
+    thread = Thread(pid=pid, tid=tid, comm=_text(_one(th, 13)) or _text(_one(tc, 6)))
+    creds = _one(th, 10)
+    if isinstance(creds, bytes):
+        _creds(thread, _fields(creds))
+    else:
+        legacy = os.path.join(images, f"creds-{tid}.img")
+        if tid == pid and os.path.exists(legacy):
+            ce = read_entries(legacy)
+            if ce:
+                _creds(thread, _fields(ce[0]))
+    if thread.uids is None:
+        raise ImageError(f"core-{tid}.img: {thread.what} records no credentials")
+    mode = _one(th, 11)
+    thread.seccomp_mode = int(mode) if mode is not None else int(_one(tc, 11, SECCOMP_DISABLED))
+    filt = _one(th, 12, _one(tc, 12))
+    thread.seccomp_filter = None if filt is None else int(filt)
+    if tid == pid:
+        limits = _one(tc, 8)
+        if isinstance(limits, bytes):
+            thread.rlimits_max = tuple(int(_one(_fields(e), 2, 0)) for n, e in _fields(limits)
+                                       if n == 1 and isinstance(e, bytes))
+        oom = _one(tc, 14)
+        thread.oom_score_adj = None if oom is None else _int32(int(oom))
+    return thread
+
+
+def _int32(v: int) -> int:
+    """A protobuf int32 read as a varint (negative ones are written as 64-bit two's complement)."""
+    v &= (1 << 64) - 1
+    v = v - (1 << 64) if v >> 63 else v
+    return v - (1 << 32) if 1 << 31 <= v < 1 << 32 else v
+
+
+def _inventory(images: str) -> tuple[int | None, int | None]:
+    """(the user namespace CRIU itself ran in at dump, lsmtype) from inventory.img; (None, None) when
+    it is absent (its root_ids are then unknown: the tree is taken to share CRIU's namespaces)."""
+    path = os.path.join(images, "inventory.img")
+    if not os.path.exists(path):
+        return None, None
+    entries = read_entries(path)
+    inv = _fields(entries[0]) if entries else []
+    root_ids = _one(inv, 3)
+    own = _one(_fields(root_ids), 10) if isinstance(root_ids, bytes) else None
+    return (None if own is None else int(own)), int(_one(inv, 6, 0))
+
+
+def _userns(images: str, user_ns: int | None, criu_ns: int | None) -> tuple[IdMap, IdMap] | None:
+    """The uid and gid maps of the tree's own user namespace; None when it ran in CRIU's (as CRIU
+    decides: the root task's user_ns_id differs from the inventory's root_ids)."""
+    if user_ns is None or criu_ns is None or user_ns == criu_ns:
+        return None
+    entries = read_entries(os.path.join(images, f"userns-{user_ns}.img"))
+    f = _fields(entries[0]) if entries else []
+
+    def extents(num: int) -> IdMap:
+        out = []
+        for n, raw in f:
+            if n == num and isinstance(raw, bytes):
+                e = _fields(raw)
+                out.append((int(_one(e, 1, 0)), int(_one(e, 2, 0)), int(_one(e, 3, 0))))
+        return tuple(sorted(out))
+    return extents(1), extents(2)
 
 
 def _ids_image(images: str, pid: int) -> list | None:
@@ -307,17 +389,17 @@ def _zigzag(n: int) -> int:
     return (n >> 1) ^ -(n & 1)
 
 
-def _mounts(images: str, mnt_ns: int | None) -> list[Mount]:
-    if mnt_ns is None:
-        return []
+def _mounts(images: str, mnt_ns: int) -> list[Mount]:
     p = os.path.join(images, f"mountpoints-{mnt_ns}.img")
     if not os.path.exists(p):
         return []
     out = []
     for raw in read_entries(p):
         f = _fields(raw)
+        key = _one(f, 18)
         out.append(Mount(mnt_id=int(_one(f, 2, 0)), mountpoint=_text(_one(f, 7)) or "/",
-                         flags=int(_one(f, 5, 0)), fstype=int(_one(f, 1, 0))))
+                         flags=int(_one(f, 5, 0)), fstype=int(_one(f, 1, 0)), sb_flags=int(_one(f, 17, 0)),
+                         root=_text(_one(f, 6)) or "/", ext_key=None if key is None else _text(key)))
     return out
 
 

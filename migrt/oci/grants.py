@@ -1,5 +1,6 @@
 """What a bundle's config.json grants its process: identity, capabilities, no_new_privs, seccomp,
-LSM label, devices, a read-only root, masked and read-only paths. Read the way runc reads them
+LSM label, devices, a read-only root, masked and read-only paths, its mounts, its user namespace and
+its mappings, rlimits and oom_score_adj. Read the way runc reads them
 (runc's defaults where config.json is silent), for comparison with what a checkpoint's tasks hold
 (ops/restore_privileges.py). Stdlib only.
 """
@@ -19,6 +20,11 @@ CAPS = ("CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", 
         "CHECKPOINT_RESTORE")
 ALL_CAPS = (1 << 64) - 1  # no capabilities section: runc leaves the sets as they are (all of them for root)
 CAP_SETUID, CAP_SETGID = 1 << CAPS.index("SETUID"), 1 << CAPS.index("SETGID")
+CAP_SETPCAP, CAP_SYS_RESOURCE = 1 << CAPS.index("SETPCAP"), 1 << CAPS.index("SYS_RESOURCE")
+RLIMITS = ("RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_DATA", "RLIMIT_STACK", "RLIMIT_CORE", "RLIMIT_RSS", "RLIMIT_NPROC",
+           "RLIMIT_NOFILE", "RLIMIT_MEMLOCK", "RLIMIT_AS", "RLIMIT_LOCKS", "RLIMIT_SIGPENDING", "RLIMIT_MSGQUEUE",
+           "RLIMIT_NICE", "RLIMIT_RTPRIO", "RLIMIT_RTTIME")  # by number, as the kernel (and CRIU's images) order them
+IdMap = tuple[tuple[int, int, int], ...]  # (first inside, first outside, count), as /proc/<pid>/uid_map lists them
 WILDCARD = -1
 # runc's devices, always created in /dev and allowed in the device cgroup after the bundle's own rules
 # (libcontainer/specconv AllowedDevices): path -> (type, major, minor)
@@ -57,6 +63,16 @@ class DeviceRule:
                 and access in self.access)
 
 
+@dataclass(frozen=True)
+class MountDecl:
+    """One entry of config.json mounts[] as runc mounts it."""
+    destination: str     # normalised; `resolved`: the same with the root filesystem's symlinks followed
+    type: str            # "bind" for a bind mount whatever its type field says
+    read_only: bool
+    recursive: bool      # rbind: the source's submounts come along
+    resolved: str = ""
+
+
 @dataclass
 class Grants:
     uid: int = 0
@@ -74,9 +90,14 @@ class Grants:
     masked_paths: tuple[str, ...] = ()
     readonly_paths: tuple[str, ...] = ()
     oom_score_adj: int | None = None
+    mounts: list[MountDecl] = field(default_factory=list)
+    userns: bool = False                         # linux.namespaces has a user namespace
+    uid_map: IdMap | None = None                 # its mappings (None: unknown, a path joined without them)
+    gid_map: IdMap | None = None
+    rlimits: dict[int, int] = field(default_factory=dict)  # RLIMIT_* number -> hard limit process.rlimits sets
 
     @classmethod
-    def of(cls, bundle: Bundle) -> "Grants":
+    def of(cls, bundle: Bundle) -> Grants:
         cfg = bundle.config
         proc = cfg.get("process") if isinstance(cfg.get("process"), dict) else {}
         linux = cfg.get("linux") if isinstance(cfg.get("linux"), dict) else {}
@@ -109,7 +130,36 @@ class Grants:
         g.readonly_paths = tuple(p for p in linux.get("readonlyPaths") or [] if isinstance(p, str))
         oom = proc.get("oomScoreAdj")
         g.oom_score_adj = oom if isinstance(oom, int) and not isinstance(oom, bool) else None
+        g.mounts = [d for d in (_mount(m, bundle.rootfs) for m in bundle.mounts) if d is not None]
+        g._user_namespace(linux)
+        for r in proc.get("rlimits") or []:
+            if isinstance(r, dict) and r.get("type") in RLIMITS and isinstance(r.get("hard"), int):
+                g.rlimits[RLIMITS.index(r["type"])] = r["hard"]
         return g
+
+    def _user_namespace(self, linux: dict) -> None:
+        """linux.namespaces' user entry and its mappings (from uid/gidMappings, or for a namespace joined
+        by path /proc/<pid>/ns/user, from that process's uid_map and gid_map)."""
+        ns = next((n for n in linux.get("namespaces") or [] if isinstance(n, dict) and n.get("type") == "user"), None)
+        if ns is None:
+            return
+        self.userns = True
+        self.uid_map, self.gid_map = _mappings(linux.get("uidMappings")), _mappings(linux.get("gidMappings"))
+        path = ns.get("path")
+        if isinstance(path, str) and path and (self.uid_map is None or self.gid_map is None):
+            pid_dir = os.path.dirname(os.path.dirname(path))  # /proc/<pid>/ns/user -> /proc/<pid>
+            self.uid_map = self.uid_map or read_id_map(os.path.join(pid_dir, "uid_map"))
+            self.gid_map = self.gid_map or read_id_map(os.path.join(pid_dir, "gid_map"))
+
+    @property
+    def may_raise_limits(self) -> bool:
+        """Can the container's process raise its own rlimits and lower its oom_score_adj (CAP_SYS_RESOURCE,
+        which counts only in the node's user namespace)?"""
+        return not self.userns and bool(self.cap_ceiling("permitted") & self.cap_ceiling("bounding") & CAP_SYS_RESOURCE)
+
+    @property
+    def may_setpcap(self) -> bool:
+        return bool(self.cap_ceiling("permitted") & self.cap_ceiling("bounding") & CAP_SETPCAP)
 
     @property
     def may_setuid(self) -> bool:
@@ -144,6 +194,61 @@ class Grants:
             if r.matches(kind, major, minor, access):
                 decision = r.allow
         return decision
+
+
+def _mappings(v) -> IdMap | None:
+    if not isinstance(v, list):
+        return None
+    out = [(_int(m.get("containerID"), -1), _int(m.get("hostID"), -1), _int(m.get("size"), -1))
+           for m in v if isinstance(m, dict)]
+    return tuple(sorted(out))
+
+
+def read_id_map(path: str) -> IdMap | None:
+    """A uid_map or gid_map file; None when unreadable."""
+    try:
+        with open(path, encoding="ascii") as fh:
+            rows = [line.split() for line in fh.read(65536).splitlines() if line.strip()]
+        return tuple(sorted((int(a), int(b), int(c)) for a, b, c in rows))
+    except (OSError, ValueError):
+        return None
+
+
+def _mount(m, rootfs: str) -> MountDecl | None:
+    if not isinstance(m, dict) or not isinstance(m.get("destination"), str) or not m["destination"].startswith("/"):
+        return None
+    opts = [o for o in m.get("options") or [] if isinstance(o, str)]
+    ro = False
+    for o in opts:
+        ro = True if o in ("ro", "rro") else False if o in ("rw", "rrw") else ro
+    bind = m.get("type") == "bind" or "bind" in opts or "rbind" in opts
+    dest = os.path.normpath(m["destination"])
+    return MountDecl(destination=dest, type="bind" if bind else str(m.get("type") or ""), read_only=ro,
+                     recursive="rbind" in opts, resolved=resolve_in_root(rootfs, dest))
+
+
+def resolve_in_root(rootfs: str, path: str) -> str:
+    """`path` with the symlinks of the root filesystem followed inside it, as runc resolves a mount's
+    destination (/var/run -> /run); components that do not exist are kept as written."""
+    parts = [p for p in path.split("/") if p]
+    done: list[str] = []
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            done = done[:-1]
+            continue
+        if part == ".":
+            continue
+        real = os.path.join(rootfs, *done, part)
+        if hops < 40 and os.path.islink(real):
+            hops += 1
+            target = os.readlink(real)
+            done = [] if target.startswith("/") else done
+            parts = [p for p in target.split("/") if p] + parts
+            continue
+        done.append(part)
+    return "/" + "/".join(done)
 
 
 def _int(v, default: int) -> int:

@@ -1,10 +1,13 @@
 """A restore never gives the restored processes more than the new container grants.
 
 CRIU restores every task with the credentials its images record (uids, gids, groups, the five
-capability sets, no_new_privs, the seccomp filters, the LSM label), reopens the files they held and
-recreates the mount table; `runc restore` applies none of process.user, process.capabilities,
-noNewPrivileges, linux.seccomp or root.readonly to restored tasks (a root recorded read-write comes
-back writable in a read-only bundle: tested). A checkpoint of a root process with every
+capability sets, securebits, no_new_privs, the seccomp filters, the LSM label, rlimits,
+oom_score_adj), reopens the files they held, recreates the mount table and the user namespace its
+images record; `runc restore` applies none of process.user, process.capabilities, noNewPrivileges,
+linux.seccomp, root.readonly, mounts' flags, process.rlimits, oomScoreAdj or linux.uidMappings to
+restored tasks (a root recorded read-write comes back writable in a read-only bundle, /sys
+read-write in a bundle that mounts it read-only, a tree of the node's user namespace in a bundle
+that asks for one: tested). A checkpoint of a root process with every
 capability restored into a pod that asks for uid 1000, no capabilities and noNewPrivileges would
 run as root with every capability. So before CRIU runs, every thread the images hold
 (criu/tasks.py: the images are the authority, not the manifest) is compared with what the new
@@ -36,10 +39,34 @@ bundle's config.json grants (oci/grants.py), and the restore is refused, naming 
                 no change to the root filesystem in the checkpoint's writable layer but directories
   masked and read-only paths  the mount table CRIU recreates masks each linux.maskedPaths entry and
                 mounts each linux.readonlyPaths entry read-only (where the path exists on this node)
+  mounts        every mount of every mount namespace in the images is one runc makes for the bundle:
+                a mounts[] entry at its destination (symlinks of the new root followed) of the same
+                kind (proc, sysfs, tmpfs, devpts, mqueue, cgroup: a fresh one; a bind: the external
+                mount runc supplies for that destination, or a filesystem that is no kernel
+                interface), a cgroup v1 controller below a declared cgroup mount, runc's masks
+                (/dev/null or a tmpfs) and read-only remounts (the filesystem below, no other),
+                the device nodes runc binds (their own key), what a declared rbind brings along
+                (no kernel filesystem), or a fresh tmpfs, mqueue or devpts (the checkpoint's own
+                files); never writable where the bundle says read-only (the entry's "ro", the one
+                above it, linux.readonlyPaths; a tmpfs under root.readonly); no table at all
+                (CRIU would leave the tree in the node's mounts) is refused
+  user namespace  CRIU recreates the one its images record (userns-<id>.img) and runc passes no
+                mapping: with linux.namespaces user, the images' uid and gid maps == uidMappings /
+                gidMappings (a namespace joined by path: that process's maps); without one, the
+                images record none (or the node's own maps: uids compared above keep their meaning)
+  rlimits       each hard limit process.rlimits sets >= the image's (recorded at all); not compared
+                where the container may raise its own (CAP_SYS_RESOURCE, no user namespace)
+  oom_score_adj the image's >= process.oomScoreAdj (lower: the OOM killer spares it at the others'
+                expense); not compared where the container holds CAP_SYS_RESOURCE
+  securebits    no SECBIT_NO_SETUID_FIXUP (kept capabilities across a change of uid; runc sets no
+                bit, and a process sets this one only with CAP_SETPCAP); the others only take away
+                or a process sets them itself (KEEP_CAPS)
 
-A bundle that restricts none of these (root, no capabilities section, nothing else asked) has
-nothing to compare: its images are not read. Not compared: rlimits, oom_score_adj, securebits,
-personality, cgroups (runc sets the new cgroup's limits itself). Used by migrt's restores
+A bundle that restricts none of these (root, no capabilities section, no user namespace, nothing
+else asked) has nothing to compare: its images are not read. Its mounts are not compared either:
+root with every capability in the node's user namespace, without seccomp or an LSM label, may mount
+a procfs or remount /sys read-write itself. Not compared: personality, cgroups (runc sets the new
+cgroup's limits itself). Used by migrt's restores
 (ops/restore.py check_target: the shim's create, `migrt restore`, migrations, pulls) and by
 migrt-runc's `restore` (the lower runtime's own checkpoints). Stdlib only.
 """
@@ -54,11 +81,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from migrt.criu import tasks as criu_tasks
-from migrt.criu.protobuf import ImageError, fields, read_entries
-from migrt.criu.tasks import SECCOMP_DISABLED, SECCOMP_FILTER, OpenFile, Tasks, Thread
+from migrt.criu.protobuf import ImageError
+from migrt.criu.tasks import SECCOMP_FILTER, IdMap, Mount, OpenFile, Tasks, Thread
 from migrt.errors import CheckpointInvalid, PreconditionFailed
 from migrt.oci.bundle import Bundle
-from migrt.oci.grants import DEFAULT_DEVICES, PTY_MAJOR, Grants, cap_names
+from migrt.oci.grants import DEFAULT_DEVICES, PTY_MAJOR, RLIMITS, Grants, MountDecl, cap_names, read_id_map
 
 _ID_ROLES = ("runs as", "runs with effective", "keeps saved", "has filesystem")
 LSM_NONE, LSM_SELINUX, LSM_APPARMOR = 0, 1, 2
@@ -83,10 +110,13 @@ def host_lsm() -> int:
 
 
 def unrestricted(g: Grants) -> bool:
-    """A bundle that restricts nothing this module compares (runc's own defaults everywhere)."""
+    """A bundle that restricts nothing this module compares (runc's own defaults everywhere): root with
+    every capability in the node's user namespace, no seccomp, no LSM label, no device rules. Its
+    process may mount anything itself (and raise its limits, and set any securebit), so its mounts,
+    rlimits, oom_score_adj and securebits are not compared either."""
     return (g.uid == 0 and g.caps is None and not g.no_new_privs and not g.seccomp and not g.apparmor
             and not g.selinux and not g.readonly_root and g.device_rules is None and not g.devices
-            and not g.masked_paths and not g.readonly_paths)
+            and not g.masked_paths and not g.readonly_paths and not g.userns)
 
 
 def check(images: str, bundle: Bundle, name: str, *, rootfs_changes: Callable[[], list[str]] | None = None,
@@ -104,14 +134,15 @@ def check(images: str, bundle: Bundle, name: str, *, rootfs_changes: Callable[[]
         raise CheckpointInvalid(f"checkpoint {name}: cannot read what its processes hold from the CRIU images "
                                 f"({exc}); refusing to restore it") from exc
     verdict = Verdict()
-    problems: list[str] = []
+    problems: list[str] = _userns(t, g)
     for th in t.threads:
-        problems += _identity(th, g) + _caps(th, g) + _nnp(th, g)
+        problems += _identity(th, g) + _caps(th, g) + _nnp(th, g) + _secbits(th, g) + _limits(th, g)
     problems += _seccomp(t, g, bundle)
     problems += _devices(t, g)
     problems += _readonly_root(t, g, rootfs_changes() if rootfs_changes is not None and g.readonly_root else None)
     problems += _masked(t, g, bundle)
-    problems += _lsm(t, g, images, verdict, host_lsm() if lsm is None else lsm)
+    problems += _mount_tables(t, g)
+    problems += _lsm(t, g, verdict, host_lsm() if lsm is None else lsm)
     if g.seccomp and not problems:
         verdict.notes.append("seccomp: every thread's filters answer at least as strictly as linux.seccomp")
     if problems:
@@ -137,12 +168,12 @@ def _by_setting(problems: list[str]) -> list[str]:
 def _identity(th: Thread, g: Grants) -> list[str]:
     out = []
     if not g.may_setuid:
-        for role, uid in zip(_ID_ROLES, th.uids or ()):
+        for role, uid in zip(_ID_ROLES, th.uids or (), strict=False):
             if uid != g.uid:
                 out.append(f"{th.what} {role} uid {uid} but the container asks for uid {g.uid} (process.user.uid)")
                 break
     if not g.may_setgid:
-        for role, gid in zip(_ID_ROLES, th.gids or ()):
+        for role, gid in zip(_ID_ROLES, th.gids or (), strict=False):
             if gid != g.gid:
                 out.append(f"{th.what} {role} gid {gid} but the container asks for gid {g.gid} (process.user.gid)")
                 break
@@ -277,7 +308,8 @@ def _readonly_root(t: Tasks, g: Grants, rootfs_changes: list[str] | None) -> lis
                 out.append(f"process {f.pid} holds {f.path} open for writing on the root filesystem but the "
                            "container asks for a read-only root (root.readonly)")
     if rootfs_changes:
-        shown = ", ".join(rootfs_changes[:3]) + (f" and {len(rootfs_changes) - 3} more" if len(rootfs_changes) > 3 else "")
+        more = len(rootfs_changes) - 3
+        shown = ", ".join(rootfs_changes[:3]) + (f" and {more} more" if more > 0 else "")
         out.append(f"its writable layer changes the root filesystem ({shown}) but the container asks for a "
                    "read-only root (root.readonly)")
     return out
@@ -327,7 +359,8 @@ def _masked(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
     out = []
     for p in g.masked_paths:
         if os.path.normpath(p) not in by_point and _exists_here(p, bundle):
-            out.append(f"the mount table in its images leaves {p} unmasked but the container masks it (linux.maskedPaths)")
+            out.append(f"the mount table in its images leaves {p} unmasked but the container masks it "
+                       "(linux.maskedPaths)")
     for p in g.readonly_paths:
         m = by_point.get(os.path.normpath(p))
         if (m is None or not m.read_only) and _exists_here(p, bundle):
@@ -336,24 +369,198 @@ def _masked(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
     return out
 
 
-def _inventory_lsm(images: str) -> int | None:
-    """The LSM of the node the images were made on (inventory.img lsmtype); None when unreadable."""
-    try:
-        entries = read_entries(os.path.join(images, "inventory.img"))
-    except ImageError:
-        return None
-    found = fields(entries[0]) if entries else []
-    return next((int(v) for n, v in found if n == 6 and isinstance(v, int)), LSM_NONE)
+# -- mounts: the images' mount table against what the bundle declares ------------------------------------
+# filesystems that are a kernel interface of their own: a fresh mount of one shows the container what the
+# node's own mount shows (procfs's /proc/sys and core_pattern, sysfs, cgroup files, devtmpfs's devices)
+_KERNEL_FS = {criu_tasks.FS_PROC, criu_tasks.FS_SYSFS, criu_tasks.FS_DEVTMPFS, criu_tasks.FS_BINFMT_MISC,
+              criu_tasks.FS_SECURITYFS, criu_tasks.FS_FUSECTL, criu_tasks.FS_DEBUGFS, criu_tasks.FS_CGROUP,
+              criu_tasks.FS_TRACEFS, criu_tasks.FS_CGROUP2, 8}  # 8: pstore
+_CGROUP_FS = {criu_tasks.FS_CGROUP, criu_tasks.FS_CGROUP2}
+_PLAIN_FS = {criu_tasks.FS_TMPFS, criu_tasks.FS_MQUEUE, criu_tasks.FS_DEVPTS}
+# a declared type -> what runc mounts for it (cgroup v1 without a cgroup namespace: a tmpfs, each
+# controller's cgroup below it)
+_DECLARED_FS = {"proc": {criu_tasks.FS_PROC}, "sysfs": {criu_tasks.FS_SYSFS}, "tmpfs": {criu_tasks.FS_TMPFS},
+                "devpts": {criu_tasks.FS_DEVPTS}, "mqueue": {criu_tasks.FS_MQUEUE},
+                "cgroup": {*_CGROUP_FS, criu_tasks.FS_TMPFS}, "cgroup2": {criu_tasks.FS_CGROUP2}}
 
 
-def _lsm(t: Tasks, g: Grants, images: str, verdict: Verdict, lsm: int) -> list[str]:
+def _mount_tables(t: Tasks, g: Grants) -> list[str]:
+    if not t.mounts:
+        return ["its images record no mount table of its own (CRIU would leave its processes in the node's "
+                "mounts) (mounts)"]
+    masked = {os.path.normpath(p) for p in g.masked_paths}
+    ro_paths = {os.path.normpath(p) for p in g.readonly_paths}
+    out = []
+    for table in (t.mounts, *t.other_mounts.values()):
+        for m in table:
+            problem = _mount(m, table, g, masked, ro_paths)
+            if problem:
+                out.append(problem)
+    return out
+
+
+def _declared(g: Grants, path: str, *, above: bool = False) -> MountDecl | None:
+    """The mounts[] entry at `path` (the last one, as runc mounts them in order), or with `above` the
+    nearest one whose destination holds `path`."""
+    found = None
+    for d in g.mounts:
+        for dest in {d.destination, d.resolved}:
+            if (path.startswith(dest.rstrip("/") + "/") if above else path == dest) and (
+                    found is None or not above or len(dest) >= len(found.destination)):
+                found = d
+    return found
+
+
+def _under(table: list[Mount], m: Mount) -> int | None:
+    """The fstype of the mount `m` was made on (the nearest mount above its mountpoint)."""
+    p = os.path.normpath(m.mountpoint)
+    best = None
+    for o in table:
+        q = os.path.normpath(o.mountpoint)
+        if o is not m and (q == "/" or p.startswith(q + "/")) and (best is None or len(q) >= len(best[0])):
+            best = (q, o.fstype)
+    return None if best is None else best[1]
+
+
+def _mount(m: Mount, table: list[Mount], g: Grants, masked: set[str], ro_paths: set[str]) -> str | None:
+    """Why the mount `m` CRIU would recreate is not one the container declares (None: it is)."""
+    p = os.path.normpath(m.mountpoint)
+    what = f"the mount table in its images has {m.fs} mounted at {p}"
+    need_ro = "linux.readonlyPaths" if p in ro_paths else None
+    decl = _declared(g, p)
+    if p == "/":
+        return None  # the root: root.readonly is checked with the files open on it
+    if decl is not None:
+        if not _fits(m, decl):
+            return f"{what} where the container declares {decl.type or 'a mount of no type'} (mounts)"
+        # runc leaves the tmpfs holding cgroup v1's controllers writable (it holds only their directories)
+        plain = decl.type in ("cgroup", "cgroup2") and m.fstype == criu_tasks.FS_TMPFS
+        need_ro = "mounts" if decl.read_only and not plain else need_ro
+    elif p in masked:
+        # runc's mask: /dev/null bound over a file (runc supplies it as the external /dev/null), a tmpfs
+        # over a directory
+        return None if m.ext_key == "/dev/null" or (m.fstype == criu_tasks.FS_TMPFS and m.ext_key is None) else \
+            f"{what} where the container masks the path (linux.maskedPaths)"
+    elif p in ro_paths:
+        if m.ext_key is not None or m.fstype != _under(table, m):
+            return f"{what} where the container only remounts the path read-only (linux.readonlyPaths)"
+    elif p in DEFAULT_DEVICES or p in g.devices:
+        # a device node runc binds from the node (user namespaces); supplied as the external key of its path
+        return None if m.ext_key == p else f"{what} where runc binds the device node (linux.devices)"
+    elif p == "/dev/console" and m.fstype == criu_tasks.FS_DEVPTS and m.ext_key is None:
+        return None  # the container's terminal
+    else:
+        need_ro, problem = _submount(m, p, g)
+        if problem is not None:
+            return f"{what} that the container does not declare{problem} (mounts)"
+    if need_ro and not m.read_only:
+        return f"the mount table in its images has {p} ({m.fs}) read-write but the container makes it read-only " \
+               f"({need_ro})"
+    return None
+
+
+def _fits(m: Mount, decl: MountDecl) -> bool:
+    """Would CRIU recreate at `decl`'s destination what runc mounts there for it?"""
+    if decl.type in _DECLARED_FS:
+        return m.fstype in _DECLARED_FS[decl.type] and m.ext_key is None
+    if m.ext_key is not None:  # runc supplies each bind's source as the external key of its destination
+        return decl.type == "bind" and m.ext_key in (decl.destination, decl.resolved)
+    return m.fstype not in _KERNEL_FS
+
+
+def _submount(m: Mount, p: str, g: Grants) -> tuple[str | None, str | None]:
+    """An undeclared mount that gives nothing the container lacks: a cgroup v1 controller below a
+    declared cgroup mount (runc's), a fresh tmpfs, mqueue or devpts (holding only the checkpoint's own
+    files, as the container could make them), what a declared recursive bind brings from its source
+    if it is not a kernel filesystem. (the setting that asks it read-only, why it is refused: None
+    when it is not)."""
+    parent = _declared(g, p, above=True)
+    setting = "mounts" if parent is not None and parent.read_only else None
+    if parent is not None and parent.type in ("cgroup", "cgroup2") and m.fstype in _CGROUP_FS:
+        return setting, None if m.ext_key in (None, p) else f" (below the cgroup mount at {parent.destination})"
+    if m.fstype in _PLAIN_FS and m.ext_key is None:
+        return setting or ("root.readonly" if g.readonly_root and m.fstype == criu_tasks.FS_TMPFS else None), None
+    if parent is not None and parent.type == "bind" and parent.recursive:
+        ok = m.fstype not in _KERNEL_FS and m.ext_key is None
+        return setting, None if ok else f" (below the recursive bind at {parent.destination}, not as a bind)"
+    return None, ""
+
+
+# -- user namespace --------------------------------------------------------------------------------------
+def _fmt_map(m: IdMap | None) -> str:
+    return ", ".join(f"{a}->{b} ({c})" for a, b, c in m) if m else "nothing"
+
+
+def _userns(t: Tasks, g: Grants) -> list[str]:
+    """CRIU recreates the user namespace its images record (userns-<id>.img, with its maps) or leaves
+    the tree in its own, the node's; runc restore passes no mapping. So the images must record the
+    bundle's: the same maps, or none when the bundle asks for none."""
+    if not g.userns:
+        if t.userns is None or t.userns == (_host_map("uid_map"), _host_map("gid_map")):
+            return []
+        return [f"its images record a user namespace mapping uids {_fmt_map(t.userns[0])} that the container does "
+                "not ask for (CRIU would recreate it, and the ids compared here would be other ids on this node) "
+                "(linux.namespaces)"]
+    if t.userns is None:
+        return [f"its processes ran in the node's user namespace (CRIU would restore them there) but the container "
+                f"asks for a user namespace mapping uids {_fmt_map(g.uid_map)} (linux.namespaces)"]
+    out = []
+    for kind, have, want in (("uid", t.userns[0], g.uid_map), ("gid", t.userns[1], g.gid_map)):
+        if have != want:
+            out.append(f"its images record a user namespace mapping {kind}s {_fmt_map(have)} (CRIU recreates it so) "
+                       f"but the container maps {_fmt_map(want)} (linux.{kind}Mappings)")
+    return out
+
+
+def _host_map(name: str) -> IdMap | None:
+    """This node's own uid_map / gid_map (a tree in a namespace mapping the same ids is as good as none)."""
+    return read_id_map(f"/proc/self/{name}")
+
+
+# -- rlimits, oom_score_adj, securebits ------------------------------------------------------------------
+SECBIT_NO_SETUID_FIXUP = 1 << 2
+_RLIM_INFINITY = (1 << 64) - 1
+
+
+def _limits(th: Thread, g: Grants) -> list[str]:
+    """CRIU restores each process's rlimits and oom_score_adj; runc restore applies neither. Without
+    CAP_SYS_RESOURCE (in the node's user namespace) a process can raise neither its hard limits nor
+    lower its oom_score_adj below what runc set: the images may not hold more."""
+    if th.tid != th.pid or g.may_raise_limits:
+        return []
+    out = []
+    for num, hard in sorted(g.rlimits.items()):
+        hard &= _RLIM_INFINITY  # runc reads it as an unsigned 64-bit number
+        have = th.rlimits_max[num] if num < len(th.rlimits_max) else None
+        if have is None or have > hard:
+            shown = "no limit recorded (CRIU would leave the node's)" if have is None else \
+                f"hard limit {'unlimited' if have == _RLIM_INFINITY else have}"
+            out.append(f"{th.what} has {RLIMITS[num]} {shown} but the container sets "
+                       f"{'unlimited' if hard == _RLIM_INFINITY else hard} (process.rlimits)")
+    if g.oom_score_adj is not None and th.oom_score_adj is not None and th.oom_score_adj < g.oom_score_adj:
+        out.append(f"{th.what} has oom_score_adj {th.oom_score_adj} but the container sets {g.oom_score_adj} "
+                   "(the OOM killer would spare it at the others' expense) (process.oomScoreAdj)")
+    return out
+
+
+def _secbits(th: Thread, g: Grants) -> list[str]:
+    """runc sets no securebit. Of the bits, only SECBIT_NO_SETUID_FIXUP grants: a process keeps its
+    capabilities when it changes uid; setting it takes CAP_SETPCAP. The others only take away
+    (NOROOT, NO_CAP_AMBIENT_RAISE, the locks) or a process may set them itself (KEEP_CAPS)."""
+    if not th.secbits & SECBIT_NO_SETUID_FIXUP or g.may_setpcap:
+        return []
+    return [f"{th.what} has securebit SECBIT_NO_SETUID_FIXUP (keeps its capabilities across a change of uid), "
+            "which runc never sets and the container cannot set without CAP_SETPCAP (securebits)"]
+
+
+def _lsm(t: Tasks, g: Grants, verdict: Verdict, lsm: int) -> list[str]:
     kind, want, key = {LSM_APPARMOR: ("apparmor", g.apparmor, "process.apparmorProfile"),
                        LSM_SELINUX: ("selinux", g.selinux, "process.selinuxLabel")}.get(lsm, (None, None, None))
     if kind is None or want is None or (lsm == LSM_APPARMOR and want == "unconfined"):
         return []  # nothing asked (runc would leave the runtime's own label): the recorded labels stay
     if all(th.lsm_profile == want for th in t.threads):
         return []
-    image_lsm = _inventory_lsm(images)
+    image_lsm = t.lsmtype  # the LSM of the node the images were made on
     if image_lsm is not None and image_lsm != lsm:
         return [f"its images were made on a node without {kind} (CRIU cannot apply the container's label "
                 f"{want!r} to them) ({key})"]

@@ -38,6 +38,9 @@ DEFAULT = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKN
            "CAP_AUDIT_WRITE"]
 O_RDONLY, O_WRONLY, O_RDWR = 0, 1, 2
 ROOT_MNT = 100
+PROC, SYSFS, DEVTMPFS, TMPFS, DEVPTS, CGROUP, MQUEUE, OVERLAY, CGROUP2 = 1, 2, 3, 5, 6, 12, 14, 17, 23  # mnt.proto
+CRIU_IDS = {"vm_id": 1, "files_id": 1, "fs_id": 1, "sighand_id": 1}
+UNLIMITED = (1 << 64) - 1
 RET_ALLOW = b"\x06\x00\x00\x00\x00\x00\xff\x7f"  # one BPF instruction: return SECCOMP_RET_ALLOW
 
 
@@ -76,19 +79,27 @@ class Images:
         self.seccomp = 0
         self.seccomp_program = RET_ALLOW  # every filter of seccomp.img
         self.lsmtype = 0
+        self.userns: dict | None = None  # {"uid_map": [...], "gid_map": [...]}: the tree's own user namespace
+        self.nested: list[dict] = []  # the mount table of mount namespace 10 (proc(mnt_ns=10))
 
     @staticmethod
-    def _mnt(mnt_id: int, point: str, flags: int) -> dict:
-        return {"fstype": 17, "mnt_id": mnt_id, "root_dev": 40, "parent_mnt_id": 1, "flags": flags, "root": "/",
-                "mountpoint": point, "source": "overlay", "options": ""}
+    def _mnt(mnt_id: int, point: str, flags: int, fstype: int = OVERLAY, ext_key: str | None = None,
+             root: str = "/") -> dict:
+        m = {"fstype": fstype, "mnt_id": mnt_id, "root_dev": 40, "parent_mnt_id": 1, "flags": flags, "root": root,
+             "mountpoint": point, "source": "overlay", "options": ""}
+        if ext_key is not None:
+            m["ext_key"] = ext_key
+        return m
 
     def proc(self, pid: int = 1, threads: dict[int, dict] | None = None, *, seccomp: str = "disabled",
-             comm: str = "app", state: int = 1) -> "Images":
+             comm: str = "app", state: int = 1, rlimits: dict[int, int] | None = None,
+             oom: int | None = None, mnt_ns: int = 9) -> Images:
+        """`rlimits`: RLIMIT_* number -> hard limit (the others unlimited); `oom`: its oom_score_adj."""
         self.procs.append({"pid": pid, "threads": threads or {pid: creds()}, "seccomp": seccomp, "comm": comm,
-                           "state": state})
+                           "state": state, "rlimits": rlimits, "oom": oom, "mnt_ns": mnt_ns})
         return self
 
-    def open(self, path: str, flags: int, mode: int, fd: int = 3, mnt_id: int = ROOT_MNT) -> "Images":
+    def open(self, path: str, flags: int, mode: int, fd: int = 3, mnt_id: int = ROOT_MNT) -> Images:
         fid = len(self.files) + 1
         self.files.append({"type": "REG", "id": fid, "reg": {
             "id": fid, "flags": flags, "pos": 0, "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0},
@@ -96,7 +107,7 @@ class Images:
         self.fdinfo.append({"id": fid, "flags": 0, "type": "REG", "fd": fd})
         return self
 
-    def tty(self, rdev: int, fd: int = 0) -> "Images":
+    def tty(self, rdev: int, fd: int = 0) -> Images:
         fid = len(self.files) + 1
         self.files.append({"type": "TTY", "id": fid, "tty": {
             "id": fid, "tty_info_id": fid, "flags": O_RDWR,
@@ -106,8 +117,21 @@ class Images:
                                                      "packet_mode": False, "sid": 0, "pgrp": 0, "rdev": rdev}]
         return self
 
-    def mount(self, point: str, read_only: bool, mnt_id: int | None = None) -> "Images":
-        self.mounts.append(self._mnt(mnt_id or 200 + len(self.mounts), point, 1 if read_only else 0))
+    def mount(self, point: str, read_only: bool, mnt_id: int | None = None, *, fs: int = OVERLAY,
+              ext_key: str | None = None, root: str = "/") -> Images:
+        mnt_id = mnt_id or 200 + len(self.mounts)
+        self.mounts.append(self._mnt(mnt_id, point, 1 if read_only else 0, fs, ext_key, root))
+        return self
+
+    def runc_mounts(self, *, sys_ro: bool = True, cgroup_ro: bool = True) -> Images:
+        """The mount table runc makes for runc's default spec on a cgroup v1 node, as CRIU records it."""
+        self.mount("/proc", False, fs=PROC).mount("/dev", False, fs=TMPFS).mount("/dev/pts", False, fs=DEVPTS)
+        self.mount("/dev/shm", False, fs=TMPFS).mount("/dev/mqueue", False, fs=MQUEUE)
+        self.mount("/sys", sys_ro, fs=SYSFS).mount("/sys/fs/cgroup", cgroup_ro, fs=TMPFS)
+        for ctl in ("memory", "cpu", "pids"):
+            self.mount(f"/sys/fs/cgroup/{ctl}", cgroup_ro, fs=CGROUP, ext_key=f"/sys/fs/cgroup/{ctl}", root="/c1")
+        self.mount("/proc/kcore", False, fs=TMPFS, ext_key="/dev/null", root="/null")
+        self.mount("/sys/firmware", True, fs=TMPFS).mount("/proc/sys", True, fs=PROC, root="/sys")
         return self
 
     def write(self) -> str:
@@ -118,7 +142,8 @@ class Images:
                 pycriu.images.dump({"magic": magic, "entries": entries}, fh)
 
         lsm = ("NO_LSM", "SELINUX", "APPARMOR")[self.lsmtype]
-        img("inventory.img", "INVENTORY", [{"img_version": 2, "fdinfo_per_id": True, "lsmtype": lsm}])
+        img("inventory.img", "INVENTORY", [{"img_version": 2, "fdinfo_per_id": True, "lsmtype": lsm,
+                                            "root_ids": {**CRIU_IDS, "user_ns_id": 7}}])
         img("pstree.img", "PSTREE", [{"pid": p["pid"], "ppid": 0, "pgid": p["pid"], "sid": p["pid"],
                                       "threads": list(p["threads"])} for p in self.procs])
         for p in self.procs:
@@ -132,13 +157,22 @@ class Images:
                 if tid == p["pid"]:
                     core["tc"] = {"task_state": p["state"], "exit_code": 0, "personality": 0, "flags": 0,
                                   "blk_sigset": 0, "comm": p["comm"]}
-                    core["ids"] = {"vm_id": 1, "files_id": 1, "fs_id": 1, "sighand_id": 1, "mnt_ns_id": 9}
+                    if p["rlimits"] is not None:
+                        core["tc"]["rlimits"] = {"rlimits": [{"cur": 0, "max": p["rlimits"].get(n, UNLIMITED)}
+                                                             for n in range(16)]}
+                    if p["oom"] is not None:
+                        core["tc"]["oom_score_adj"] = p["oom"]
+                    core["ids"] = {**CRIU_IDS, "mnt_ns_id": p["mnt_ns"], "user_ns_id": 14 if self.userns else 7}
                 img(f"core-{tid}.img", "CORE", [core])
         img("files.img", "FILES", self.files)
         img("fdinfo-1.img", "FDINFO", self.fdinfo)
         if getattr(self, "_ttys", None):
             img("tty-info.img", "TTY_INFO", self._ttys)
         img("mountpoints-9.img", "MNTS", self.mounts)
+        if self.nested:
+            img("mountpoints-10.img", "MNTS", self.nested)
+        if self.userns:
+            img("userns-14.img", "USERNS", [self.userns])
         if self.seccomp:
             prog = base64.b64encode(self.seccomp_program).decode()
             img("seccomp.img", "SECCOMP", [{"seccomp_filters": [{"filter": prog} for _ in range(self.seccomp)]}])
@@ -151,7 +185,8 @@ def root_all_caps(tmp_path: Path) -> str:
 
 
 def bundle(tmp_path: Path, *, uid: int = 0, gid: int = 0, caps: list[str] | None = None, nnp: bool = False,
-           extra: dict | None = None, linux: dict | None = None, name: str = "bundle") -> Bundle:
+           extra: dict | None = None, linux: dict | None = None, name: str = "bundle",
+           mounts: list[dict] | None = None) -> Bundle:
     process: dict = {"user": {"uid": uid, "gid": gid}, "args": ["sh"], "cwd": "/"}
     if caps is not None:
         process["capabilities"] = {k: list(caps) for k in ("bounding", "effective", "permitted")}
@@ -161,6 +196,8 @@ def bundle(tmp_path: Path, *, uid: int = 0, gid: int = 0, caps: list[str] | None
     path = tmp_path / name
     (path / "rootfs").mkdir(parents=True, exist_ok=True)
     config = {"ociVersion": "1.2.0", "process": process, "root": {"path": "rootfs"}, "linux": linux or {}}
+    if mounts is not None:
+        config["mounts"] = mounts
     (path / "config.json").write_text(json.dumps(config))
     return Bundle.load(str(path))
 
@@ -217,7 +254,8 @@ def test_unreadable_images_are_refused_not_skipped(tmp_path):
 def test_garbage_images_are_refused_as_invalid(tmp_path):
     images = root_all_caps(tmp_path)
     pstree = os.path.join(images, "pstree.img")
-    head = open(pstree, "rb").read()[:8]  # the magic words
+    with open(pstree, "rb") as fh:
+        head = fh.read()[:8]  # the magic words
     for entry in (b"\x0a\x02\x01\x02",   # pid (field 1) as bytes, not a varint
                   b"\x08\xff\xff",       # a truncated varint
                   b"\x0b\x00"):           # wire type 3 (groups): not in CRIU's images
@@ -393,12 +431,13 @@ def test_read_only_root(tmp_path):
     images = ro.write()
     assert "writable layer changes the root filesystem (/etc/new.conf, deletes /etc/old.conf)" in \
         str(refused(images, b, rootfs_changes=lambda: ["/etc/new.conf", "deletes /etc/old.conf"]))
-    passes(images, b, rootfs_changes=lambda: [])
+    passes(images, b, rootfs_changes=list)
 
 
 def test_layer_changes_leave_out_directories(tmp_path):
     with tarfile.open(tmp_path / rootfs.DIFF_TAR, "w") as tar:
-        for name, kind in (("etc", tarfile.DIRTYPE), ("etc/app.conf", tarfile.REGTYPE), ("run/secrets", tarfile.DIRTYPE)):
+        for name, kind in (("etc", tarfile.DIRTYPE), ("etc/app.conf", tarfile.REGTYPE),
+                           ("run/secrets", tarfile.DIRTYPE)):
             ti = tarfile.TarInfo(name)
             ti.type = kind
             tar.addfile(ti, io.BytesIO(b""))
@@ -413,8 +452,235 @@ def test_masked_and_read_only_paths_must_be_in_the_mount_table(tmp_path):
     assert "leaves /proc/cpuinfo unmasked but the container masks it (linux.maskedPaths)" in text
     assert "leaves /proc/sys writable but the container makes it read-only (linux.readonlyPaths)" in text
     assert "no-such-file" not in text  # runc skips a path the container does not have
-    im = Images(tmp_path / "masked").proc().mount("/proc/cpuinfo", False).mount("/proc/sys", True)
+    im = Images(tmp_path / "masked").proc().mount("/proc/cpuinfo", False, fs=TMPFS, ext_key="/dev/null")
+    im.mount("/proc/sys", True)
     passes(im.write(), b)
+
+
+# -- mounts: the images' mount table against the bundle's (issue 27 item 1) -------------------------------
+RO = ["nosuid", "noexec", "nodev", "ro"]
+RUNC_MOUNTS = [{"destination": "/proc", "type": "proc", "source": "proc"},
+               {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
+               {"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "newinstance"]},
+               {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "nodev"]},
+               {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid"]},
+               {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": RO},
+               {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": [*RO, "relatime"]}]
+RUNC_LINUX = {"maskedPaths": ["/proc/kcore", "/sys/firmware"], "readonlyPaths": ["/proc/sys"]}
+DEFAULT_ROOT = creds(0, 0, words(DEFAULT))  # runc's default spec: root with runc's default capabilities
+
+
+def runc_bundle(tmp_path: Path, name: str = "runc", *, mounts: list[dict] | None = None, **linux) -> Bundle:
+    """runc's default spec: its mounts (/sys and /sys/fs/cgroup read-only), masked and read-only paths."""
+    return bundle(tmp_path, caps=DEFAULT, name=name, mounts=RUNC_MOUNTS if mounts is None else mounts,
+                  linux={**RUNC_LINUX, **linux})
+
+
+def runc_images(tmp_path: Path, name: str = "images", **kw) -> Images:
+    return Images(tmp_path / name).proc(1, {1: DEFAULT_ROOT}).runc_mounts(**kw)
+
+
+def test_runcs_own_mount_table_restores_into_an_equal_or_stricter_but_compatible_bundle(tmp_path):
+    images = runc_images(tmp_path).write()
+    passes(images, runc_bundle(tmp_path))
+    # fewer mounts: no /dev/shm nor /dev/mqueue (CRIU brings back a fresh tmpfs and mqueue holding only
+    # the checkpoint's own files, which the process could make itself)
+    fewer = [m for m in RUNC_MOUNTS if m["destination"] not in ("/dev/shm", "/dev/mqueue")]
+    passes(images, runc_bundle(tmp_path, "fewer", mounts=fewer))
+
+
+def test_sys_read_write_is_refused_by_a_read_only_sys(tmp_path):
+    images = runc_images(tmp_path, sys_ro=False).write()
+    assert str(refused(images, runc_bundle(tmp_path))).startswith(
+        "checkpoint ck: the mount table in its images has /sys (sysfs) read-write but the container makes it "
+        "read-only (mounts)")
+    rw = [{**m, "options": ["nosuid"]} if m["destination"] == "/sys" else m for m in RUNC_MOUNTS]
+    passes(images, runc_bundle(tmp_path, "sysrw", mounts=rw))  # what the source itself had
+
+
+def test_cgroup_read_write_is_refused_by_a_read_only_cgroup_mount(tmp_path):
+    # cgroup v1: each controller bound from the node, writable: the container could raise its own limits
+    text = str(refused(runc_images(tmp_path, cgroup_ro=False).write(), runc_bundle(tmp_path)))
+    assert "the mount table in its images has /sys/fs/cgroup/memory (cgroup) read-write but the container makes it " \
+           "read-only (mounts) (and 2 more like it)" in text
+    v2 = Images(tmp_path / "v2").proc(1, {1: DEFAULT_ROOT}).mount("/sys/fs/cgroup", False, fs=CGROUP2)
+    assert "has /sys/fs/cgroup (cgroup2) read-write" in str(refused(v2.write(), runc_bundle(tmp_path, "v2b")))
+    # a controller the bundle's cgroup mount does not make (a fresh mount elsewhere, or not a cgroup)
+    odd = runc_images(tmp_path, "odd").mount("/sys/fs/cgroup/x", True, fs=PROC)
+    assert "has proc mounted at /sys/fs/cgroup/x that the container does not declare (mounts)" in \
+        str(refused(odd.write(), runc_bundle(tmp_path, "odd")))
+
+
+def test_an_extra_procfs_is_refused(tmp_path):
+    # /mnt/proc/sys/kernel/core_pattern open for writing while /proc/sys is read-only: root on the node
+    images = runc_images(tmp_path).mount("/mnt/proc", False, fs=PROC).write()
+    assert str(refused(images, runc_bundle(tmp_path))).startswith(
+        "checkpoint ck: the mount table in its images has proc mounted at /mnt/proc that the container does not "
+        "declare (mounts)")
+    for name, decl in (("tmpfs", {"type": "tmpfs", "source": "tmpfs"}),
+                       ("bind", {"type": "bind", "source": str(tmp_path), "options": ["rbind"]})):
+        b = runc_bundle(tmp_path, name, mounts=[*RUNC_MOUNTS, {"destination": "/mnt/proc", **decl}])
+        assert f"has proc mounted at /mnt/proc where the container declares {name} (mounts)" in str(refused(images, b))
+    b = runc_bundle(tmp_path, "proc", mounts=[*RUNC_MOUNTS, {"destination": "/mnt/proc", "type": "proc"}])
+    passes(images, b)
+
+
+def test_binds_come_from_the_bundle_and_keep_its_read_only(tmp_path):
+    data = {"destination": "/data", "type": "bind", "source": str(tmp_path), "options": ["rbind", "ro"]}
+    images = runc_images(tmp_path).mount("/data", False, fs=0, ext_key="/data").write()
+    assert "has /data (fstype 0) read-write but the container makes it read-only (mounts)" in \
+        str(refused(images, runc_bundle(tmp_path, mounts=[*RUNC_MOUNTS, data])))
+    rw = {**data, "options": ["rbind"]}
+    passes(images, runc_bundle(tmp_path, "rw", mounts=[*RUNC_MOUNTS, rw]))
+    # a bind whose key is another destination: CRIU would put that source here
+    other = runc_images(tmp_path, "other").mount("/data", False, fs=0, ext_key="/etc").write()
+    assert "has fstype 0 mounted at /data where the container declares bind (mounts)" in \
+        str(refused(other, runc_bundle(tmp_path, "other", mounts=[*RUNC_MOUNTS, rw])))
+    # below a recursive bind: what its source brings along, as a bind, never a kernel filesystem
+    sub = runc_images(tmp_path, "sub").mount("/data", False, fs=0, ext_key="/data").mount("/data/v", False, fs=0)
+    passes(sub.write(), runc_bundle(tmp_path, "sub", mounts=[*RUNC_MOUNTS, rw]))
+    flat = {**rw, "options": ["bind"]}
+    assert "has fstype 0 mounted at /data/v that the container does not declare (mounts)" in \
+        str(refused(sub.write(), runc_bundle(tmp_path, "flat", mounts=[*RUNC_MOUNTS, flat])))
+    sub.mount("/data/p", False, fs=PROC)
+    b = runc_bundle(tmp_path, "sub2", mounts=[*RUNC_MOUNTS, rw])
+    assert "has proc mounted at /data/p that the container does not declare (below the recursive bind at /data, " \
+           "not as a bind) (mounts)" in str(refused(sub.write(), b))
+
+
+def test_a_destination_is_matched_through_the_root_filesystems_symlinks(tmp_path):
+    b = runc_bundle(tmp_path, mounts=[*RUNC_MOUNTS, {"destination": "/var/run/secrets", "type": "bind",
+                                                     "source": str(tmp_path), "options": ["rbind", "ro"]}])
+    (Path(b.rootfs) / "var").mkdir()
+    (Path(b.rootfs) / "var" / "run").symlink_to("/run")  # as in many images: runc mounts at /run/secrets
+    im = runc_images(tmp_path).mount("/run/secrets", True, fs=0, ext_key="/var/run/secrets")
+    passes(im.write(), b)
+
+
+def test_masked_and_read_only_paths_are_runcs_own_mounts_only(tmp_path):
+    b = runc_bundle(tmp_path)
+    im = runc_images(tmp_path).mount("/proc/kcore", False, fs=PROC)  # a procfs over the mask
+    assert "has proc mounted at /proc/kcore where the container masks the path (linux.maskedPaths)" in \
+        str(refused(im.write(), b))
+    im = runc_images(tmp_path, "ro").mount("/proc/sys", True, fs=SYSFS)
+    assert "has sysfs mounted at /proc/sys where the container only remounts the path read-only " \
+           "(linux.readonlyPaths)" in str(refused(im.write(), b))
+
+
+def test_device_binds_are_runcs_and_the_table_must_exist(tmp_path):
+    b = runc_bundle(tmp_path)
+    passes(runc_images(tmp_path).mount("/dev/null", False, fs=DEVTMPFS, ext_key="/dev/null").write(), b)
+    fresh = runc_images(tmp_path, "fresh").mount("/dev/null", False, fs=DEVTMPFS)  # every device of the node
+    assert "has devtmpfs mounted at /dev/null where runc binds the device node (linux.devices)" in \
+        str(refused(fresh.write(), b))
+    sda = runc_images(tmp_path, "sda").mount("/dev/sda", False, fs=DEVTMPFS, ext_key="/dev/sda")
+    assert "has devtmpfs mounted at /dev/sda that the container does not declare (mounts)" in \
+        str(refused(sda.write(), b))
+    none = Images(tmp_path / "none").proc(1, {1: DEFAULT_ROOT})
+    none.mounts = []
+    assert "its images record no mount table of its own" in str(refused(none.write(), b))
+
+
+def test_a_nested_mount_namespace_is_compared_too(tmp_path):
+    im = runc_images(tmp_path).proc(2, {2: DEFAULT_ROOT}, mnt_ns=10)
+    im.nested = [Images._mnt(900, "/", 0), Images._mnt(901, "/mnt/proc", 0, PROC)]
+    assert "has proc mounted at /mnt/proc that the container does not declare (mounts)" in \
+        str(refused(im.write(), runc_bundle(tmp_path)))
+
+
+def test_a_bundle_that_restricts_nothing_may_receive_any_mount(tmp_path):
+    # root with every capability in the node's user namespace, no seccomp, no LSM: it could mount a
+    # procfs or remount /sys read-write itself; its images are not read
+    images = runc_images(tmp_path, sys_ro=False).mount("/mnt/proc", False, fs=PROC).write()
+    assert passes(images, bundle(tmp_path, mounts=RUNC_MOUNTS)).notes == \
+        ["the container restricts nothing: nothing compared"]
+
+
+# -- user namespace (issue 27 item 2) ------------------------------------------------------------------
+USERNS = {"namespaces": [{"type": "pid"}, {"type": "mount"}, {"type": "user"}],
+          "uidMappings": [{"containerID": 0, "hostID": 100000, "size": 65536}],
+          "gidMappings": [{"containerID": 0, "hostID": 100000, "size": 65536}]}
+MAP = [{"first": 0, "lower_first": 100000, "count": 65536}]
+
+
+def test_a_user_namespace_bundle_needs_images_with_its_mappings(tmp_path):
+    b = runc_bundle(tmp_path, **USERNS)
+    assert not rp.unrestricted(Grants.of(bundle(tmp_path, linux=USERNS, name="all")))  # all caps, but mapped
+    # the issue's case: a checkpoint from the node's user namespace would run as the node's root
+    assert str(refused(runc_images(tmp_path).write(), b)).startswith(
+        "checkpoint ck: its processes ran in the node's user namespace (CRIU would restore them there) but the "
+        "container asks for a user namespace mapping uids 0->100000 (65536) (linux.namespaces)")
+    same = runc_images(tmp_path, "same")
+    same.userns = {"uid_map": MAP, "gid_map": MAP}
+    passes(same.write(), b)
+    assert criu_tasks.read(same.write()).userns == (((0, 100000, 65536),), ((0, 100000, 65536),))
+    other = runc_images(tmp_path, "other")
+    other.userns = {"uid_map": MAP, "gid_map": [{"first": 0, "lower_first": 0, "count": 1}]}
+    assert "its images record a user namespace mapping gids 0->0 (1) (CRIU recreates it so) but the container " \
+           "maps 0->100000 (65536) (linux.gidMappings)" in str(refused(other.write(), b))
+
+
+def test_a_checkpoint_made_in_a_user_namespace_needs_one_in_the_bundle(tmp_path):
+    im = runc_images(tmp_path)
+    im.userns = {"uid_map": MAP, "gid_map": MAP}
+    assert "its images record a user namespace mapping uids 0->100000 (65536) that the container does not ask " \
+           "for" in str(refused(im.write(), runc_bundle(tmp_path)))
+    host = [{"first": a, "lower_first": b, "count": c} for a, b, c in rp._host_map("uid_map")]
+    im = runc_images(tmp_path, "host")
+    im.userns = {"uid_map": host, "gid_map": [{"first": a, "lower_first": b, "count": c}
+                                              for a, b, c in rp._host_map("gid_map")]}
+    passes(im.write(), runc_bundle(tmp_path, "host"))  # the node's own ids: nothing changes meaning
+
+
+def test_a_user_namespace_joined_by_path_is_compared_by_its_maps(tmp_path):
+    joined = {"namespaces": [{"type": "user", "path": "/proc/self/ns/user"}]}  # this process's: the node's
+    im = runc_images(tmp_path)
+    im.userns = {"uid_map": MAP, "gid_map": MAP}
+    assert "(linux.uidMappings)" in str(refused(im.write(), runc_bundle(tmp_path, **joined)))
+
+
+# -- rlimits, oom_score_adj, securebits (issue 27 "the rest") -------------------------------------------
+NOFILE = 7
+
+
+def test_rlimits_above_the_bundles_are_refused(tmp_path):
+    b = runc_bundle(tmp_path, name="lim")
+    b.config["process"]["rlimits"] = [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}]
+    im = Images(tmp_path / "high").proc(1, {1: DEFAULT_ROOT}, rlimits={NOFILE: 1048576}).runc_mounts()
+    assert "process 1 (app) has RLIMIT_NOFILE hard limit 1048576 but the container sets 1024 (process.rlimits)" \
+        in str(refused(im.write(), b))
+    im = Images(tmp_path / "eq").proc(1, {1: DEFAULT_ROOT}, rlimits={NOFILE: 1024}).runc_mounts()
+    assert criu_tasks.read(im.write()).threads[0].rlimits_max[NOFILE] == 1024
+    passes(im.write(), b)
+    none = runc_images(tmp_path, "none")  # no rlimits recorded: CRIU would leave its own
+    assert "has RLIMIT_NOFILE no limit recorded" in str(refused(none.write(), b))
+    b.config["process"]["capabilities"]["permitted"].append("CAP_SYS_RESOURCE")
+    b.config["process"]["capabilities"]["bounding"].append("CAP_SYS_RESOURCE")
+    passes(Images(tmp_path / "high2").proc(1, {1: creds(0, 0, words([*DEFAULT, "CAP_SYS_RESOURCE"]))},
+                                           rlimits={NOFILE: 1048576}).runc_mounts().write(), b)  # it may raise them
+
+
+def test_a_lower_oom_score_adj_is_refused(tmp_path):
+    b = runc_bundle(tmp_path, name="oom")
+    b.config["process"]["oomScoreAdj"] = 0
+    im = Images(tmp_path / "low").proc(1, {1: DEFAULT_ROOT}, oom=-999).runc_mounts()
+    assert "process 1 (app) has oom_score_adj -999 but the container sets 0 (the OOM killer would spare it at the " \
+           "others' expense) (process.oomScoreAdj)" in str(refused(im.write(), b))
+    assert criu_tasks.read(im.write()).threads[0].oom_score_adj == -999  # a negative int32, as CRIU writes it
+    passes(Images(tmp_path / "high").proc(1, {1: DEFAULT_ROOT}, oom=500).runc_mounts().write(), b)
+
+
+def test_securebits_that_keep_capabilities_are_refused(tmp_path):
+    b = runc_bundle(tmp_path, name="sb", mounts=RUNC_MOUNTS)
+    b.config["process"]["capabilities"] = {k: [c for c in DEFAULT if c != "CAP_SETPCAP"]
+                                           for k in ("bounding", "effective", "permitted")}
+    fixup = creds(0, 0, words([c for c in DEFAULT if c != "CAP_SETPCAP"]))
+    fixup["secbits"] = 1 << 2  # SECBIT_NO_SETUID_FIXUP
+    im = Images(tmp_path / "fixup").proc(1, {1: fixup}).runc_mounts()
+    assert "has securebit SECBIT_NO_SETUID_FIXUP (keeps its capabilities across a change of uid), which runc never " \
+           "sets and the container cannot set without CAP_SETPCAP (securebits)" in str(refused(im.write(), b))
+    fixup["secbits"] = 0b11 | 1 << 4  # NOROOT and its lock, KEEP_CAPS: take away, or a process sets it itself
+    passes(Images(tmp_path / "noroot").proc(1, {1: fixup}).runc_mounts().write(), b)
 
 
 # -- the restore path: refused before anything is touched ----------------------------------------------
@@ -505,7 +771,8 @@ def test_migrt_runc_restore_is_refused_when_the_tasks_hold_more(migrt_env, monke
     rc, log = _shim_restore(monkeypatch, tmp_path, images, restricted(tmp_path))
     assert rc == 8
     msg = json.loads(log.read_text().splitlines()[-1])["msg"]
-    assert msg.startswith(f"migrt: checkpoint {images}: process 1 (sh) runs as uid 0 but the container asks for uid 1000")
+    assert msg.startswith(f"migrt: checkpoint {images}: process 1 (sh) runs as uid 0 but the container asks for "
+                          "uid 1000")
     argv, _ = _shim_restore(monkeypatch, tmp_path, images, bundle(tmp_path, caps=ALL, name="broad"))
     assert argv[argv.index("restore"):] == ["restore", "--detach", "--image-path", images, "--work-path",
                                             str(tmp_path / "work"), "--bundle", str(tmp_path / "broad"), "c1"]
