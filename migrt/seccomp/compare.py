@@ -102,6 +102,8 @@ class Comparer:
         self._profile: dict[int | None, _Index] = {}
         self._cache: dict[tuple, Weaker | None] = {}
         self._regions: dict[tuple[bytes, int | None], list[Path]] = {}
+        self._heads: dict[bytes, bool] = {}
+        self._body_ok: bool | None = None
 
     def _profile_regions(self, arch: int | None) -> _Index:
         if arch not in self._profile:
@@ -113,17 +115,24 @@ class Comparer:
         as the profile's stub does (where one of them hands over to libseccomp's program the
         other must too, unless its own answer is the strictest or the other's is ALLOW)?"""
         c = self._compiled
-        if c is None or not raw.endswith(c.body) or (len(raw) - len(c.body)) % 8 or not _self_contained(c.body):
+        if c is None or not raw.endswith(c.body) or (len(raw) - len(c.body)) % 8:
+            return False
+        if self._body_ok is None:
+            self._body_ok = _self_contained(c.body)
+        if not self._body_ok:
             return False
         head = raw[:len(raw) - len(c.body)]
         if not head or not c.stub:
             return not head and not c.stub
-        try:
-            mine = decode(head)
-            return all(_same_answers(paths(mine, inputs(a), defer_at=len(mine)),
-                                     paths(c.stub, inputs(a), defer_at=len(c.stub))) for a in self.arches)
-        except (BpfError, Uncomparable):
-            return False
+        if head not in self._heads:
+            try:
+                mine = decode(head)
+                self._heads[head] = all(_same_answers(paths(mine, inputs(a), defer_at=len(mine)),
+                                                      paths(c.stub, inputs(a), defer_at=len(c.stub)))
+                                        for a in self.arches)
+            except (BpfError, Uncomparable):
+                self._heads[head] = False
+        return self._heads[head]
 
     def weaker(self, stack: Sequence[tuple[bytes, Sequence[Insn]]]) -> Weaker | None:
         """The first input where `stack` ((raw bytes, program) of each filter) is weaker; None
