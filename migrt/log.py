@@ -21,40 +21,44 @@ import os
 import sys
 import threading
 
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    from typing import Any
+
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 
 class Logger:
     """A bound logger: debug/info/warning/error/exception(event, **fields), bind(**context)."""
 
-    def __init__(self, sink: _Sink, context: dict, min_level: int) -> None:
+    def __init__(self, sink: _Sink, context: dict[str, Any], min_level: int) -> None:
         self._sink, self._context, self._min = sink, context, min_level
 
-    def bind(self, **context) -> Logger:
+    def bind(self, **context: Any) -> Logger:
         return Logger(self._sink, {**self._context, **context}, self._min)
 
-    def _log(self, level: str, event: str, fields: dict) -> None:
+    def _log(self, level: str, event: str, fields: dict[str, Any]) -> None:
         if _LEVELS[level] < self._min:
             return
         record = {**self._context, **fields, "event": event, "level": level,
                   "timestamp": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
         self._sink.write(json.dumps(record, default=repr))
 
-    def debug(self, event: str, **fields) -> None:
+    def debug(self, event: str, **fields: Any) -> None:
         self._log("debug", event, fields)
 
-    def info(self, event: str, **fields) -> None:
+    def info(self, event: str, **fields: Any) -> None:
         self._log("info", event, fields)
 
-    def warning(self, event: str, **fields) -> None:
+    def warning(self, event: str, **fields: Any) -> None:
         self._log("warning", event, fields)
 
     warn = warning
 
-    def error(self, event: str, **fields) -> None:
+    def error(self, event: str, **fields: Any) -> None:
         self._log("error", event, fields)
 
-    def exception(self, event: str, **fields) -> None:
+    def exception(self, event: str, **fields: Any) -> None:
         if sys.exc_info()[0] is not None:
             import traceback  # only when there is one to write (1 ms of every migrt-runc start)
 

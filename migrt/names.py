@@ -9,10 +9,13 @@ name a container, so a refused one never hides a real container. Stdlib only."""
 from __future__ import annotations
 
 import re
-from typing import TypeGuard
 
 from migrt.errors import InvalidName
 from migrt.text import printable
+
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    from typing import TypeGuard
 
 MAX_LEN = 128
 _NAME = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,126}[a-z0-9])?$")

@@ -4,18 +4,19 @@ python3-pycriu; when it is missing the caller gets an 'error' field instead of a
 from __future__ import annotations
 
 import os
+from typing import Any
 
 PAGE = 4096
 
 
-def _load(images: str, name: str):
+def _load(images: str, name: str) -> Any:  # pycriu's decoded entries
     import pycriu
 
     with open(os.path.join(images, name), "rb") as fh:
         return pycriu.images.load(fh)["entries"]
 
 
-def inspect_images(images: str) -> dict:
+def inspect_images(images: str) -> dict[str, Any]:
     try:
         import pycriu  # noqa: F401
     except ImportError as exc:
@@ -56,7 +57,7 @@ def inspect_images(images: str) -> dict:
     return {"processes": procs, "dumped_bytes": total}
 
 
-def _fds(images: str, pid: int, files: dict) -> list[dict]:
+def _fds(images: str, pid: int, files: dict[int, Any]) -> list[dict[str, Any]]:
     try:
         ids = _load(images, f"ids-{pid}.img")[0]
         fdinfo = _load(images, f"fdinfo-{ids['files_id']}.img")

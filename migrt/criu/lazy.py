@@ -31,7 +31,8 @@ import os
 import resource
 import subprocess
 
-from migrt.criu.version import criu_binary, run_query
+from migrt.criu.binary import criu_binary
+from migrt.criu.version import run_query
 from migrt.errors import PreconditionFailed
 
 
@@ -91,7 +92,7 @@ def _has_cap(bit: int) -> bool:
 
 
 NO_PIPES_ENV = "MIGRT_CRIU_LAZY_NO_PIPES"  # the patch's switch (runtime/control.py sets it for every lazy dump)
-_unpiped: dict[tuple, bool] = {}
+_unpiped: dict[tuple[str, int, int], bool] = {}
 
 
 def unpiped_lazy_dump(criu: str | None = None) -> bool:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    from typing import Any
+
 
 @dataclass(frozen=True)
 class CriuOptions:
@@ -21,7 +25,7 @@ class CriuOptions:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> CriuOptions:
+    def from_dict(cls, data: dict[str, Any] | None) -> CriuOptions:
         data = data or {}
         return cls(**{f.name: bool(data.get(f.name, False)) for f in fields(cls)})
 

@@ -16,7 +16,7 @@ MIN_RUNC = (1, 1)
 MIN_CONTAINERD = (1, 6)
 
 
-def run_query(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run_query(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """A CRIU query (`criu check`, `--version`...), run from an empty private directory removed
     afterwards: CRIU reads the node's config files (/etc/criu/default.conf, CRIU_CONFIG_FILE), and a
     relative `log-file` there (runc's test suite leaves `log-file=runc-criu-log-XXXXXX.log`) would be

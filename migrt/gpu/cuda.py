@@ -137,7 +137,7 @@ for _s in (CUcheckpointLockArgs, CUcheckpointCheckpointArgs, CUcheckpointRestore
 assert ctypes.sizeof(CUcheckpointGpuPair) == 32
 
 
-def _gpu_pairs(remap: Remap) -> ctypes.Array:
+def _gpu_pairs(remap: Remap) -> ctypes.Array[CUcheckpointGpuPair]:
     pairs = (CUcheckpointGpuPair * len(remap))()
     for i, (old, new) in enumerate(remap):
         if len(old) != 16 or len(new) != 16:

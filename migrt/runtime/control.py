@@ -19,6 +19,10 @@ from migrt.errors import RuntimeFailed
 from migrt.runtime import stop
 from migrt.runtime.runc import _last_runc_error
 
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    from typing import Any
+
 PS_IOV_CLOSE = 0x1023  # criu/page-xfer.c
 
 
@@ -55,7 +59,7 @@ def _raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-class PagePort(tuple):
+class PagePort(tuple[str, int]):
     """(host, port) for CRIU's lazy page server, reserved for it until release(): a socket of ours
     stays bound there with SO_REUSEADDR and never listens. The kernel then hands that port to no other
     socket (no bind to port 0, no connect()'s local port, no plain bind), while CRIU's own socket,
@@ -91,7 +95,7 @@ def loopback_page_server() -> PagePort:
     return PagePort(s)
 
 
-def criu_config_env(env: dict | None, work_path: str, lines: list[str], name: str) -> dict:
+def criu_config_env(env: dict[str, Any] | None, work_path: str, lines: list[str], name: str) -> dict[str, Any]:
     """The environment for runc and its CRIU with CRIU_CONFIG_FILE naming `<work_path>/<name>`, which
     holds `lines` after those of the file the environment already named (carried over, first). CRIU
     reads that file after its global config and before the RPC options, in swrk mode too (runc passes
@@ -114,7 +118,7 @@ def criu_config_env(env: dict | None, work_path: str, lines: list[str], name: st
     return {**base, "CRIU_CONFIG_FILE": path}
 
 
-def criu_address_env(env: dict | None, host: str, work_path: str) -> dict:
+def criu_address_env(env: dict[str, Any] | None, host: str, work_path: str) -> dict[str, Any]:
     """The environment for runc and its CRIU, with CRIU_CONFIG_FILE saying `address HOST`. CRIU's RPC
     service takes only the port of a lazy dump's page server (cr-service.c ignores the address when
     lazy_pages is set), so its page server listened on every address of the node."""
@@ -141,7 +145,7 @@ class LazyCheckpoint:
     running copies), so the caller decides: destroy it on success, resume it on failure."""
 
     def __init__(self, runtime: str, root: str, cid: str, *, image_path: str, work_path: str,
-                 options: CriuOptions, page_server: tuple[str, int], env: dict | None = None) -> None:
+                 options: CriuOptions, page_server: tuple[str, int], env: dict[str, Any] | None = None) -> None:
         self.cid = cid
         self.work_path = work_path
         self.log = os.path.join(work_path, "runc.log")

@@ -11,6 +11,10 @@ import os
 
 from migrt import names
 
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    from typing import Any
+
 MARKER = "migrt-restored"
 # Beside it, for a container created with GPU release on pause (migrt/ops/gpu_pause.py): the shim's
 # pause/resume test, one stat on the fast path.
@@ -41,7 +45,7 @@ def is_restored(root: str, container_id: str) -> bool:
     return os.path.isfile(marker_path(root, container_id))
 
 
-def write_marker(root: str, container_id: str, info: dict) -> None:
+def write_marker(root: str, container_id: str, info: dict[str, Any]) -> None:
     path = marker_path(root, container_id)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as fh:
