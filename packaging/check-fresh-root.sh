@@ -9,10 +9,13 @@
 #  3. the node payload: this host builds it (build-payload.sh image, cached in $MIGRT_PAYLOAD_CACHE,
 #     default /var/cache/migrt/payload) and hands it in as MIGRT_PAYLOAD, or MIGRT_PAYLOAD=FILE names
 #     one; MIGRT_CHECK_BUILD_IN_ROOT=1 hands none in, so setup-host.sh builds it inside the root;
-#  4. in a mount namespace of its own (nothing leaks onto the host): ROOT bound onto itself (runc's
-#     pivot_root needs a root that is a mount point), /proc mounted, /sys and /dev bound, a tmpfs on
-#     /run; then chroot ROOT: base-check.sh record, `sh scripts/demo.sh` from the clone (it must print
-#     its RESULT line), base-check.sh compare (no installed package may change version);
+#  4. in a mount namespace of its own (nothing leaks onto the host): ROOT bound onto itself, /proc
+#     mounted, /sys and /dev bound, a tmpfs on /run, then ROOT made the namespace's root with
+#     pivot_root (as a container engine does), not chroot: CRIU checkpoints a container only when the
+#     tasks' root sits at their mount namespace's root ("The root task has another root than mntns"
+#     otherwise, from a chroot or a bind mount entered with chroot). There: base-check.sh record,
+#     `sh scripts/demo.sh` from the clone (it must print its RESULT line), base-check.sh compare (no
+#     installed package may change version);
 #  5. ROOT removed (MIGRT_CHECK_KEEP=1 keeps it). Prints each step's time; exit 0 when all passed.
 set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -60,7 +63,11 @@ unshare --mount --propagation private sh -eu -c '
     mount --rbind /sys "$r/sys"
     mount --rbind /dev "$r/dev"
     mount -t tmpfs -o mode=0755 tmpfs "$r/run"
-    exec chroot "$r" env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 "$@"
+    cd "$r"
+    pivot_root . mnt
+    cd /
+    umount -l /mnt
+    exec env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 "$@"
 ' fresh "$root" sh -c '
     cd /root/migrt
     sh packaging/base-check.sh record /root/base.txt

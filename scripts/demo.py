@@ -86,6 +86,11 @@ def main() -> int:
                              capture_output=True, text=True)
         if res.returncode != 0:
             print(res.stderr, file=sys.stderr)
+            if "another root than mntns" in res.stderr:
+                print("demo: this root was entered with chroot: CRIU checkpoints a container only where the tasks' "
+                      "root is their mount namespace's root. Run the demo in a container (e.g. debian:12), or enter "
+                      "the root with pivot_root in a mount namespace of its own (packaging/check-fresh-root.sh).",
+                      file=sys.stderr)
             return 1
         info = json.loads(res.stdout)
         stopped_at = ticks(log1)[-1]
