@@ -59,8 +59,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from migrt import jsonsafe
-
 DEFAULT_DIR = "/run/migrt/hooks"
 DIR_ENV = "MIGRT_HOOK_DIR"
 VERSION = 1
@@ -94,7 +92,7 @@ class AppHook:
         self._down = False  # on_checkpoint ran, on_restore not yet
 
     # -- setting up --------------------------------------------------------------------------------
-    def start(self) -> "AppHook":
+    def start(self) -> AppHook:
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         if os.path.lexists(self.path):
             self._clear_stale()
@@ -142,7 +140,7 @@ class AppHook:
                 continue
             try:
                 request = _read_request(conn)
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):  # any process of the container may connect
                 conn.close()
                 continue
             request["_received"] = time.monotonic()
@@ -211,7 +209,7 @@ def _read_request(conn: socket.socket, limit: int = 65536) -> dict:
             break
         buf += chunk
     conn.settimeout(None)
-    data = jsonsafe.loads(buf.split(b"\n", 1)[0] or b"{}", max_bytes=limit)  # a process of the container may ask too
+    data = json.loads(buf.split(b"\n", 1)[0] or b"{}")  # at most `limit` bytes: RecursionError at worst
     if not isinstance(data, dict):
         raise ValueError("request is not an object")
     return data

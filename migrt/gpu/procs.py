@@ -10,8 +10,9 @@ which is what lets CRIU dump it.
 
 from __future__ import annotations
 
-import json
 import os
+
+from migrt import jsonsafe, names
 
 
 def _read(path: str) -> str | None:
@@ -204,11 +205,11 @@ def cuda_pids(pids: list[int], *, live: bool = True) -> list[int]:
 
 def runc_state(root: str, container_id: str) -> dict | None:
     """runc's own state file (<root>/<id>/state.json): init_process_pid without running runc."""
-    if not container_id or "/" in container_id or container_id in (".", ".."):
+    if not names.is_container_id(container_id):
         return None
     text = _read(os.path.join(root, container_id, "state.json"))
     try:
-        data = json.loads(text) if text else None
+        data = jsonsafe.loads(text) if text else None
     except ValueError:
         return None
     return data if isinstance(data, dict) else None

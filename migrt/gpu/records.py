@@ -14,6 +14,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from migrt import jsonsafe
 from migrt.gpu import procs
 
 if TYPE_CHECKING:  # annotations only: the restore path reads HANDLED_ENV without loading the inventory
@@ -72,7 +73,7 @@ def read_image_file(image_dir: str) -> dict | None:
     """The section of an image directory, None if it has none (not a GPU checkpoint)."""
     try:
         with open(os.path.join(image_dir, IMAGE_FILE), encoding="utf-8") as fh:
-            data = json.load(fh)
+            data = jsonsafe.load(fh)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:

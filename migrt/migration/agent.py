@@ -34,7 +34,6 @@ Records of pods that have gone are swept every minute.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import threading
@@ -42,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from migrt import jsonsafe
 from migrt import log as log_mod
 from migrt.config import Config
 from migrt.errors import Conflict, PreconditionFailed, UsageError
@@ -82,7 +82,7 @@ def _running(runtime: LowerRuntime, root: str, cid: str) -> bool:
 def _state_bundle(root: str, cid: str) -> Bundle | None:
     try:
         with open(os.path.join(root, cid, "state.json"), encoding="utf-8") as fh:
-            return Bundle.of_state(json.load(fh))
+            return Bundle.of_state(jsonsafe.load(fh))
     except (OSError, ValueError):
         return None
 

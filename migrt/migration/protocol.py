@@ -31,8 +31,9 @@ import hmac
 import json
 import struct
 
-from migrt import trust
+from migrt import jsonsafe, trust
 from migrt.errors import ConfigError, MigrtError
+from migrt.text import printable
 
 PROTOCOL = 2
 HEADER = struct.Struct("!BI")
@@ -93,11 +94,11 @@ def encode(obj: dict) -> bytes:
 
 def decode(raw: bytes) -> dict:
     try:
-        obj = json.loads(raw)
+        obj = jsonsafe.loads(raw, max_bytes=MAX_JSON)  # bounded: ours nest a few levels at most
+    except jsonsafe.JSONRejected as exc:
+        raise TransferError(f"peer sent JSON nested too deeply or too large ({exc.msg})") from exc
     except ValueError as exc:
-        raise TransferError(f"peer sent malformed JSON: {exc}") from exc
-    except RecursionError as exc:  # '[[[[...' past the interpreter's stack (ours nest a few levels at most)
-        raise TransferError("peer sent JSON nested too deeply") from exc
+        raise TransferError(f"peer sent malformed JSON: {printable(exc, 200)}") from exc
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
         raise TransferError("peer sent a message without a type")
     return obj

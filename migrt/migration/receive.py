@@ -23,7 +23,6 @@ seconds (or the filler failed) and they are killed and cleaned up (watchdog.py).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import socket
@@ -33,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from migrt import faults, names
+from migrt import faults, jsonsafe, names
 from migrt.config import Config
 from migrt.criu import lazy as lazy_mod
 from migrt.errors import Conflict, MigrtError, RuntimeFailed, UsageError
@@ -49,7 +48,7 @@ from migrt.ops.restore import RestoreTarget, check_target, restore_checkpoint
 from migrt.pagefill import PageFill
 from migrt.runtime.lower import default_root
 from migrt.runtime.markers import marker_path
-from migrt.runtime.runc import candidate_roots
+from migrt.runtime.runc import LowerRuntime, candidate_roots
 from migrt.store import Store
 from migrt.store import manifest as mf
 from migrt.store.importer import check_relpath, importing
@@ -386,7 +385,7 @@ class Receiver:
         for root in dict.fromkeys([self.root, *candidate_roots(self.cfg.runtime_roots)]):
             try:
                 with open(marker_path(root, cid), encoding="utf-8") as fh:
-                    if json.load(fh).get("checkpoint") != name:
+                    if jsonsafe.load(fh, max_bytes=1 << 20).get("checkpoint") != name:
                         continue
             except (OSError, ValueError, AttributeError):
                 continue
@@ -394,12 +393,7 @@ class Receiver:
         return False
 
     def _alive(self, cid: str, root: str | None = None) -> bool:
-        res = subprocess.run([self.runtime, "--root", root or self.root, "state", cid], capture_output=True, text=True,
-                             timeout=30, check=False)
-        try:
-            return res.returncode == 0 and json.loads(res.stdout).get("status") in ("running", "paused")
-        except ValueError:
-            return False
+        return LowerRuntime(self.runtime).status(root or self.root, cid) in ("running", "paused")
 
     def _page_source(self, msg: dict, ch: Channel) -> dict:
         """Where the filler fetches the pages: always the authenticated peer itself (never an address

@@ -3,10 +3,10 @@ config.json is never rewritten."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
+from migrt import jsonsafe
 from migrt.errors import MigrtError
 
 RESTORE_ENV = "MIGRT_RESTORE"
@@ -59,7 +59,7 @@ class Bundle:
         cfg_path = os.path.join(path, "config.json")
         try:
             with open(cfg_path, "rb") as fh:
-                config = json.load(fh)
+                config = jsonsafe.load(fh)  # bounded: a pod's spec becomes this file
         except FileNotFoundError as exc:
             raise BundleError(f"bundle {path}: config.json not found") from exc
         except (OSError, ValueError) as exc:

@@ -34,6 +34,7 @@ import struct
 import sys
 import time
 
+from migrt import jsonsafe
 from migrt.pagefill import images as images_mod
 from migrt.pagefill.engine import REMOTE_CHUNK, Filler, write_json
 from migrt.pagefill.remote import RemotePages
@@ -209,7 +210,7 @@ class Guard:
             return
         for line in data.decode(errors="replace").splitlines():
             try:
-                msg = json.loads(line)
+                msg = jsonsafe.loads(line, max_bytes=1 << 20)
             except ValueError:
                 continue
             if msg.get("init_pid"):
@@ -350,7 +351,7 @@ class Guard:
             return
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             with open(os.path.join(root, cid, "state.json")) as fh:
-                self.init_pid = int(json.load(fh)["init_process_pid"])
+                self.init_pid = int(jsonsafe.load(fh)["init_process_pid"])
             self.init_pidfd = os.pidfd_open(self.init_pid)
 
     def _kill_container(self) -> bool:
@@ -376,7 +377,7 @@ class Guard:
     def _status(self) -> dict:
         try:
             with open(self.status_path, encoding="utf-8") as fh:
-                return json.load(fh)
+                return jsonsafe.load(fh, max_bytes=1 << 20)
         except (OSError, ValueError):
             return {}
 

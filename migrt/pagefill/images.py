@@ -241,11 +241,11 @@ def first_ranges(images: str) -> dict[int, list[tuple[int, int]]]:
     each checkpointed process's GPU memory, from the checkpoint's GPU record (`processes[].ns_pid`,
     `processes[].gpu_backing`). {} without a record or when it is malformed: an order, never a reason
     to refuse a restore."""
-    import json
+    from migrt import jsonsafe
 
     try:
         with open(os.path.join(images, GPU_RECORD), encoding="utf-8") as fh:
-            record = json.load(fh)
+            record = jsonsafe.load(fh)
     except (OSError, ValueError):
         return {}
     out: dict[int, list[tuple[int, int]]] = {}

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 
+from migrt import jsonsafe
 from migrt.errors import RuntimeFailed
 
 RUN_BASE = "/run/migrt/fill"
@@ -136,7 +137,7 @@ class PageFill:
         run directory then), {"state": "failed", ...} when it did not."""
         try:
             with open(self.status_path, encoding="utf-8") as fh:
-                self._last = json.load(fh)
+                self._last = jsonsafe.load(fh, max_bytes=1 << 20)
         except (OSError, ValueError):
             code = self.proc.poll()
             if code is not None and not os.path.exists(self.status_path):

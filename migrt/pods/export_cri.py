@@ -26,6 +26,7 @@ import os
 import tarfile
 import time
 
+from migrt import jsonsafe
 from migrt.errors import CheckpointInvalid, UsageError
 from migrt.gpu import records
 from migrt.pods import rootfs
@@ -139,7 +140,7 @@ def _rootfs(tar: tarfile.TarFile, ckpt, verify: bool) -> None:
     meta = {}
     if rootfs.DIFF_META in files:
         with open(os.path.join(ckpt.path, rootfs.DIFF_META), "rb") as fh:
-            meta = json.load(fh)
+            meta = jsonsafe.load(fh)
     opaque = [p for p in meta.get("opaque") or [] if isinstance(p, str)]
     deleted = [p for p in meta.get("deleted") or [] if isinstance(p, str)]
     if not opaque:

@@ -18,6 +18,7 @@ import shutil
 import stat
 import tarfile
 
+from migrt import jsonsafe
 from migrt.pods.forked import run_forked
 
 DIFF_TAR = "rootfs-diff.tar"
@@ -170,7 +171,7 @@ def apply(diff_dir: str, rootfs: str, *, strip_setid: bool = False) -> int:
     if not os.path.isfile(tar_path):
         return 0
     with open(meta_path) as fh:
-        meta = json.load(fh)
+        meta = jsonsafe.load(fh)
     return _apply_tar(tar_path, meta, rootfs, f"re-applying the container's writable-layer changes into {rootfs}",
                       strip_setid) + len(meta.get("deleted", []))
 

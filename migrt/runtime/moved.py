@@ -24,6 +24,8 @@ import os
 import re
 import time
 
+from migrt import jsonsafe
+
 PREFIX = ".migrt-moved-"
 SANDBOX_ID = "io.kubernetes.cri.sandbox-id"
 CONTAINER_NAME = "io.kubernetes.cri.container-name"
@@ -79,7 +81,7 @@ def find(root: str, annotations: dict) -> dict | None:
         return None
     try:
         with os.fdopen(fd, encoding="utf-8") as fh:
-            rec = json.load(fh)
+            rec = jsonsafe.load(fh, max_bytes=1 << 20)
     except (OSError, ValueError):
         rec = {}
     return rec if isinstance(rec, dict) else {}

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import time
 from collections.abc import Iterator
 
-from migrt import faults
+from migrt import faults, jsonsafe
 from migrt.store.fsutil import fsync_dir, lock_is_free, open_nofollow, write_json_atomic
 
 DIR = ".journal"
@@ -111,8 +110,8 @@ def recording(store_root: str, op: str, **fields) -> Iterator[Entry]:
 def _read(path: str) -> dict | None:
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError, RecursionError):
+            data = jsonsafe.load(fh, max_bytes=16 << 20)
+    except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 

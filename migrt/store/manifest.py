@@ -23,17 +23,19 @@ reads a newer manifest of the same schema. A manifest from a newer schema is ref
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 
+from migrt import jsonsafe
 from migrt.errors import CheckpointInvalid
 from migrt.store.fsutil import chunk_digests, chunk_record, digest_of, hash_tree, walk_files, write_json_atomic
+from migrt.text import printable
 
 SCHEMA = 1
 MANIFEST = "manifest.json"
 REQUIRED = ("schema", "name", "created", "files")
 CHUNKS = "chunks"
+MAX_BYTES = 64 << 20  # manifest.json read back (bounded JSON): 100,000 files take ~15 MB
 
 
 def chunk_records(files: dict, chunks: dict[str, list[bytes]]) -> dict[str, str]:
@@ -64,9 +66,9 @@ def load(path: str, name: str) -> dict:
         with open(fd, "rb") as fh:
             if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
                 raise CheckpointInvalid(f"checkpoint {name}: manifest.json is not a regular file")
-            data = json.load(fh)
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointInvalid(f"checkpoint {name}: manifest.json is unreadable: {exc}") from exc
+            data = jsonsafe.load(fh, max_bytes=MAX_BYTES)
+    except (OSError, ValueError) as exc:
+        raise CheckpointInvalid(f"checkpoint {name}: manifest.json is unreadable: {printable(exc, 200)}") from exc
     if not isinstance(data, dict):
         raise CheckpointInvalid(f"checkpoint {name}: manifest.json is not a JSON object")
     schema = data.get("schema")

@@ -24,14 +24,13 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator
 
-from migrt import names, trust
+from migrt import jsonsafe, names, trust
 from migrt.errors import CheckpointInvalid, Conflict, MigrtError, NotFound
 from migrt.store import journal
 from migrt.store import manifest as mf
@@ -489,10 +488,10 @@ class Store:
         for entry in _listdir(top):
             path = os.path.join(top, entry)
             note = {}
-            with contextlib.suppress(OSError, ValueError, RecursionError):
+            with contextlib.suppress(OSError, ValueError):
                 fd = os.open(os.path.join(path, "INCOMPLETE.json"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 with open(fd, encoding="utf-8") as fh:
-                    note = json.load(fh)
+                    note = jsonsafe.load(fh, max_bytes=1 << 20)
                 note = note if isinstance(note, dict) else {}
             size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
             out.append({**note, "entry": entry, "path": path, "size_bytes": size})

@@ -13,7 +13,7 @@ import pathlib
 import migrt
 
 PKG = pathlib.Path(migrt.__file__).parent
-FOUNDATION = {"errors", "faults", "log", "names", "progress", "trust", "__init__"}
+FOUNDATION = {"errors", "faults", "log", "names", "progress", "trust", "jsonsafe", "text", "__init__"}
 MECHANISMS = {"runtime", "criu", "gpu", "store", "oci", "pagefill", "pagedump"}
 ALLOWED = {
     # entry points
@@ -34,7 +34,9 @@ ALLOWED = {
     "gpu": FOUNDATION,
     "store": FOUNDATION,
     "oci": FOUNDATION,
-    "errors": set(), "faults": {"errors"}, "log": set(), "names": {"errors"}, "progress": set(), "__init__": set(),
+    "errors": set(), "faults": {"errors"}, "log": set(), "names": {"errors", "text"}, "progress": set(),
+    "__init__": set(),
+    "jsonsafe": set(), "text": set(),  # the bounded JSON reader, the escaping of outside text in messages
     "trust": {"errors"},  # who may own and write the files a node trusts (config, keys, store, runtime)
     "apphook": set(),  # the application hook's client side, copied into apps: standard library only
 }
