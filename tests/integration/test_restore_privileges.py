@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import time
 import uuid
 
@@ -268,3 +270,61 @@ def test_containerds_default_profile_restores_into_the_same_profile(containerd, 
         _remove(containerd, dst)
     err = _refused(containerd, tmp_path, name, migrt_config, seccomp=NO_MKDIR)  # allows mkdir: refused
     assert "may call mkdir, which the container's seccomp profile denies (linux.seccomp)" in err, err
+
+
+THREADS_C = """#include <pthread.h>
+#include <unistd.h>
+static void *spin(void *arg) { for (;;) sleep(1); return arg; }
+int main(void) { pthread_t t; for (int i = 0; i < 3; i++) pthread_create(&t, 0, spin, 0); for (;;) sleep(1); }
+"""
+
+
+def _threaded_spec(ctd, tmp_path, label: str, **kw) -> str:
+    """_spec's bundle running a static program of four threads (/bin/threads in its root)."""
+    binary = tmp_path / "threads"
+    if not binary.exists():
+        (tmp_path / "threads.c").write_text(THREADS_C)
+        subprocess.run(["gcc", "-static", "-O2", "-pthread", "-o", str(binary), str(tmp_path / "threads.c")],
+                       check=True, capture_output=True)
+    path = _spec(ctd, tmp_path, label, **kw)
+    spec = json.loads(open(path).read())
+    shutil.copy(binary, os.path.join(spec["root"]["path"], "bin", "threads"))
+    spec["process"]["args"] = ["/bin/threads"]
+    with open(path, "w") as fh:
+        json.dump(spec, fh)
+    return path
+
+
+def test_a_threaded_process_restores_with_its_filters_on_every_thread(containerd, migrt_config, tmp_path):
+    # CRIU records the shared chain on the leader only, with TSYNC, and no filter on the other threads
+    src = _id("threads")
+    _run(containerd, src, _threaded_spec(containerd, tmp_path, f"src-{src}", caps=[], seccomp=NO_MKDIR))
+    try:
+        before = _status(containerd, src)
+        name = _id("threads-ck")
+        run_cli("checkpoint", src, "--name", name)
+    finally:
+        _remove(containerd, src)
+    assert before["Threads"] == "4" and before["Seccomp"] == "2"
+    images = criu_tasks.read(os.path.join(migrt_config["store"], name, "images"))
+    assert [th.seccomp_mode for th in images.threads] == [2, 0, 0, 0]  # what CRIU wrote
+    dst = _id("dst")
+    res = _run(containerd, dst, _threaded_spec(containerd, tmp_path, f"dst-{dst}", caps=[], seccomp=NO_MKDIR,
+                                               restore=name), check=False)
+    try:
+        assert res.returncode == 0, res.stderr
+        assert _status(containerd, dst)["Threads"] == "4"
+        tasks = containerd.ctr("task", "exec", "--exec-id", _id("t"), dst, "sh", "-c",
+                               "grep -h Seccomp: /proc/1/task/*/status")
+        assert tasks.stdout.split() == ["Seccomp:", "2"] * 4, tasks.stdout  # every thread filtered again
+    finally:
+        _remove(containerd, dst)
+    stricter = {**NO_MKDIR, "syscalls": NO_MKDIR["syscalls"] + [{"names": ["reboot"], "action": "SCMP_ACT_ERRNO"}]}
+    dst = _id("dst")
+    res = _run(containerd, dst, _threaded_spec(containerd, tmp_path, f"dst-{dst}", caps=[], seccomp=stricter,
+                                               restore=name), check=False)
+    try:
+        assert res.returncode != 0 and f"checkpoint {name}: process 1 (threads) may call reboot, which the " \
+            "container's seccomp profile denies (linux.seccomp)" in res.stderr, res.stderr
+    finally:
+        _remove(containerd, dst)
