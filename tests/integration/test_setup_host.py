@@ -1,12 +1,11 @@
-"""packaging/setup-host.sh into a temporary prefix (never the system's /opt/migrt), then the upgrades
-that broke installations: python3 moving to another version, the venv's interpreter replaced by one
-that does not see the venv, the interpreter removed. The installation must survive the first; for the
-others migrt-runc, migrt and the CRIU hook must say what is broken and name the repair, `migrt doctor`
-(from a working migrt) must find it, and re-running setup-host.sh must repair it. Last, what a real
-containerd shows when migrt-runc's Python side cannot start.
-
-The interpreter the venv is made with is a copy of this one's base interpreter under the temporary
-directory, so it can be moved, replaced and removed without touching the system's Python.
+"""packaging/setup-host.sh installs migrt's node payload (packaging/build-payload.sh, here from the
+build cache test_payload.py shares) with install-host.sh, into a temporary prefix and bindir (never the
+system's /opt/migrt): no compiler, no make and not the host's Python is run on the node; a second run
+finds it up to date; an installation broken on the node (its interpreter gone, then migrt's package
+gone) makes migrt-runc and migrt say what is broken and name the repair, `migrt doctor`
+(from a working migrt) find it, and re-running setup-host.sh repair it. A payload that is neither a tree
+nor an image is refused by name. Last, what a real containerd shows when migrt-runc's Python side
+cannot start.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -24,20 +24,41 @@ import pytest
 from migrt.node import launchers
 from migrt.node.doctor_containerd import containerd_handler_check
 from migrt.node.doctor_install import installation_check, launcher_check
+from tests.helpers.containerd import DEPS
 from tests.unit.support import make_executable, write_bundle
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 CID = "setup-host-ctr"
+# Programs a node set-up must not run: a compiler, make, and the host's own Python and pip.
+FORBIDDEN = ("gcc", "cc", "make", "python3", "pip", "pip3")
 
 
-def setup_host(prefix: Path, bindir: Path, **env: str) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if k not in ("MIGRT_DEV", "MIGRT_PYTHON")}
-    full.update(MIGRT_PREFIX=str(prefix), MIGRT_BINDIR=str(bindir), MIGRT_SKIP_APT="1", **env)
+@pytest.fixture(scope="module")
+def payload(stack) -> str:
+    """The installer image (oci.tar), built once and cached with test_payload.py's build."""
+    r = subprocess.run(["sh", str(REPO / "packaging" / "build-payload.sh"), "image", "--cache",
+                        os.path.join(DEPS, "payload")], capture_output=True, text=True, timeout=3000)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
+def forbidding_path(tmp: Path) -> tuple[str, Path]:
+    """PATH with stand-ins for FORBIDDEN first (each records its call in the returned file and fails)."""
+    calls = tmp / "forbidden-calls"
+    for name in FORBIDDEN:
+        make_executable(tmp / "forbidden" / name, f"#!/bin/sh\necho {name} \"$@\" >> {calls}\nexit 97\n")
+    return f"{tmp / 'forbidden'}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}", calls
+
+
+def setup_host(prefix: Path, bindir: Path, payload: str, ok: bool = True, **env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k not in ("MIGRT_DEV", "MIGRT_PAYLOAD")}
+    full.update(MIGRT_PREFIX=str(prefix), MIGRT_BINDIR=str(bindir), MIGRT_SKIP_APT="1", MIGRT_CRIU_LINK="0",
+                MIGRT_PAYLOAD=payload, **env)
     r = subprocess.run(["sh", str(REPO / "packaging" / "setup-host.sh")], env=full, capture_output=True, text=True,
                        timeout=600)
-    assert r.returncode == 0, r.stderr
+    assert (r.returncode == 0) == ok, r.stderr
     return r
 
 
@@ -65,9 +86,9 @@ def assert_works(bindir: Path, tmp: Path) -> None:
     assert r.returncode == 2 and "invalid checkpoint name" in last["msg"], (r.stderr, last)
 
 
-def assert_broken(bindir: Path, prefix: Path, tmp: Path, what: str, hook: bool) -> None:
+def assert_broken(bindir: Path, prefix: Path, tmp: Path, what: str) -> None:
     repair = (prefix / "repair").read_text().strip()
-    assert "packaging/setup-host.sh" in repair and f"MIGRT_PREFIX={prefix}" in repair
+    assert "installer" in repair  # the payload's: re-run the installer
     r, last = restore_create(bindir, tmp, "ck-1")
     assert (r.returncode, r.stdout) == (127, "")
     line = one_line(r.stderr)
@@ -77,11 +98,6 @@ def assert_broken(bindir: Path, prefix: Path, tmp: Path, what: str, hook: bool) 
     assert r.returncode == 127 and what in one_line(r.stderr)  # podman's probe
     r = subprocess.run([str(bindir / "migrt"), "doctor"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 127 and one_line(r.stderr).endswith(f"; repair: {repair}")
-    if hook:  # (an interpreter that runs finds migrt.gpu through the hook's own fallbacks)
-        r = subprocess.run([str(prefix / "libexec" / "cuda-criu-action")],
-                           env={**os.environ, "CRTOOLS_SCRIPT_ACTION": "pre-dump", "MIGRT_HOOK_LOG": str(tmp / "hook.log")},
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 1 and one_line(r.stderr).endswith(f"; repair: {repair}")  # CRIU's log says why
     # doctor, from a working migrt (this one), finds the installation and the launcher broken
     inst = installation_check(str(prefix))
     assert inst["status"] == "fail" and inst["fix"] == repair, inst
@@ -89,23 +105,19 @@ def assert_broken(bindir: Path, prefix: Path, tmp: Path, what: str, hook: bool) 
     assert runc["status"] == "fail" and runc["fix"] == repair, runc
 
 
-def test_setup_host_twice_survives_python3_moving_and_repairs_a_broken_interpreter(stack, tmp_path):
-    base = os.path.realpath(sys.executable)  # e.g. /usr/bin/python3.11
-    pydir = tmp_path / "py" / "bin"
-    pydir.mkdir(parents=True)
-    versioned = pydir / os.path.basename(base)
-    shutil.copy2(base, versioned)
-    (pydir / "python3").symlink_to(versioned.name)  # the distribution's unversioned name
+def test_setup_host_installs_the_payload_without_building_and_repairs_it(payload, tmp_path):
     prefix, bindir = tmp_path / "prefix", tmp_path / "bin"
-
-    r = setup_host(prefix, bindir, MIGRT_PYTHON=str(pydir / "python3"))
-    assert f"creating {prefix}/venv with {versioned}" in r.stderr
-    assert (prefix / "interpreter").read_text().strip() == str(versioned)  # pinned: the versioned path
-    assert os.path.realpath(prefix / "venv" / "bin" / "python") == str(versioned)
-    assert "include-system-site-packages = false" in (prefix / "venv" / "pyvenv.cfg").read_text()
+    path, calls = forbidding_path(tmp_path)
+    r = setup_host(prefix, bindir, payload, PATH=path)
+    assert f"installed {prefix}" in r.stderr and "done: migrt" in r.stderr, r.stderr
+    assert not calls.exists(), calls.read_text()  # no compiler, make, host python or pip ran
+    py = (prefix / "interpreter").read_text().strip()
+    assert py.startswith(f"{prefix}/python/bin/python3")  # the payload's own interpreter, relocated
     assert launchers.read_installed(str(bindir / "migrt-runc"))["python"] == f"{prefix}/venv/bin/python"
     subprocess.run([str(prefix / "venv" / "bin" / "python"), "-c", "import pycriu, google.protobuf"], check=True,
                    timeout=60)
+    assert "Version: 4." in subprocess.run([str(prefix / "criu" / "sbin" / "criu"), "--version"],
+                                           capture_output=True, text=True, timeout=60).stdout
     assert_works(bindir, tmp_path)
     assert installation_check(str(prefix))["status"] == "ok"
 
@@ -117,48 +129,43 @@ def test_setup_host_twice_survives_python3_moving_and_repairs_a_broken_interpret
                     str(bindir / "migrt-runc")], check=True, capture_output=True, timeout=120)
     assert containerd_handler_check(str(ctd))["status"] == "ok"
 
-    # run twice: nothing is made again
-    r = setup_host(prefix, bindir)
-    assert "creating" not in r.stderr and "done: Python " + str(versioned) in r.stderr
+    # run twice: nothing is copied again
+    t0 = time.monotonic()
+    r = setup_host(prefix, bindir, payload, PATH=path)
+    print(f"setup-host.sh over an installed payload: {time.monotonic() - t0:.1f} s")
+    assert f"{prefix} is up to date" in r.stderr and "installed" not in r.stderr, r.stderr
     assert_works(bindir, tmp_path)
 
-    # python3 moves to another interpreter (what `apt-get install -t sid podman` did): nothing breaks
-    (pydir / "python3").unlink()
-    (pydir / "python3").write_text("#!/bin/sh\necho 'not the Python the venv was made with' >&2\nexit 1\n")
-    (pydir / "python3").chmod(0o755)
-    assert_works(bindir, tmp_path)
-
-    # the venv's own interpreter replaced by one that does not see the venv (a rebuilt python)
-    versioned.unlink()
-    versioned.write_text(f"#!/bin/sh\nexec {base} -S \"$@\"\n")
-    versioned.chmod(0o755)
-    assert_broken(bindir, prefix, tmp_path, "migrt does not import with", hook=False)
+    # the venv's interpreter gone (a node's clean-up removed it)
+    shutil.rmtree(prefix / "python")
+    assert_broken(bindir, prefix, tmp_path, f"migrt's Python interpreter {prefix}/venv/bin/python is missing")
     h = containerd_handler_check(str(ctd))
     assert h["status"] == "fail" and "BinaryName" in h["detail"], h
-    r = setup_host(prefix, bindir)  # the repair
-    assert f"creating {prefix}/venv with {base} (pycriu does not import in it)" in r.stderr, r.stderr
+    r = setup_host(prefix, bindir, payload, PATH=path)  # the repair
+    assert f"installed {prefix}" in r.stderr, r.stderr
     assert_works(bindir, tmp_path)
-    assert installation_check(str(prefix))["status"] == "ok"
     assert containerd_handler_check(str(ctd))["status"] == "ok"
 
-    # the interpreter removed: the venv's link and the record point at an interpreter that is gone
-    # (the on-disk state of a venv made from it; made so rather than by a third venv on a copy)
-    gone = tmp_path / "gone" / "bin" / os.path.basename(base)
-    link = prefix / "venv" / "bin" / os.path.basename(base)
-    assert os.readlink(link) == base
-    link.unlink()
-    link.symlink_to(gone)
-    (prefix / "interpreter").write_text(f"{gone}\n")
-    assert_broken(bindir, prefix, tmp_path, f"migrt's Python interpreter {prefix}/venv/bin/python is missing", hook=True)
-    r = setup_host(prefix, bindir)
-    assert f"(its interpreter {gone} is gone)" in r.stderr, r.stderr
+    # migrt's package gone from the venv: the interpreter runs but cannot import it
+    site = next((prefix / "venv" / "lib").glob("python3*/site-packages"))
+    shutil.rmtree(site / "migrt")
+    assert_broken(bindir, prefix, tmp_path, "migrt does not import with")
+    setup_host(prefix, bindir, payload, PATH=path)
     assert_works(bindir, tmp_path)
     assert launcher_check("migrt-runc", str(bindir / "migrt-runc"))["status"] == "ok"
+    assert not calls.exists(), calls.read_text()
 
-    # the containerd drop-in pointing at a binary that is gone
-    (bindir / "migrt-runc").unlink()
-    h = containerd_handler_check(str(ctd))
-    assert h["status"] == "fail" and "missing or not executable" in h["detail"], h
+
+def test_setup_host_refuses_what_is_no_payload(stack, tmp_path):
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(b"not a tar")
+    r = setup_host(tmp_path / "prefix", tmp_path / "bin", str(junk), ok=False)
+    assert f"{junk}: no OCI image layout" in r.stderr, r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = setup_host(tmp_path / "prefix", tmp_path / "bin", str(empty), ok=False)
+    assert f"{empty} is not a migrt payload" in r.stderr, r.stderr
+    assert not (tmp_path / "prefix").exists() and not (tmp_path / "bin").exists()
 
 
 @pytest.mark.parametrize("broken", ["interpreter gone", "migrt not importable"])
