@@ -48,7 +48,8 @@ def suspend(container_id, root, as_json):
         emit_json(rec)
         return
     rss = rec.get("host_rss_bytes") or {}
-    click.echo(f"{container_id}: suspended {len(rec['processes'])} CUDA process(es) in {rec['timings']['suspend_s']:.2f} s; "
+    took = rec["timings"]["suspend_s"]
+    click.echo(f"{container_id}: suspended {len(rec['processes'])} CUDA process(es) in {took:.2f} s; "
                f"GPU(s) {', '.join(rec['gpus']) or '?'} released "
                f"({human_size(rec.get('gpu_memory_bytes'))} of GPU memory); host memory of the processes "
                f"{human_size(rss.get('before'))} -> {human_size(rss.get('after'))}")
@@ -97,7 +98,8 @@ def status(container_id, root, as_json):
     if not found:
         click.echo("no GPU-suspended container", err=True)
         return
-    rows = [[r["container_id"], r.get("status", "?"), r.get("by", "?"), r.get("suspended_at") or r.get("started_at") or "-",
+    rows = [[r["container_id"], r.get("status", "?"), r.get("by", "?"),
+             r.get("suspended_at") or r.get("started_at") or "-",
              str(len(r.get("processes") or [])), human_size(r.get("host_memory_bytes")),
              human_size(r.get("gpu_memory_bytes")), ",".join(r.get("gpus") or []) or "-"] for r in found]
     click.echo(table(["CONTAINER", "STATUS", "BY", "SINCE", "PROCS", "HOST MEM", "GPU MEM", "GPUS"], rows))

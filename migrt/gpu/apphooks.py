@@ -204,7 +204,7 @@ def before_checkpoint(pids: list[int], *, what: str, timeout_s: float = DEFAULT_
     bad = {ep: r for ep, r in note.replies.items() if not r.ok}
     if not bad:
         return note
-    late = note.after(ABORTED, what=what, waits={ep: ABORT_NOTICE_S for ep in bad})
+    late = note.after(ABORTED, what=what, waits=dict.fromkeys(bad, ABORT_NOTICE_S))
     raise HookRefused(
         f"{what}: {len(bad)} of {len(eps)} process(es) that registered the application hook did not answer "
         f"'pre-checkpoint' in time ({'; '.join(f'{ep.name()}: {r.error}' for ep, r in bad.items())}); nothing "

@@ -84,7 +84,7 @@ class Window:
         self.applied = KEPT
         self._token: str | None = None
 
-    def __enter__(self) -> "Window":
+    def __enter__(self) -> Window:
         self._token = None
         if self.setting != ALWAYS:
             self.applied = KEPT
@@ -100,7 +100,7 @@ class Window:
         self.applied = ALWAYS
         return self
 
-    def __exit__(self, *exc_info) -> bool:
+    def __exit__(self, *exc_info) -> None:
         if self._token:
             token, self._token = self._token, None
             try:
@@ -108,7 +108,6 @@ class Window:
             except OSError as exc:
                 log_mod.get().error("gpu_checkpoint_thp_not_put_back", path=ENABLED, state=state_path(),
                                     error=str(exc), fix="run 'migrt doctor' as root")
-        return False
 
 
 def window(cfg) -> Window:

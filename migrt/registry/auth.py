@@ -46,7 +46,8 @@ def load(auth_file: str | None, host: str) -> Credentials | None:
         # like ssh with a private key: root's (or ours) alone, written and read by nobody else (migrt/trust.py)
         data = jsonsafe.loads(trust.read(auth_file, "registry auth file", secret=True, limit=MAX_BYTES))
     except FileNotFoundError as exc:
-        raise ConfigError(f"registry auth file {auth_file} (registry_auth_file in the migrt config) does not exist") from exc
+        raise ConfigError(f"registry auth file {auth_file} (registry_auth_file in the migrt config) does not "
+                          "exist") from exc
     except (OSError, ValueError) as exc:
         raise ConfigError(f"registry auth file {auth_file} is unreadable or not JSON: {exc}") from exc
     if not isinstance(data, dict):
@@ -76,7 +77,8 @@ def _entry(entry: dict, key: str, auth_file: str) -> Credentials | None:
         try:
             user, sep, password = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
         except (binascii.Error, UnicodeDecodeError) as exc:
-            raise ConfigError(f"registry auth file {auth_file}: entry {key!r}: 'auth' is not base64 of user:password") from exc
+            raise ConfigError(f"registry auth file {auth_file}: entry {key!r}: 'auth' is not base64 of "
+                              "user:password") from exc
         if not sep:
             raise ConfigError(f"registry auth file {auth_file}: entry {key!r}: 'auth' is not base64 of user:password")
         return Credentials(user, password)

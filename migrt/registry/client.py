@@ -129,7 +129,7 @@ class _DeadlineSocket(ssl.SSLSocket):
         if self.clock is not None:
             self.settimeout(self.clock.timeout())
 
-    def read(self, len=1024, buffer=None):  # noqa: A002 - SSLSocket's own signature
+    def read(self, len=1024, buffer=None):
         self._arm()
         return super().read(len, buffer)
 
@@ -147,7 +147,8 @@ class _Connection(http.client.HTTPSConnection):
         self.clock = clock
 
     def connect(self) -> None:
-        request_timeout, self.timeout = self.timeout, min(self.timeout, CONNECT_TIMEOUT_S, self.clock.timeout())
+        request_timeout = self.clock.per_op
+        self.timeout = min(request_timeout, CONNECT_TIMEOUT_S, self.clock.timeout())
         try:
             super().connect()
         finally:
@@ -217,7 +218,10 @@ class Client:
         self.credentials = credentials
         self.timeout = timeout
         self.push = push
-        self.deadline = deadline
+        # no deadline given (tests; every migrt caller passes one, connect.client_for): what the retries
+        # of requests of the client's own budget could take anyway
+        self.deadline = deadline or Deadline.after((timeout + CONNECT_TIMEOUT_S) * (RETRIES + 1) + 7,
+                                                   "the registry client's own limit")
         if ca_file:
             trust.check(ca_file, "registry CA bundle (registry_ca_file)")  # it decides which servers are believed
         try:
@@ -263,7 +267,7 @@ class Client:
         """When a request started now must end: its budget (default: the client's timeout), and never
         after the whole operation's deadline."""
         end = time.monotonic() + (self.timeout if budget is None else budget)
-        return min(end, self.deadline.at) if self.deadline else end
+        return min(end, self.deadline.at)
 
     def _send(self, method: str, url: str, headers: dict, body=None, host: str | None = None,
               until: float | None = None) -> http.client.HTTPResponse:
@@ -276,7 +280,7 @@ class Client:
         except BaseException:
             self._drop(host)
             raise
-        resp.migrt_host = host or self.host  # (read in this thread: _drain drops its connection if need be)
+        resp.migrt_host = host or self.host  # type: ignore[attr-defined]  # (_drain drops its connection)
         return resp
 
     def request(self, method: str, path: str, *, headers: dict | None = None, body_factory=None,
@@ -351,7 +355,8 @@ class Client:
         if resp.status == 401:
             raise RegistryError(msg + "; check the credentials for this registry in registry_auth_file")
         if resp.status == 403:
-            raise RegistryError(msg + f"; the credentials may not {'push to' if self.push else 'pull from'} {self.repo}")
+            verb = "push to" if self.push else "pull from"
+            raise RegistryError(msg + f"; the credentials may not {verb} {self.repo}")
         if resp.status == 404:
             raise NotFound(msg)
         raise RegistryError(msg)
@@ -402,17 +407,17 @@ class Client:
         """Run fn, repeating it after a cut connection (fresh connection, 1 s, 2 s back-off), never
         past the whole operation's deadline."""
         for attempt in range(RETRIES + 1):
-            if self.deadline:
-                self.deadline.check(f"registry {self.host}: {what}")
+            self.deadline.check(f"registry {self.host}: {what}")
             try:
                 return fn()
             except ssl.SSLCertVerificationError as exc:  # permanent: not worth a retry
                 self._drop()
                 raise RegistryError(f"registry {self.host}: TLS certificate not trusted ({exc.verify_message}); "
-                                    "give the CA bundle that signed it as registry_ca_file in the migrt config") from exc
+                                    "give the CA bundle that signed it as registry_ca_file in the migrt "
+                                    "config") from exc
             except _TRANSIENT as exc:
                 self._drop()
-                if self.deadline and self.deadline.left() <= 0:
+                if self.deadline.left() <= 0:
                     raise self.deadline.error(f"registry {self.host}: {what}") from exc
                 if attempt == RETRIES:
                     raise RegistryError(f"registry {self.host}: {what} failed after {RETRIES + 1} tries: "
@@ -420,7 +425,7 @@ class Client:
                 self.stats.add(retries=1)
                 if attempt or not isinstance(exc, http.client.RemoteDisconnected):
                     pause = min(4, 2 ** attempt)  # an idle keep-alive connection the server closed: at once
-                    time.sleep(max(0.0, min(pause, self.deadline.left())) if self.deadline else pause)
+                    time.sleep(max(0.0, min(pause, self.deadline.left())))
 
     # -- API ---------------------------------------------------------------------------------
     def ping(self) -> None:
@@ -452,7 +457,8 @@ class Client:
             if url.netloc and url.netloc != self.host:
                 raise RegistryError(f"registry {self.host}: upload location on another host "
                                     f"({printable(url.netloc, 100)}) is not supported")
-            path = url.path + "?" + ((url.query + "&") if url.query else "") + urllib.parse.urlencode({"digest": digest})
+            query = ((url.query + "&") if url.query else "") + urllib.parse.urlencode({"digest": digest})
+            path = url.path + "?" + query
             sent = [0]
 
             def body():
@@ -540,7 +546,8 @@ class Client:
             if len(data) > MAX_MANIFEST:
                 self._drain(resp, limit=0)
                 raise CheckpointInvalid(f"manifest {target} is larger than {MAX_MANIFEST} bytes")
-            return data, (resp.getheader("Content-Type") or "").split(";")[0].strip(), resp.getheader("Docker-Content-Digest")
+            ctype = (resp.getheader("Content-Type") or "").split(";")[0].strip()
+            return data, ctype, resp.getheader("Docker-Content-Digest")
         data, ctype, stated = self._retry(go, f"reading manifest {target}")
         digest = sha256_bytes(data)
         if target.startswith("sha256:") and digest != target:

@@ -16,7 +16,6 @@ from migrt.registry import auth
 from migrt.registry.client import Client, Deadline
 from migrt.registry.reference import Reference
 
-
 WHOLE_RATE = 8 << 20  # bytes/s: the slowest whole push or pull the default deadline carries
 
 

@@ -90,7 +90,8 @@ def cri_annotations(manifest: dict) -> dict:
     }
     # Podman reads its own keys (podman container restore IMAGE)
     out["io.podman.annotations.checkpoint.name"] = out[CRIO_NAME]
-    out["io.podman.annotations.checkpoint.rootfsImageName"] = out["io.kubernetes.cri-o.annotations.checkpoint.rootfsImageName"]
+    crio = out["io.kubernetes.cri-o.annotations.checkpoint.rootfsImageName"]
+    out["io.podman.annotations.checkpoint.rootfsImageName"] = crio
     out["io.podman.annotations.checkpoint.runtime.name"] = "runc"
     if cri.get("pod_name"):
         out["io.kubernetes.cri-o.annotations.checkpoint.pod"] = cri["pod_name"]

@@ -48,9 +48,8 @@ from migrt.registry import image
 from migrt.registry.client import Client, Deadline
 from migrt.registry.connect import client_for, deadline_for
 from migrt.registry.reference import Reference, parse, registry_allowed
-from migrt.store import Store
-from migrt.store import importer, reserve
-from migrt.store.fsutil import TREE_CHUNK, fold_chunks
+from migrt.store import Store, importer, reserve
+from migrt.store.fsutil import fold_chunks
 
 PULLS = ".pulls"
 ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
@@ -394,5 +393,5 @@ def ensure_local(cfg: Config, reference: str, progress: Progress = null_progress
         return out["name"], not out["already_present"]
     except MigrtError:
         raise
-    except Exception as exc:  # noqa: BLE001 - one boundary: the shim must get a MigrtError
+    except Exception as exc:
         raise MigrtError(f"pulling {reference}: internal error: {exc!r}") from exc

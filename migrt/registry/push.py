@@ -96,7 +96,8 @@ def _push_chunked(cfg: Config, client: Client, ckpt, ref: Reference, progress: P
     t0 = time.monotonic()
     chunks = hash_chunks(ckpt.path, sorted(files), progress=lambda n: progress("bytes", name="hash", bytes=n))
     progress("done", name="hash", seconds=round(time.monotonic() - t0, 3))
-    layers, blobs = [], {}
+    layers: list[dict] = []
+    blobs: dict[str, tuple[str, int, int]] = {}
     for rel in sorted(files):
         if fold_chunks([c[2] for c in chunks[rel]]) != digest_of(files[rel]):
             raise CheckpointInvalid(f"checkpoint {ckpt.name}: sha256 mismatch in {rel}; not pushing a corrupted "
@@ -110,7 +111,7 @@ def _push_chunked(cfg: Config, client: Client, ckpt, ref: Reference, progress: P
     config_bytes = image.dumps(manifest)
     config = image.descriptor(image.CONFIG_TYPE, client.put_blob_bytes(config_bytes), len(config_bytes))
     raw = image.dumps(image.migrt_manifest(config, layers, ckpt.name, str(manifest.get("created") or "")))
-    digest = client.put_manifest(raw, image.MANIFEST_TYPE, ref.tag)
+    digest = client.put_manifest(raw, image.MANIFEST_TYPE, ref.tag or "")  # (push() refused a reference without)
     return {"digest": digest, "size_bytes": manifest.get("size_bytes"), "layers": len(layers), "blobs": len(blobs)}
 
 
@@ -133,5 +134,5 @@ def _push_archive(cfg: Config, client: Client, store: Store, ckpt, ref: Referenc
     config_bytes = image.dumps(image.cri_config(digest, created))
     config = image.descriptor(image.OCI_CONFIG_TYPE, client.put_blob_bytes(config_bytes), len(config_bytes))
     raw = image.dumps(image.cri_manifest(config, layer, ckpt.manifest))
-    mdigest = client.put_manifest(raw, image.MANIFEST_TYPE, ref.tag)
+    mdigest = client.put_manifest(raw, image.MANIFEST_TYPE, ref.tag or "")
     return {"digest": mdigest, "size_bytes": size, "layers": 1, "blobs": 1, "config_digest": sha256_bytes(config_bytes)}

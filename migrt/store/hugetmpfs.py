@@ -103,7 +103,7 @@ def mount_of(path: str) -> Mount | None:
     except OSError:
         return None
     where = _existing(path)
-    best: tuple[int, str, str] | None = None
+    best: tuple[str, str, str] | None = None
     for line in lines:
         left, sep, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
