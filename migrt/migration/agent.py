@@ -74,7 +74,7 @@ class Located:
 
 def _running(runtime: LowerRuntime, root: str, cid: str) -> bool:
     try:
-        return runtime.state(root, cid).get("status") in ("running", "paused")
+        return runtime.state(root, cid).alive
     except Exception:  # noqa: BLE001 - gone meanwhile, unreadable: not a candidate
         return False
 

@@ -47,7 +47,7 @@ from migrt.pods import rootfs
 from migrt.progress import Progress, null_progress
 from migrt.runtime import control, lazy_memory, markers
 from migrt.runtime import moved as moved_marks
-from migrt.runtime.runc import LowerRuntime, find_root
+from migrt.runtime.runc import ContainerState, LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
 
@@ -199,7 +199,7 @@ class _Prepared:
     """What migrate() found out before connecting: nothing of the container is touched yet."""
     runtime: LowerRuntime
     root: str
-    state: dict
+    state: ContainerState
     name: str
     mode: str
     plan: dict
@@ -220,8 +220,8 @@ def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
     if markers.gpu_suspended(root, req.container_id):
         raise Conflict(markers.gpu_suspended_message(req.container_id))
     state = runtime.state(root, req.container_id)
-    if state.get("status") not in ("running", "paused"):
-        raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be "
+    if state.status not in ("running", "paused"):
+        raise Conflict(f"container {req.container_id} is {state.status}; only a running container can be "
                        "migrated")
     name = names.validate(req.name) if req.name else default_name(req.container_id)
     mode = "lazy" if req.lazy else "direct" if req.direct else "stop-and-copy"
@@ -229,7 +229,7 @@ def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
     from migrt.ops import dump as dump_ops
     from migrt.ops import space
 
-    est = space.estimate(state.get("pid"))
+    est = space.estimate(state.pid)
     # stop-and-copy dumps like `migrt checkpoint`: with migrt's parallel dump where it pays, whose threads
     # hash the pages as they write them (the transfer then sends those digests: bulk.py known=)
     dump_mode = dump_ops.decide(cfg, est.memory + est.gpu) if mode == "stop-and-copy" else None
@@ -238,18 +238,18 @@ def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
         problem = lazy_mod.lazy_dump_problem(est.memory + est.gpu)  # GPU memory ends in the tasks' memory
         if problem:  # before anything is frozen (CRIU would fail half-way through the dump)
             raise PreconditionFailed(f"{mode} migration of {req.container_id} is not possible on this node: {problem}")
-    bundle_dir = state.get("bundle") or ""
+    bundle_dir = state.bundle
     try:
         bundle = Bundle.load(bundle_dir)
     except MigrtError:
         bundle = Bundle(bundle_dir, {})
     opts = CriuOptions.from_dict(cfg.criu_options).merged(shell_job=bundle.terminal)
-    gpu = GpuSource(cfg, req.container_id, state.get("pid"), bundle.config)
+    gpu = GpuSource(cfg, req.container_id, state.pid, bundle.config)
     # a container still being filled by a lazy restore (or migration) of its own: CRIU would dump only
     # the pages already in (runtime/lazy_memory.py); wait before the channel's stall timeout runs
     lazy_memory.wait_filled(lambda: procs.runc_container_pids(root, req.container_id),
                             f"migration of container {req.container_id}")
-    gpu_offer = gpu.probe(paused=state.get("status") == "paused")  # before anything is touched
+    gpu_offer = gpu.probe(paused=state.status == "paused")  # before anything is touched
     store = Store(cfg.store)
     store.ensure()
     store.gc()
@@ -293,7 +293,7 @@ def send(cfg: Config, req: MigrateRequest, prep: _Prepared, ch: Channel, progres
             fields = {
                 "created": _utc(time.time()),
                 "source": {"container_id": req.container_id, "runtime_root": root, "bundle": bundle_dir,
-                           "pid": state.get("pid"), "status": state.get("status"), "cri": bundle.cri_metadata(),
+                           "pid": state.pid, "status": state.status, "cri": bundle.cri_metadata(),
                            "annotations": bundle.annotations, "node": socket.gethostname()},
                 "versions": versions(prep.runtime.path),
                 "options": {**prep.opts.to_dict(), "leave_running": False},
@@ -301,7 +301,7 @@ def send(cfg: Config, req: MigrateRequest, prep: _Prepared, ch: Channel, progres
                 "timings": result["phases"],
             }
             guard.arm({"do": "remove", "remove": [staging.path]})  # killed before the freeze: nothing else to undo
-            source = _Source(prep.runtime.path, root, req.container_id, state.get("status") == "paused", guard,
+            source = _Source(prep.runtime.path, root, req.container_id, state.status == "paused", guard,
                              prep.gpu, moved=req.moved)
             source.staging = staging.path
             run = _Run(ch, ready, source, staging, prep.opts, fields, bundle, req, result, progress, cfg)

@@ -26,7 +26,6 @@ import contextlib
 import os
 import queue
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable

@@ -86,15 +86,15 @@ def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_pr
 def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, runtime: LowerRuntime, root: str,
                        store: Store, t_start: float) -> dict:
     state = runtime.state(root, req.container_id)
-    if state.get("status") not in ("running", "paused"):
-        raise Conflict(f"container {req.container_id} is {state.get('status')}; only a running container can be "
+    if state.status not in ("running", "paused"):
+        raise Conflict(f"container {req.container_id} is {state.status}; only a running container can be "
                        "checkpointed")
-    was_paused = state.get("status") == "paused"
+    was_paused = state.status == "paused"
     name = names.validate(req.name) if req.name else default_name(req.container_id)
     # memory a lazy restore is still filling would be missing from the dump (and from the estimate)
     waited = lazy_memory.wait_filled(lambda: procs.runc_container_pids(root, req.container_id),
                                      f"checkpoint of container {req.container_id}")
-    bundle_dir = state.get("bundle") or ""
+    bundle_dir = state.bundle
     try:
         bundle = Bundle.load(bundle_dir)
     except MigrtError:
@@ -103,7 +103,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
         tcp_established=req.tcp_established, ext_unix_sk=req.ext_unix_sk, file_locks=req.file_locks,
         shell_job=bundle.terminal,
     )
-    est = space.estimate(state.get("pid"))
+    est = space.estimate(state.pid)
     dump_mode = dump.decide(cfg, est.memory + est.gpu)
     store.gc()
     created = time.time()
@@ -125,7 +125,7 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
                 # GPU first: the driver's lock needs the processes running (it works through a thread of
                 # theirs); then freeze, so that nothing changes between the dump and the stop.
                 gpu = undo.gpu = gpu_steps.suspend(
-                    cfg, req.container_id, state.get("pid"), bundle.config, progress,
+                    cfg, req.container_id, state.pid, bundle.config, progress,
                     before_lock=lambda pids: journal.update("gpu-locking", gpu_pids=pids))
                 if gpu:
                     records.write_image_file(staging.images, gpu.section)
@@ -235,7 +235,7 @@ class _Undo:
 
     def run(self) -> None:
         if self.frozen:
-            if self.runtime.state(self.root, self.cid).get("status") == "paused":  # pause may not have happened
+            if self.runtime.state(self.root, self.cid).status == "paused":  # pause may not have happened
                 self.runtime.resume(self.root, self.cid)
             self.frozen = False
         if self.gpu:
@@ -266,8 +266,8 @@ def _fields(req, root, state, bundle, bundle_dir, opts, layer, timings, created,
             "container_id": req.container_id,
             "runtime_root": root,
             "bundle": bundle_dir,
-            "pid": state.get("pid"),
-            "status": state.get("status"),
+            "pid": state.pid,
+            "status": state.status,
             "cri": bundle.cri_metadata(),
             "annotations": bundle.annotations,
         },

@@ -44,7 +44,7 @@ from migrt.gpu import session
 from migrt.gpu.backend import GpuError
 from migrt.runtime.cleanup import clear_container, unmount_under
 from migrt.runtime.markers import is_restored
-from migrt.runtime.runc import LowerRuntime
+from migrt.runtime.runc import ContainerState, LowerRuntime
 from migrt.store import Store, journal
 from migrt.store import manifest as mf
 
@@ -129,7 +129,7 @@ def wait_helpers(paths: list[str | None], wait_s: float, poke=None) -> None:
 
 
 # -- per operation --------------------------------------------------------------------------------
-def _state(runtime: LowerRuntime, root: str | None, cid: str | None) -> dict | None:
+def _state(runtime: LowerRuntime, root: str | None, cid: str | None) -> ContainerState | None:
     if not names.is_container_id(cid) or not root or not os.path.isfile(os.path.join(root, cid, "state.json")):
         return None
     try:
@@ -171,9 +171,9 @@ def _resume_gpu(cfg: Config, pids: list[int], actions: list[str]) -> None:
             actions.append(f"told {len(told)} application hook(s) 'post-restore'")
 
 
-def _thaw(runtime: LowerRuntime, root: str | None, cid: str | None, st: dict | None, was_paused: bool,
+def _thaw(runtime: LowerRuntime, root: str | None, cid: str | None, st: ContainerState | None, was_paused: bool,
           actions: list[str]) -> None:
-    if st and root and cid and st.get("status") == "paused" and not was_paused:
+    if st and root and cid and st.status == "paused" and not was_paused:
         runtime.resume(root, cid)
         actions.append(f"thawed container {cid}")
 

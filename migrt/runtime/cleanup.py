@@ -13,10 +13,10 @@ import ctypes
 import ctypes.util
 import os
 import shutil
-import subprocess
 import time
 
 from migrt.errors import RuntimeFailed
+from migrt.runtime.runc import LowerRuntime
 
 _libc = None
 
@@ -53,8 +53,7 @@ def clear_container(runtime: str, root: str, cid: str) -> None:
     --force`, then the state directory if runc had not written state.json yet."""
     state_dir = os.path.join(root, cid)
     unmount_under(state_dir)
-    subprocess.run([runtime, "--root", root, "delete", "--force", cid], stdin=subprocess.DEVNULL,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=60)
+    LowerRuntime(runtime).delete_force(root, cid, timeout=60)
     deadline = time.monotonic() + 5
     while os.path.isdir(state_dir) and not os.path.exists(os.path.join(state_dir, "state.json")):
         unmount_under(state_dir)

@@ -1,6 +1,6 @@
-"""Lifecycle calls on the lower runtime that a migration needs besides LowerRuntime's: pause, resume,
-destroy, and CRIU's lazy dump (the images without the private anonymous memory, which stays in the
-frozen tasks for migrt to read: lazy migration, the parallel dump).
+"""What a migration asks of the lower runtime by its path: pause, resume, destroy (LowerRuntime's verbs),
+and CRIU's lazy dump (the images without the private anonymous memory, which stays in the frozen
+tasks for migrt to read: lazy migration, the parallel dump), run through LowerRuntime.spawn.
 Failures become RuntimeFailed here, quoting runc's last error and CRIU's error lines."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 from migrt.criu.logs import error_lines
 from migrt.criu.options import CriuOptions
 from migrt.errors import RuntimeFailed
-from migrt.runtime import stop
-from migrt.runtime.runc import _last_runc_error
+from migrt.runtime.messages import last_error
+from migrt.runtime.runc import LowerRuntime
 
 TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
 if TYPE_CHECKING:
@@ -26,28 +26,17 @@ if TYPE_CHECKING:
 PS_IOV_CLOSE = 0x1023  # criu/page-xfer.c
 
 
-def _run(runtime: str, root: str, args: list[str], what: str, timeout: float = 60) -> None:
-    try:
-        out = subprocess.run([runtime, "--root", root, *args], stdin=subprocess.DEVNULL, capture_output=True,
-                             text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RuntimeFailed(f"{what}: {exc}") from exc
-    if out.returncode != 0:
-        msg = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit status {out.returncode}"
-        raise RuntimeFailed(f"{what}: {msg}")
-
-
 def pause(runtime: str, root: str, cid: str) -> None:
-    _run(runtime, root, ["pause", cid], f"pausing container {cid}")
+    LowerRuntime(runtime).pause(root, cid)
 
 
 def resume(runtime: str, root: str, cid: str) -> None:
-    _run(runtime, root, ["resume", cid], f"resuming container {cid}")
+    LowerRuntime(runtime).resume(root, cid)
 
 
 def destroy(runtime: str, root: str, cid: str) -> None:
     """Kill and delete; a frozen container is killed before it is thawed (runtime/stop.py)."""
-    stop.stop(runtime, root, cid)
+    LowerRuntime(runtime).stop(root, cid)
 
 
 def _raise_nofile() -> None:
@@ -156,9 +145,9 @@ class LazyCheckpoint:
         r, w = os.pipe()
         self._status = r
         self._ready = False
-        argv = [runtime, "--root", root, "--log", self.log, "--log-format", "json", "checkpoint", "--lazy-pages",
-                "--page-server", addr, "--status-fd", str(w), "--leave-running", "--image-path", image_path,
-                "--work-path", work_path, *options.runc_flags(), cid]
+        args = ["--log", self.log, "--log-format", "json", "checkpoint", "--lazy-pages", "--page-server", addr,
+                "--status-fd", str(w), "--leave-running", "--image-path", image_path, "--work-path", work_path,
+                *options.runc_flags(), cid]
         _raise_nofile()
         self.stderr_path = os.path.join(work_path, "runc.stderr")
         try:
@@ -167,8 +156,8 @@ class LazyCheckpoint:
             # server for one. Another CRIU ignores it. "0" in our environment keeps CRIU's way (tests).
             env.setdefault("MIGRT_CRIU_LAZY_NO_PIPES", "1")
             with open(self.stderr_path, "wb") as err:
-                self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                             stderr=err, pass_fds=(w,), env=env)
+                self.proc = LowerRuntime(runtime).spawn(root, args, stdout=subprocess.DEVNULL, stderr=err,
+                                                        pass_fds=(w,), env=env)
         except OSError as exc:
             os.close(r)
             self._release()
@@ -258,6 +247,6 @@ class LazyCheckpoint:
                 err = fh.read().strip()
         except OSError:
             err = ""
-        msg = _last_runc_error(self.log) or (err.splitlines()[-1] if err else f"exit status {self.proc.returncode}")
+        msg = last_error(self.log) or (err.splitlines()[-1] if err else f"exit status {self.proc.returncode}")
         return RuntimeFailed(f"{what} of container {self.cid} failed: {msg}",
                              details=error_lines(os.path.join(self.work_path, "dump.log")))

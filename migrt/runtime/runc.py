@@ -1,12 +1,13 @@
-"""The lower runtime run as a child (exec is the shim's job): state, checkpoint, restore, delete.
-CalledProcessError/OSError become RuntimeFailed here, quoting CRIU's error lines."""
+"""LowerRuntime: the one way migrt runs the lower runtime (runc, crun, nvidia-container-runtime) as a
+child: its verbs (state, checkpoint, restore, pause, resume, stop, delete), a captured call of any
+other (run), a command line passed through whole (call), a child left running (spawn).
+OSError and timeouts become RuntimeFailed here, quoting runc's last error and CRIU's error lines.
+Handing the process over *as* the lower runtime (os.execv of an untouched argv) is the shim's job."""
 
 from __future__ import annotations
 
 import glob
-import json
 import os
-import re
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,59 +16,18 @@ from migrt import names
 from migrt.criu.logs import error_lines
 from migrt.criu.options import CriuOptions
 from migrt.errors import Conflict, NotFound, RuntimeFailed
+from migrt.runtime import stop as stop_rule
+from migrt.runtime.messages import ContainerState, collapse_lines, last_error, runc_message
+
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    from typing import IO
+
+__all__ = ["LowerRuntime", "ContainerState", "RestoreSpec", "collapse_lines", "runc_message", "candidate_roots",
+           "find_root"]
 
 CONTAINERD_ROOTS = "/run/containerd/runc/*"
 DEFAULT_ROOTS = ("/run/runc", "/run/crun")
-
-
-def _last_runc_error(log_path: str | None) -> str | None:
-    """The msg of the last error line runc wrote to its --log (JSON)."""
-    if not log_path:
-        return None
-    try:
-        with open(log_path, encoding="utf-8", errors="replace") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("level") == "error":
-            return str(rec.get("msg"))
-    return None
-
-
-_LOGFMT_MSG = re.compile(r'\blevel=\w+\s+msg="((?:[^"\\]|\\.)*)"')
-
-
-def runc_message(line: str) -> str:
-    """The message of one line runc wrote to stderr: `time="..." level=error msg="container does not
-    exist"` (logfmt) gives `container does not exist`; any other line comes back as it is."""
-    m = _LOGFMT_MSG.search(line)
-    return re.sub(r'\\(.)', r"\1", m.group(1)) if m else line
-
-
-_STAMP = re.compile(r'time="[^"]*"\s*|"time":"[^"]*",?|^\S+Z\s+')
-
-
-def collapse_lines(text: str | None, *, limit: int = 4) -> str:
-    """A lower runtime's stderr in one message: repeated lines (runc's "Failed to write to log ...
-    no space left on device", once per log line it could not write) become one, with a count."""
-    counts: dict[str, int] = {}
-    first: dict[str, str] = {}
-    for line in (text or "").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        key = _STAMP.sub("", line)
-        counts[key] = counts.get(key, 0) + 1
-        first.setdefault(key, line)
-    parts = [first[k] + (f" (x{n})" if n > 1 else "") for k, n in counts.items()]
-    if len(parts) > limit:
-        parts = parts[:limit] + [f"... {len(parts) - limit} more distinct line(s)"]
-    return " | ".join(parts)
 
 
 @dataclass
@@ -107,20 +67,54 @@ class LowerRuntime:
             g = ["--root", root, *g]
         return [self.path, *g, *args]
 
-    def state(self, root: str | None, container_id: str) -> dict:
+    def run(self, root: str | None, args: list[str], *, timeout: float | None = 60,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """`<runtime> [--root root] <globals> args`, stdin from /dev/null, its output captured as text.
+        RuntimeFailed when it cannot be run or outlives `timeout`; its exit status is the caller's."""
         try:
-            out = subprocess.run(self._argv(root, ["state", container_id]), capture_output=True, text=True,
-                                 timeout=30, check=False)
+            return subprocess.run(self._argv(root, args), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=timeout, check=False, env=env)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise RuntimeFailed(f"{self.path} state {container_id}: {exc}") from exc
+            raise RuntimeFailed(f"{self.path} {args[0]} {args[-1]}: {exc}") from exc
+
+    def call(self, args: list[str], *, env: dict[str, str] | None = None) -> int:
+        """`<runtime> args`: a whole command line as given (a rendered runc argv, its global flags in it),
+        our stdio inherited; its exit status. RuntimeFailed when it cannot be executed."""
+        try:
+            return subprocess.run([self.path, *args], env=env, check=False).returncode
+        except OSError as exc:
+            raise RuntimeFailed(f"cannot execute lower runtime {self.path}: {exc}") from exc
+
+    def spawn(self, root: str | None, args: list[str], *, stdout: int | IO[bytes] | None = None,
+              stderr: int | IO[bytes] | None = None, pass_fds: tuple[int, ...] = (),
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """`<runtime> [--root root] <globals> args` left running (stdin /dev/null); OSError as Popen
+        raises it (the caller undoes what it set up for the child)."""
+        return subprocess.Popen(self._argv(root, args), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                                pass_fds=pass_fds, env=env)
+
+    def state(self, root: str | None, container_id: str) -> ContainerState:
+        """NotFound when the runtime does not know the container, RuntimeFailed when it cannot answer."""
+        out = self.run(root, ["state", container_id], timeout=30)
         if out.returncode != 0:
             msg = runc_message(out.stderr.strip().splitlines()[-1]) if out.stderr.strip() else f"exit {out.returncode}"
             where = f" under {root}" if root else ""
             raise NotFound(f"container {container_id}{where}: {msg} (runc state)")
         try:
-            return json.loads(out.stdout)
+            return ContainerState.parse(out.stdout)
         except ValueError as exc:
             raise RuntimeFailed(f"{self.path} state {container_id}: unreadable output: {exc}") from exc
+
+    def status(self, root: str | None, container_id: str) -> str | None:
+        """The container's status; None when the runtime does not know it (gone) or says nothing readable.
+        RuntimeFailed when the runtime cannot be run."""
+        out = self.run(root, ["state", container_id], timeout=30)
+        if out.returncode != 0:
+            return None
+        try:
+            return ContainerState.parse(out.stdout).status
+        except ValueError:
+            return None
 
     def checkpoint(self, root: str, container_id: str, *, image_path: str, work_path: str,
                    options: CriuOptions, leave_running: bool, extra: list[str] | None = None,
@@ -136,7 +130,7 @@ class LowerRuntime:
         except OSError as exc:
             raise RuntimeFailed(f"cannot run {self.path}: {exc}") from exc
         if out.returncode != 0:
-            msg = _last_runc_error(log) or collapse_lines(out.stderr) or f"exit status {out.returncode}"
+            msg = last_error(log) or collapse_lines(out.stderr) or f"exit status {out.returncode}"
             raise RuntimeFailed(
                 f"checkpoint of container {container_id} failed: {msg}",
                 details=error_lines(os.path.join(work_path, "dump.log")),
@@ -162,7 +156,7 @@ class LowerRuntime:
         except OSError as exc:
             raise RuntimeFailed(f"cannot run {self.path}: {exc}") from exc
         if rc != 0:
-            msg = _last_runc_error(log_path) or f"{os.path.basename(self.path)} restore exited with status {rc}"
+            msg = last_error(log_path) or f"{os.path.basename(self.path)} restore exited with status {rc}"
             raise RuntimeFailed(f"restore failed: {msg}",
                                 details=error_lines(os.path.join(spec.work_path, "restore.log")))
         if spec.pid_file:
@@ -175,20 +169,17 @@ class LowerRuntime:
 
     def stop(self, root: str, container_id: str) -> None:
         """Kill and delete the container; a frozen one is killed before it is thawed (runtime/stop.py)."""
-        from migrt.runtime import stop  # stop.py quotes errors with this module's helpers
+        stop_rule.stop(self, root, container_id)
 
-        stop.stop(self.path, root, container_id)
-
-    def delete_force(self, root: str | None, container_id: str) -> int:
-        return subprocess.run(self._argv(root, ["delete", "--force", container_id]), stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
+    def delete_force(self, root: str | None, container_id: str, *, timeout: float | None = None) -> int:
+        """`delete --force`, for cleaning up: its exit status, -1 when it could not run or outlived timeout."""
+        try:
+            return self.run(root, ["delete", "--force", container_id], timeout=timeout).returncode
+        except RuntimeFailed:
+            return -1
 
     def _simple(self, root: str | None, verb: str, container_id: str) -> None:
-        try:
-            out = subprocess.run(self._argv(root, [verb, container_id]), stdin=subprocess.DEVNULL, capture_output=True,
-                                 text=True, timeout=60, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise RuntimeFailed(f"{self.path} {verb} {container_id}: {exc}") from exc
+        out = self.run(root, [verb, container_id], timeout=60)
         if out.returncode != 0:
             raise RuntimeFailed(f"{os.path.basename(self.path)} {verb} {container_id} failed: "
                                 f"{collapse_lines(out.stderr) or f'exit status {out.returncode}'}")

@@ -19,44 +19,38 @@ holds them is its business.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 
+from migrt import jsonsafe
 from migrt.errors import RuntimeFailed
-from migrt.runtime.runc import collapse_lines, runc_message
+from migrt.runtime.messages import stderr_message
+
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    import subprocess
+    from typing import Protocol
+
+    class Runner(Protocol):
+        """What the rule needs of the lower runtime: runtime/runc.py's LowerRuntime, which stops by it."""
+
+        path: str
+
+        def run(self, root: str | None, args: list[str], *, timeout: float | None = 60,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]: ...
+
+        def status(self, root: str | None, container_id: str) -> str | None: ...
 
 
-def _call(runtime: str, root: str, args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run([runtime, "--root", root, *args], stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RuntimeFailed(f"{os.path.basename(runtime)} {args[0]} {args[-1]}: {exc}") from exc
+def _failure(out: subprocess.CompletedProcess[str]) -> str:
+    return stderr_message(out.stderr, out.returncode)
 
 
-def _status(runtime: str, root: str, cid: str) -> str | None:
-    """The container's status, None when the runtime does not know it (gone)."""
-    out = _call(runtime, root, ["state", cid], timeout=30)
-    if out.returncode != 0:
-        return None
-    try:
-        return json.loads(out.stdout).get("status")
-    except (ValueError, AttributeError):
-        return None
-
-
-def _failure(out: subprocess.CompletedProcess) -> str:
-    msgs = "\n".join(runc_message(line) for line in (out.stderr or "").splitlines())
-    return collapse_lines(msgs) or f"exit status {out.returncode}"
-
-
-def _tasks(runtime: str, root: str, cid: str) -> list[int]:
-    out = _call(runtime, root, ["ps", "--format", "json", cid], timeout=30)
+def _tasks(rt: Runner, root: str, cid: str) -> list[int]:
+    out = rt.run(root, ["ps", "--format", "json", cid], timeout=30)
     if out.returncode == 0:
         try:
-            pids = json.loads(out.stdout or "[]")
+            pids = jsonsafe.loads(out.stdout or "[]")
             if isinstance(pids, list) and all(isinstance(p, int) and p > 0 for p in pids):
                 return pids
         except ValueError:
@@ -65,28 +59,28 @@ def _tasks(runtime: str, root: str, cid: str) -> list[int]:
                         f"nothing of it ran: run 'migrt recover'")
 
 
-def kill_frozen(runtime: str, root: str, cid: str) -> list[int]:
+def kill_frozen(rt: Runner, root: str, cid: str) -> list[int]:
     """SIGKILL every task of a frozen container, then thaw it so that the kill lands. Returns the pids."""
-    pids = _tasks(runtime, root, cid)
+    pids = _tasks(rt, root, cid)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    out = _call(runtime, root, ["resume", cid])
+    out = rt.run(root, ["resume", cid])
     # on cgroup v2 the kill lands in the frozen cgroup already: then there is nothing left to resume
-    if out.returncode != 0 and _status(runtime, root, cid) == "paused":
+    if out.returncode != 0 and rt.status(root, cid) == "paused":
         raise RuntimeFailed(f"container {cid} was killed while frozen but cannot be thawed for the kill to land "
                             f"({_failure(out)}); it stays frozen: run 'migrt recover'")
     return pids
 
 
-def stop(runtime: str, root: str, cid: str) -> None:
+def stop(rt: Runner, root: str, cid: str) -> None:
     """Kill and delete container `cid` (runtime root `root`), never letting a frozen one run again.
     A container the runtime no longer knows is nothing to stop (its leftovers are still deleted)."""
-    if _status(runtime, root, cid) == "paused":
-        kill_frozen(runtime, root, cid)
-    out = _call(runtime, root, ["delete", "--force", cid])
-    if out.returncode != 0 and _status(runtime, root, cid) is not None:
+    if rt.status(root, cid) == "paused":
+        kill_frozen(rt, root, cid)
+    out = rt.run(root, ["delete", "--force", cid])
+    if out.returncode != 0 and rt.status(root, cid) is not None:
         raise RuntimeFailed(f"cannot delete container {cid} under {root}: {_failure(out)}; "
-                            f"run 'migrt recover', or '{os.path.basename(runtime)} --root {root} delete --force {cid}'")
+                            f"run 'migrt recover', or '{os.path.basename(rt.path)} --root {root} delete --force {cid}'")

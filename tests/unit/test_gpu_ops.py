@@ -23,6 +23,7 @@ from migrt.oci.bundle import Bundle
 from migrt.ops import checkpoint as ops_checkpoint
 from migrt.ops import gpu_runc, gpu_steps
 from migrt.ops import restore as ops_restore
+from migrt.runtime.messages import ContainerState
 from migrt.shim.argv import RuncArgv
 from migrt.store import Store
 from tests.unit.support import PY_SHIM, write_bundle
@@ -72,7 +73,7 @@ class FakeLower:
     status = "running"
 
     def state(self, root, cid):
-        return {"status": FakeLower.status, "pid": INIT, "bundle": ""}
+        return ContainerState(id=cid, status=FakeLower.status, pid=INIT, bundle="")
 
     def pause(self, root, cid):
         FakeLower.calls.append(("pause", cid, self.node.states(INIT, CHILD)))

@@ -89,7 +89,7 @@ def rig(tmp_path, monkeypatch):
 
 def test_frozen_container_is_killed_before_it_is_thawed(rig):
     rig.status("paused")
-    stop.stop(rig.path, "/r", "c1")
+    LowerRuntime(rig.path).stop("/r", "c1")
     # every task gets SIGKILL while frozen (102 already gone: ignored), only then resume, then delete
     assert rig.calls() == ["state", "ps", "kill 101 SIGKILL", "kill 102 SIGKILL", "kill 103 SIGKILL", "resume",
                            "delete"]
@@ -98,12 +98,12 @@ def test_frozen_container_is_killed_before_it_is_thawed(rig):
 
 def test_running_container_is_just_deleted(rig):
     rig.status("running")
-    stop.stop(rig.path, "/r", "c1")
+    LowerRuntime(rig.path).stop("/r", "c1")
     assert rig.calls() == ["state", "delete"] and rig.gone()
 
 
 def test_a_container_the_runtime_does_not_know_is_nothing_to_stop(rig):
-    stop.stop(rig.path, "/r", "c1")
+    LowerRuntime(rig.path).stop("/r", "c1")
     assert rig.calls() == ["state", "delete"]  # delete --force still removes a state directory without state.json
 
 
@@ -111,7 +111,7 @@ def test_cgroup_v2_kill_lands_while_frozen_so_a_failed_resume_is_fine(rig, monke
     monkeypatch.setenv("FAKE_FAIL", "resume")
     monkeypatch.setenv("FAKE_DIES_FROZEN", "1")
     rig.status("paused")
-    stop.stop(rig.path, "/r", "c1")
+    LowerRuntime(rig.path).stop("/r", "c1")
     assert rig.calls()[-3:] == ["resume", "state", "delete"] and rig.gone()
 
 
@@ -120,7 +120,7 @@ def test_a_container_that_cannot_be_thawed_stays_frozen_and_is_not_deleted(rig, 
     rig.status("paused")
     with pytest.raises(RuntimeFailed, match=r"container c1 was killed while frozen but cannot be thawed for "
                                             r"the kill to land \(fake resume failure\); it stays frozen: run 'migrt recover'"):
-        stop.stop(rig.path, "/r", "c1")
+        LowerRuntime(rig.path).stop("/r", "c1")
     assert "delete" not in rig.calls()
 
 
@@ -128,7 +128,7 @@ def test_unlisted_processes_are_never_thawed(rig, monkeypatch):
     monkeypatch.setenv("FAKE_FAIL", "ps")
     rig.status("paused")
     with pytest.raises(RuntimeFailed, match=r"cannot list the processes of frozen container c1 \(fake ps failure\)"):
-        stop.stop(rig.path, "/r", "c1")
+        LowerRuntime(rig.path).stop("/r", "c1")
     assert rig.calls() == ["state", "ps"]  # no kill of a partial list, no resume, no delete
 
 
@@ -136,7 +136,7 @@ def test_garbage_from_ps_is_no_list(rig, monkeypatch):
     monkeypatch.setenv("FAKE_PS", '["1", -3]')
     rig.status("paused")
     with pytest.raises(RuntimeFailed, match="cannot list the processes"):
-        stop.stop(rig.path, "/r", "c1")
+        LowerRuntime(rig.path).stop("/r", "c1")
     assert "resume" not in rig.calls()
 
 
@@ -145,7 +145,7 @@ def test_failed_delete_names_the_container_and_the_next_step(rig, monkeypatch):
     rig.status("running")
     with pytest.raises(RuntimeFailed, match=r"cannot delete container c1 under /r: fake delete failure; "
                                             r"run 'migrt recover', or 'runc --root /r delete --force c1'"):
-        stop.stop(rig.path, "/r", "c1")
+        LowerRuntime(rig.path).stop("/r", "c1")
 
 
 def test_lower_runtime_and_control_destroy_use_it(rig):
