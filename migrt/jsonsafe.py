@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import IO, Any
+
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 MAX_DEPTH = 64
 MAX_BYTES = 16 << 20

@@ -14,7 +14,11 @@ from migrt.errors import MigrtError
 
 
 def _fail(message: str, exit_code: int, kind: str, as_json: bool) -> None:
-    """The one way a command reports an error: a line on stderr, the JSON object on stdout with --json."""
+    """The one way a command reports an error: a line on stderr, the JSON object on stdout with --json;
+    escaped (migrt.text: parts of a message may come from a container, a registry or a peer)."""
+    from migrt.text import printable
+
+    message = printable(message, 8192)
     if as_json:
         from migrt.cli.render import emit_json
 

@@ -9,6 +9,10 @@ import json
 import os
 import time
 
+from migrt.text import printable
+
+MAX_MSG = 8192  # characters of one message (CRIU's error lines quoted in it included)
+
 
 def _now() -> str:
     t = time.time()
@@ -16,7 +20,10 @@ def _now() -> str:
 
 
 def append(path: str | None, level: str, msg: str, *, log_format: str = "json") -> None:
-    """One line in the --log file `path`; with no --log, an error goes to stderr as runc's text line."""
+    """One line in the --log file `path`; with no --log, an error goes to stderr as runc's text line.
+    The message is escaped (migrt.text): containerd and kubectl show it on terminals, and parts of it
+    may come from a container, a registry or a peer."""
+    msg = printable(msg, MAX_MSG)
     if not path:
         if level == "error":
             try:
