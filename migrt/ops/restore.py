@@ -172,7 +172,7 @@ def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry,
             from migrt.pods.engines import DEVSHM_TAR
 
             rootfs.apply_devshm(os.path.join(ckpt.path, DEVSHM_TAR), target.bundle.mounts)
-        with store.restore_view(ckpt) as view:
+        with store.restore_view(ckpt) as view, restore_privileges.shared_with_userns(view, security):
             _mark("view")
             hostname = namespaces.retarget_uts(view, target.bundle)
             rootfs.align_root_mode(view, target.bundle.rootfs, recorded=ckpt.manifest.get("root_mode"))

@@ -73,11 +73,12 @@ migrt-runc's `restore` (the lower runtime's own checkpoints). Stdlib only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import tarfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from migrt.criu import tasks as criu_tasks
@@ -96,6 +97,29 @@ class Verdict:
     """What the restore must pass to runc, and what was left as recorded (for the log)."""
     runc_args: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    userns_root: int | None = None  # the node's uid of the root of the user namespace CRIU recreates
+
+
+@contextlib.contextmanager
+def shared_with_userns(view: str, verdict: Verdict) -> Iterator[None]:
+    """CRIU's tasks read their own images after entering the user namespace CRIU recreates, as its
+    root (verdict.userns_root on the node): for such a restore the image directory `view` is made
+    searchable and its files readable by others while the restore runs (its parents stay 0700: the
+    files are reached through CRIU's descriptor only), and their modes put back after (the files may
+    be hard links to the store's). Nothing is changed for a restore without a user namespace."""
+    modes: dict[str, int] = {}
+    try:
+        if verdict.userns_root is not None:
+            for path in [view, *(os.path.join(view, f) for f in os.listdir(view))]:
+                st = os.lstat(path)
+                if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+                    modes[path] = stat.S_IMODE(st.st_mode)
+                    os.chmod(path, modes[path] | (0o011 if stat.S_ISDIR(st.st_mode) else 0o044))
+        yield
+    finally:
+        for path, mode in modes.items():
+            with contextlib.suppress(OSError):
+                os.chmod(path, mode)
 
 
 def host_lsm() -> int:
@@ -134,7 +158,7 @@ def check(images: str, bundle: Bundle, name: str, *, rootfs_changes: Callable[[]
         raise CheckpointInvalid(f"checkpoint {name}: cannot read what its processes hold from the CRIU images "
                                 f"({exc}); refusing to restore it") from exc
     verdict = Verdict()
-    problems: list[str] = _userns(t, g)
+    problems: list[str] = _userns(t, g, verdict)
     for th in t.threads:
         problems += _identity(th, g) + _caps(th, g) + _nnp(th, g) + _secbits(th, g) + _limits(th, g)
     problems += _seccomp(t, g, bundle)
@@ -491,7 +515,7 @@ def _fmt_map(m: IdMap | None) -> str:
     return ", ".join(f"{a}->{b} ({c})" for a, b, c in m) if m else "nothing"
 
 
-def _userns(t: Tasks, g: Grants) -> list[str]:
+def _userns(t: Tasks, g: Grants, verdict: Verdict) -> list[str]:
     """CRIU recreates the user namespace its images record (userns-<id>.img, with its maps) or leaves
     the tree in its own, the node's; runc restore passes no mapping. So the images must record the
     bundle's: the same maps, or none when the bundle asks for none."""
@@ -509,6 +533,7 @@ def _userns(t: Tasks, g: Grants) -> list[str]:
         if have != want:
             out.append(f"its images record a user namespace mapping {kind}s {_fmt_map(have)} (CRIU recreates it so) "
                        f"but the container maps {_fmt_map(want)} (linux.{kind}Mappings)")
+    verdict.userns_root = next((outside for inside, outside, _ in t.userns[0] if inside == 0), None)
     return out
 
 

@@ -10,8 +10,10 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 
@@ -45,18 +47,21 @@ def _id(prefix: str) -> str:
 
 def _spec(ctd, tmp_path, label: str, *, uid: int = 0, caps: list[str] | None = None, nnp: bool = True,
           namespace: str | None = "team", restore: str | None = None, readonly: bool = False,
-          seccomp: dict | None = None) -> str:
+          seccomp: dict | None = None, edit: Callable[[dict], None] | None = None) -> str:
     """config.json for `ctr run --config`: containerd's default spec, a fresh busybox root, and the
-    identity, capabilities (None: containerd's defaults), noNewPrivileges and annotation asked."""
+    identity, capabilities (None: containerd's defaults), noNewPrivileges and annotation asked; `edit`
+    changes the spec last."""
     spec = json.loads(ctd.ctr("oci", "spec").stdout)
     spec["root"] = {"path": make_rootfs(str(tmp_path / f"rootfs-{label}")), "readonly": readonly}
-    spec["process"].update(args=["sh", "-c", LOOP], env=["PATH=/bin"] + ([f"MIGRT_RESTORE={restore}"] if restore else []),
-                           user={"uid": uid, "gid": uid}, noNewPrivileges=nnp)
+    env = ["PATH=/bin"] + ([f"MIGRT_RESTORE={restore}"] if restore else [])
+    spec["process"].update(args=["sh", "-c", LOOP], env=env, user={"uid": uid, "gid": uid}, noNewPrivileges=nnp)
     if caps is not None:
         spec["process"]["capabilities"] = {k: list(caps) for k in ("bounding", "effective", "permitted")}
     spec["annotations"] = {NAMESPACE: namespace} if namespace else {}
     if seccomp is not None:
         spec["linux"]["seccomp"] = seccomp
+    if edit is not None:
+        edit(spec)
     path = tmp_path / f"spec-{label}.json"
     path.write_text(json.dumps(spec))
     return str(path)
@@ -163,7 +168,8 @@ def test_the_reader_agrees_with_pycriu_on_images_criu_made(containerd, migrt_con
         with open(os.path.join(images, f"core-{th.tid}.img"), "rb") as fh:
             core = pycriu.images.load(fh)["entries"][0]["thread_core"]
         c = core["creds"]
-        assert th.uids == (c["uid"], c["euid"], c["suid"], c["fsuid"]) and th.gids == (c["gid"], c["egid"], c["sgid"], c["fsgid"])
+        assert th.uids == (c["uid"], c["euid"], c["suid"], c["fsuid"])
+        assert th.gids == (c["gid"], c["egid"], c["sgid"], c["fsgid"])
         for key, which in (("cap_eff", "effective"), ("cap_prm", "permitted"), ("cap_bnd", "bounding"),
                            ("cap_inh", "inheritable"), ("cap_amb", "ambient")):
             assert th.caps[which] == sum(w << (32 * i) for i, w in enumerate(c.get(key, []))), which
@@ -327,5 +333,128 @@ def test_a_threaded_process_restores_with_its_filters_on_every_thread(containerd
     try:
         assert res.returncode != 0 and f"checkpoint {name}: process 1 (threads) may call reboot, which the " \
             "container's seccomp profile denies (linux.seccomp)" in res.stderr, res.stderr
+    finally:
+        _remove(containerd, dst)
+
+
+# -- mounts and the user namespace come from the bundle (issue 27 items 1 and 2) -------------------------
+CGROUP = {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+          "options": ["nosuid", "noexec", "nodev", "relatime"]}
+
+
+def _mounts(*, sys_rw: bool = False, cgroup: str | None = None, extra: list[dict] | None = None,
+            drop: tuple[str, ...] = (), mkdir: str | None = None) -> Callable[[dict], None]:
+    """An edit of containerd's default mounts: /sys read-write, a cgroup mount ("ro"/"rw", as runc's
+    default spec has it read-only), more mounts, fewer; `mkdir`: a directory made in the root."""
+    def edit(spec: dict) -> None:
+        if mkdir:
+            os.makedirs(os.path.join(spec["root"]["path"], mkdir.lstrip("/")), exist_ok=True)
+        mounts = [m for m in spec["mounts"] if m["destination"] not in drop]
+        for m in mounts:
+            if m["destination"] == "/sys" and sys_rw:
+                m["options"] = [o for o in m["options"] if o != "ro"]
+        if cgroup:
+            mounts.append({**CGROUP, "options": CGROUP["options"] + ([cgroup] if cgroup == "ro" else [])})
+        spec["mounts"] = mounts + list(extra or [])
+    return edit
+
+
+def _exec(ctd, cid: str, script: str):
+    return ctd.ctr("task", "exec", "--exec-id", _id("x"), cid, "sh", "-c", script, check=False)
+
+
+def test_sys_read_write_comes_back_only_into_a_bundle_that_mounts_it_so(containerd, migrt_config, tmp_path):
+    name, _ = _checkpoint(containerd, tmp_path, "sysrw", caps=[], edit=_mounts(sys_rw=True))
+    err = _refused(containerd, tmp_path, name, migrt_config, caps=[])  # containerd's default: /sys read-only
+    assert f"migrt: checkpoint {name}: the mount table in its images has /sys (sysfs) read-write but the container " \
+           "makes it read-only (mounts)" in err, err
+    dst, _ = _restored(containerd, tmp_path, name, caps=[], edit=_mounts(sys_rw=True))  # what it had
+    try:
+        assert "rw" in _exec(containerd, dst, "grep ' /sys ' /proc/mounts").stdout.split()[3].split(",")
+    finally:
+        _remove(containerd, dst)
+
+
+def test_a_writable_cgroup_mount_is_refused_by_a_read_only_one(containerd, migrt_config, tmp_path):
+    # cgroup v1: the container's own memory.limit_in_bytes and cpu.cfs_quota_us writable by it
+    name, _ = _checkpoint(containerd, tmp_path, "cgrw", caps=[], edit=_mounts(cgroup="rw"))
+    err = _refused(containerd, tmp_path, name, migrt_config, caps=[], edit=_mounts(cgroup="ro"))
+    assert f"migrt: checkpoint {name}: the mount table in its images has /sys/fs/cgroup" in err and \
+        "read-write but the container makes it read-only (mounts)" in err, err
+    # runc's default: read-only, restored into the same
+    name, _ = _checkpoint(containerd, tmp_path, "cgro", caps=[], edit=_mounts(cgroup="ro"))
+    dst, _ = _restored(containerd, tmp_path, name, caps=[], edit=_mounts(cgroup="ro"))
+    try:
+        res = _exec(containerd, dst, "grep ' /sys/fs/cgroup/' /proc/mounts | grep -c ' rw,'")
+        assert res.stdout.strip() == "0", res.stdout  # no controller writable
+    finally:
+        _remove(containerd, dst)
+
+
+def test_an_extra_procfs_is_refused_and_fewer_unused_mounts_restore(containerd, migrt_config, tmp_path):
+    # a procfs at /mnt/proc while /proc/sys is read-only: /mnt/proc/sys/kernel/core_pattern, root on the node
+    proc = {"destination": "/mnt/proc", "type": "proc", "source": "proc"}
+    name, _ = _checkpoint(containerd, tmp_path, "mntproc", caps=[], edit=_mounts(extra=[proc]))
+    err = _refused(containerd, tmp_path, name, migrt_config, caps=[], edit=_mounts(mkdir="/mnt/proc"))
+    assert f"migrt: checkpoint {name}: the mount table in its images has proc mounted at /mnt/proc that the " \
+           "container does not declare (mounts)" in err, err
+    # stricter but compatible: no /run tmpfs nor /dev/mqueue, which the process does not use
+    name, _ = _checkpoint(containerd, tmp_path, "fewer", caps=[])
+    dst, after = _restored(containerd, tmp_path, name, caps=[], edit=_mounts(drop=("/run", "/dev/mqueue")))
+    try:
+        assert after["NoNewPrivs"] == "1"
+    finally:
+        _remove(containerd, dst)
+
+
+USERNS_MAP = [{"containerID": 0, "hostID": 100000, "size": 65536}]
+
+
+@pytest.fixture
+def open_dir():
+    """A directory the container's mapped root (uid 100000) can reach: a user namespace's root
+    filesystem cannot live below pytest's 0700 directories."""
+    path = tempfile.mkdtemp(prefix="migrt-userns-", dir="/tmp")
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _userns(root_dir: str, mapping: list[dict] = USERNS_MAP) -> Callable[[dict], None]:
+    """A hostUsers:false pod's user namespace: uid and gid 0 -> 100000, 65536 of them."""
+    def edit(spec: dict) -> None:
+        spec["linux"]["namespaces"] = [*spec["linux"]["namespaces"], {"type": "user"}]
+        spec["linux"]["uidMappings"] = spec["linux"]["gidMappings"] = mapping
+        root = os.path.join(root_dir, os.path.basename(spec["root"]["path"]))
+        if not os.path.exists(root):
+            shutil.copytree(spec["root"]["path"], root, symlinks=True)
+        spec["root"]["path"] = root
+    return edit
+
+
+def test_a_user_namespace_pod_refuses_a_checkpoint_of_the_nodes_user_namespace(containerd, migrt_config, tmp_path,
+                                                                               open_dir):
+    name, before = _checkpoint(containerd, tmp_path, "hostns", caps=[])
+    err = _refused(containerd, tmp_path, name, migrt_config, caps=[], edit=_userns(open_dir))
+    assert f"migrt: checkpoint {name}: its processes ran in the node's user namespace (CRIU would restore them " \
+           "there) but the container asks for a user namespace mapping uids 0->100000 (65536) (linux.namespaces)" \
+           in err, err
+
+
+def test_a_user_namespace_checkpoint_restores_only_into_the_same_mappings(containerd, migrt_config, tmp_path,
+                                                                          open_dir):
+    name, before = _checkpoint(containerd, tmp_path, "userns", caps=[], edit=_userns(open_dir))
+    assert before["Uid"].split() == ["0"] * 4
+    err = _refused(containerd, tmp_path, name, migrt_config, caps=[])
+    assert f"migrt: checkpoint {name}: its images record a user namespace mapping uids 0->100000 (65536) that " \
+           "the container does not ask for" in err, err
+    other = [{"containerID": 0, "hostID": 200000, "size": 65536}]
+    err = _refused(containerd, tmp_path, name, migrt_config, caps=[], edit=_userns(open_dir, other))
+    assert "its images record a user namespace mapping uids 0->100000 (65536) (CRIU recreates it so) but the " \
+           "container maps 0->200000 (65536) (linux.uidMappings)" in err, err
+    dst, after = _restored(containerd, tmp_path, name, caps=[], edit=_userns(open_dir))
+    try:
+        assert _exec(containerd, dst, "cat /proc/1/uid_map").stdout.split() == ["0", "100000", "65536"]
+        assert after["Uid"] == before["Uid"]
     finally:
         _remove(containerd, dst)

@@ -612,7 +612,7 @@ def test_a_user_namespace_bundle_needs_images_with_its_mappings(tmp_path):
         "container asks for a user namespace mapping uids 0->100000 (65536) (linux.namespaces)")
     same = runc_images(tmp_path, "same")
     same.userns = {"uid_map": MAP, "gid_map": MAP}
-    passes(same.write(), b)
+    assert passes(same.write(), b).userns_root == 100000  # who reads the images in that namespace
     assert criu_tasks.read(same.write()).userns == (((0, 100000, 65536),), ((0, 100000, 65536),))
     other = runc_images(tmp_path, "other")
     other.userns = {"uid_map": MAP, "gid_map": [{"first": 0, "lower_first": 0, "count": 1}]}
@@ -630,6 +630,21 @@ def test_a_checkpoint_made_in_a_user_namespace_needs_one_in_the_bundle(tmp_path)
     im.userns = {"uid_map": host, "gid_map": [{"first": a, "lower_first": b, "count": c}
                                               for a, b, c in rp._host_map("gid_map")]}
     passes(im.write(), runc_bundle(tmp_path, "host"))  # the node's own ids: nothing changes meaning
+
+
+def test_the_images_are_shared_with_the_namespaces_root_while_the_restore_runs(tmp_path):
+    view = tmp_path / "view"
+    view.mkdir(mode=0o700)
+    stored = tmp_path / "core-1.img"
+    stored.write_bytes(b"x")
+    stored.chmod(0o600)
+    os.link(stored, view / "core-1.img")  # the store's own file, as restore_view links it
+    with rp.shared_with_userns(str(view), rp.Verdict()):
+        assert stat.S_IMODE(os.stat(view).st_mode) == 0o700  # no user namespace: nothing changed
+    with pytest.raises(OSError), rp.shared_with_userns(str(view), rp.Verdict(userns_root=100000)):
+        assert (stat.S_IMODE(os.stat(view).st_mode), stat.S_IMODE(os.stat(stored).st_mode)) == (0o711, 0o644)
+        raise OSError("CRIU failed")
+    assert (stat.S_IMODE(os.stat(view).st_mode), stat.S_IMODE(os.stat(stored).st_mode)) == (0o700, 0o600)
 
 
 def test_a_user_namespace_joined_by_path_is_compared_by_its_maps(tmp_path):
