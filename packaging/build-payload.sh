@@ -32,7 +32,7 @@
 #       Writes DIR/oci.tar (an OCI image layout with one layer, named REF, default the DaemonSet's
 #       ghcr.io/migrt/migrt-installer:0.1.0: `ctr images import`, `podman load`) and DIR/PAYLOAD.
 #       --cache DIR keeps the result under DIR/<key> (key: a hash of every input from this checkout:
-#       packaging/, migrt/, hooks/, configs/config.yaml, pyproject.toml) and reuses it; the newest key
+#       $inputs below) and reuses it; the newest key
 #       only is kept. Prints the path of oci.tar.
 #       Environment: MIGRT_PAYLOAD_MIRRORS (apt source lines separated by '|'; default the release's
 #       deb.debian.org main, -updates and -security suites), MIGRT_SKIP_APT=1 (mmdebstrap already here).
@@ -57,7 +57,11 @@ repair_text="re-run the migrt installer on this node (packaging/daemonset.yaml, 
 # interpreter's RPATH, CA certificates for pip.
 criu_deps=$(sed -n 's/^build_deps="\(.*\)"$/\1/p' "$here/build-criu.sh")
 [ -n "$criu_deps" ] || { echo "build-payload: error: no build_deps=\"...\" line in $here/build-criu.sh" >&2; exit 1; }
-stage_deps="$criu_deps xz-utils python3-venv patchelf ca-certificates"
+stage_deps="$criu_deps xz-utils python3-venv patchelf ca-certificates libseccomp2"
+# What the payload is made of from a checkout (the cache key's basis; `image` copies these, README.md and
+# configs/ into the build root). The rest of packaging/ (the node and test set-ups, the checks) is not.
+inputs="pyproject.toml migrt hooks configs/config.yaml packaging/build-payload.sh packaging/build-criu.sh
+packaging/criu packaging/install-host.sh packaging/elf-interp.sh"
 # Bump when the recipe changes (part of the cache key).
 recipe=2
 # The kernel below which nothing in the payload can run: CRIU's floor (the C library's is 3.2).
@@ -183,6 +187,11 @@ stage() {
         "$std/sitecustomize.py" "$std"/config-"$ver"-*
     find "$std" -xtype l -print | sed -n 1p | grep -q . && die "dangling links in $std: $(find "$std" -xtype l | head -3)"
     bundle_libs "$pyd.new/lib" "$py" "$std"/lib-dynload/*.so
+    # What migrt loads with ctypes that a node may lack, or have built for a newer C library than the
+    # payload's: libseccomp (migrt/seccomp/profile.py). The interpreter's DT_RPATH finds it first.
+    seccomp=$(dirname "$(readlink -f "$(ldd "$py" | awk '$1 == "libc.so.6" {print $3}')")")/libseccomp.so.2
+    [ -e "$seccomp" ] || die "$seccomp is missing (package libseccomp2)"
+    cp -L "$seccomp" "$pyd.new/lib/libseccomp.so.2"
     own_libc "$pyd.new/bin/python$ver" '$ORIGIN/../lib:$ORIGIN/../../libc'
     for m in "$std"/lib-dynload/*.so; do  # (also found through the interpreter's; this way ldd shows it)
         patchelf --force-rpath --set-rpath '$ORIGIN/../..:$ORIGIN/../../../../libc' "$m"
@@ -245,7 +254,8 @@ assert not bad, "sys.path outside the payload: %s" % bad
 ' "$prefix" || die "the payload's python cannot import what migrt needs"
     check_own "$pybin" "$pyd"/lib/python"$ver"/lib-dynload/*.so "$prefix/criu/sbin/criu"
     env -i "$venv/bin/python" -P -c '
-import sys
+import ctypes, sys
+ctypes.CDLL("libseccomp.so.2")
 maps = {l.split()[-1] for l in open("/proc/self/maps") if len(l.split()) > 5 and ".so" in l}
 bad = sorted(p for p in maps if not p.startswith(sys.argv[1] + "/"))
 assert not bad, "mapped from outside the payload: %s" % bad
@@ -269,7 +279,8 @@ assert not bad, "mapped from outside the payload: %s" % bad
 
 # The inputs of the payload from this checkout, as "sha256  path" lines (the cache key's basis).
 input_sums() {
-    (cd "$1" && find pyproject.toml packaging migrt hooks configs/config.yaml \
+    # shellcheck disable=SC2086
+    (cd "$1" && find $inputs \
         \( -name __pycache__ -o -name '*.pyc' -o -name '*.egg-info' \) -prune -o -type f -print |
         LC_ALL=C sort | xargs sha256sum)
 }
@@ -334,7 +345,7 @@ image() {
         # The checkout's inputs (and README.md, the package's long description), nothing else.
         mkdir -p "$work/src"
         tar -C "$repo" --exclude=__pycache__ --exclude='*.pyc' --exclude='*.egg-info' -cf - \
-            pyproject.toml README.md packaging migrt hooks configs | tar -C "$work/src" -xf -
+            README.md configs $inputs | tar -C "$work/src" -xf -
         # pip in the build root trusts what this host's pip trusts (PIP_CERT, else the system bundle:
         # a TLS-inspecting proxy's CA is there, not in the root's ca-certificates).
         ca=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}

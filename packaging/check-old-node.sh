@@ -4,8 +4,9 @@
 # payload installed there by its own installer (share/install-host.sh, run in the root), then in the root:
 #   - the install: its time, and a second run's ("up to date": a DaemonSet pod restarting);
 #   - `migrt doctor` (its criu, lower runtime and kernel checks ok) and `criu check` ("Looks good");
-#   - the payload's python (packaging/check-old-node.py): every library it maps is the payload's, a node
-#     library still loads through ctypes (libseccomp.so.2, found by the node's /etc/ld.so.cache), names
+#   - the payload's python (packaging/check-old-node.py): every library it maps is the payload's (its
+#     libseccomp too), a node library still loads through ctypes (libacl.so.1, found by the node's
+#     /etc/ld.so.cache, as the driver's libcuda.so.1 is), names
 #     resolve (localhost, a name in /etc/hosts, with nsswitch.conf naming modules the payload lacks),
 #     C.UTF-8 and an absent locale, an https request to a local server whose CA is only in the node's
 #     store (Debian's path, then RHEL's), and a child (the node's cat) that starts on the node's C
@@ -16,7 +17,7 @@
 #   check-old-node.sh [--image OCI_TAR | --payload DIR] [--runc PATH] [--suite SUITE] [--keep]
 #
 #   --image OCI_TAR  the installer image (build-payload.sh image's oci.tar); default: build it, or reuse
-#                    the build cached in ${MIGRT_DEPS:-/opt/migrt-deps}/payload
+#                    the build cached in $MIGRT_PAYLOAD_CACHE (default $MIGRT_DEPS/payload, /opt/migrt-deps)
 #   --payload DIR    a payload already unpacked (the image's /opt/migrt) instead
 #   --runc PATH      runc >= 1.1 for the root (default: runc on PATH). Debian 11's own runc (1.0) is too
 #                    old for migrt. A runc whose ELF interpreter lies outside the system's (the tests'
@@ -37,7 +38,7 @@ while [ $# -gt 0 ]; do
     --runc) runc=$2; shift 2 ;;
     --suite) suite=$2; shift 2 ;;
     --keep) keep=1; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) die "unknown argument: $1" ;;
     esac
 done
@@ -49,7 +50,7 @@ command -v openssl >/dev/null || die "openssl is not installed (the test CA; apt
 if [ -n "$payload" ]; then
     [ -f "$payload/PAYLOAD" ] || die "--payload $payload: no PAYLOAD there (an unpacked /opt/migrt of the image)"
 elif [ -z "$image" ]; then
-    image=$(sh "$here/build-payload.sh" image --cache "${MIGRT_DEPS:-/opt/migrt-deps}/payload" | tail -1) ||
+    image=$(sh "$here/build-payload.sh" image --cache "${MIGRT_PAYLOAD_CACHE:-${MIGRT_DEPS:-/opt/migrt-deps}/payload}" | tail -1) ||
         die "the payload build failed"
 fi
 [ -n "$payload" ] || [ -f "$image" ] || die "--image $image: no such file"

@@ -2,13 +2,15 @@
 Debian 12 packages through mmdebstrap, one OCI layer), imported into a private containerd and run the
 way packaging/daemonset.yaml runs its init container (privileged, the host's / at /host):
 
-1. into a scratch host root that holds nothing but busybox and this machine's C library: the payload
-   (its own Python, venv, CRIU) lands in /opt/migrt, the links, config, store and containerd drop-in
-   where the README says, and the installed migrt, python and CRIU run there (chroot);
+1. into a scratch host root that holds nothing but busybox (static) and /proc, no C library at all: the
+   payload (its own C library, Python, venv, CRIU) lands in /opt/migrt, the links, config, store and
+   containerd drop-in where the README says, and the installed migrt, python and CRIU run there (chroot);
 2. into a private prefix and bindir on this very host (the system's /opt/migrt and /usr/local/bin are
    left as they were), whose migrt then checkpoints a container and restores it through containerd,
    with its own CRIU;
-3. from the payload unpacked elsewhere, straight on this host (--root /, no container).
+3. from the payload unpacked elsewhere, straight on this host (--root /, no container);
+4. by its own installer into a fresh Debian 11 root (glibc 2.31, older than the payload's 2.36), where it
+   checkpoints and restores a runc container (packaging/check-old-node.sh).
 
 The build (minutes: CRIU and a Debian root) is cached under $MIGRT_DEPS/payload by the hash of its
 inputs; later runs reuse it in seconds.
@@ -39,10 +41,9 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "packaging" / "build-payload.sh"
-CACHE = os.path.join(DEPS, "payload")
+CACHE = os.environ.get("MIGRT_PAYLOAD_CACHE") or os.path.join(DEPS, "payload")  # CI's one build
 REF = "ghcr.io/migrt/migrt-installer:0.1.0"  # packaging/daemonset.yaml's image
 INSTALLER = "/opt/migrt/share/install-host.sh"
-GLIBC = ("libc.so.6", "libm.so.6", "libresolv.so.2", "libdl.so.2", "libpthread.so.0", "librt.so.1")
 
 
 def _id(prefix: str) -> str:
@@ -97,16 +98,11 @@ def run_installer(ctd, host: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def scratch_host(tmp_path):
-    """A host root with busybox (sh), this machine's C library and /proc (the loader finds $ORIGIN, the
-    payload's RPATHs, through /proc/self/exe), nothing else: no python3, no criu, no /usr/lib."""
+    """A host root with a static busybox (sh) and /proc, nothing else: no C library, no dynamic loader, no
+    python3, no criu, no /lib or /usr/lib."""
     path = tmp_path / "host"
     make_rootfs(str(path))
-    libdir = path / "lib" / "x86_64-linux-gnu"
-    libdir.mkdir(parents=True)
-    for name in GLIBC:
-        shutil.copy2(os.path.realpath(f"/lib/x86_64-linux-gnu/{name}"), libdir / name)
-    (path / "lib64").mkdir()
-    shutil.copy2(os.path.realpath("/lib64/ld-linux-x86-64.so.2"), path / "lib64" / "ld-linux-x86-64.so.2")
+    assert not [p for p in path.rglob("*") if p.name.startswith(("libc.so", "ld-linux"))]
     (path / "etc" / "containerd").mkdir(parents=True)
     (path / "etc" / "containerd" / "config.toml").write_text("version = 2\n")
     subprocess.run(["mknod", "-m", "666", str(path / "dev" / "null"), "c", "1", "3"], check=True)
@@ -147,7 +143,10 @@ def test_init_container_installs_a_self_contained_migrt_into_a_bare_host_root(ct
     for d in ("python/bin", "venv/bin", "criu/sbin", "criu/lib", "bin", "libexec", "share"):
         assert (opt / d).is_dir(), d
     payload = (opt / "PAYLOAD").read_text()
-    assert "criu: 4.2.1" in payload and "glibc 2.36" in payload, payload
+    assert "criu: 4.2.1" in payload and "glibc 2.36 (its own" in payload, payload
+    assert f"needs: {os.uname().machine}, Linux >= " in payload, payload
+    interp = subprocess.run(["readelf", "-l", str(opt / "python/bin/python3.11")], capture_output=True, text=True)
+    assert "interpreter: /opt/migrt/libc/ld-linux-x86-64.so.2]" in interp.stdout, interp.stdout
     # links, config, store, containerd's handler
     assert os.readlink(root / "usr/local/bin/migrt") == "/opt/migrt/bin/migrt"
     assert os.readlink(root / "usr/local/bin/migrt-runc") == "/opt/migrt/bin/migrt-runc"
@@ -162,7 +161,7 @@ def test_init_container_installs_a_self_contained_migrt_into_a_bare_host_root(ct
     assert (opt / "interpreter").read_text().strip() == "/opt/migrt/python/bin/python3.11"
     assert "home = /opt/migrt/python/bin" in (opt / "venv/pyvenv.cfg").read_text()
 
-    # it runs there: the root has busybox and the C library, no python3, no criu, no /usr/lib
+    # it runs there: the root has busybox and nothing else (the payload's own C library)
     r = in_root(root, "/usr/local/bin/migrt", "--version")
     assert r.returncode == 0 and "migrt, version" in r.stdout, r.stderr
     r = in_root(root, "/opt/migrt/venv/bin/python", "-P", "-c",
@@ -292,10 +291,37 @@ def test_install_host_run_on_this_host_from_an_unpacked_payload(image_tar, tmp_p
     assert f"{bindir}/migrt-runc" in "".join(p.read_text() for p in tmp_path.rglob("*.toml"))
     r = subprocess.run([str(bindir / "migrt"), "--version"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "migrt, version" in r.stdout, r.stderr
+    t0 = time.monotonic()
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    again = time.monotonic() - t0
     assert r.returncode == 0 and f"{prefix} is up to date" in r.stderr, r.stderr
+    assert again < 5, f"an install over the installed payload took {again:.1f} s"
+    print(f"install-host.sh over the installed payload: {again:.2f} s")
+    # relocated, python's ELF interpreter names the prefix's own loader, and it runs through it here
+    interp = subprocess.run(["readelf", "-l", str(prefix / "python/bin/python3.11")], capture_output=True, text=True)
+    assert f"interpreter: {prefix}/libc/ld-linux-x86-64.so.2]" in interp.stdout, interp.stdout
+    r = subprocess.run([str(prefix / "venv/bin/python"), "-P", "-c", "print(open('/proc/self/maps').read())"],
+                       capture_output=True, text=True, timeout=60)
+    libc = {line.split()[-1] for line in r.stdout.splitlines() if "/libc.so" in line or "/ld-linux" in line}
+    assert libc == {f"{prefix}/libc/libc.so.6", f"{prefix}/libc/ld-linux-x86-64.so.2"}, libc
 
     # a prefix the launchers could not carry is refused before anything is written
     r = subprocess.run([*argv[:-6], "--prefix", str(tmp_path / "it's"), "--no-containerd"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode != 0 and "only letters, digits" in r.stderr and not (tmp_path / "it's").exists(), r.stderr
+
+
+def test_the_payload_checkpoints_and_restores_in_a_debian_11_root(image_tar):
+    """packaging/check-old-node.sh: a fresh Debian 11 root (glibc 2.31, mmdebstrap minbase), the payload
+    installed there by its own installer (a second run up to date in < 5 s), then in that root: migrt
+    doctor, criu check, the payload's python (its libraries, a node library through ctypes, names, locale,
+    TLS with the node's CA store, children on the node's C library) and a runc container checkpointed and
+    restored by the installed migrt, its memory intact."""
+    r = subprocess.run(["sh", str(REPO / "packaging" / "check-old-node.sh"), "--image", image_tar],
+                       capture_output=True, text=True, timeout=900)
+    print(r.stdout + r.stderr)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for line in ("criu check: Looks good", "names: localhost", "tls: https://localhost verified",
+                 "children: the node's sh on the node's C library", "the count went on from",
+                 "ok: the payload (its own glibc) runs in a bullseye root (glibc 2.31)"):
+        assert line in r.stdout + r.stderr, line
