@@ -5,6 +5,8 @@ Exit codes (also in README "Exit codes"):
   5 runtime or CRIU failed | 6 conflict (exists, locked, container state) | 7 configuration error
   8 precondition not met (e.g. GPU preflight) | 9 transfer failed (migration peer or registry:
   unreachable, refused, credentials denied, connection broken)
+migrt-runc only, as a shell says it of a command: 126 the lower runtime could not be executed,
+127 none found; after a failure of its own, the lower runtime's exit status (LowerRuntimeFailed).
 """
 
 from __future__ import annotations
@@ -65,3 +67,18 @@ class StoreFull(PreconditionFailed):
 
 class RegistryError(MigrtError):
     exit_code = 9
+
+
+class LowerRuntimeFailed(RuntimeFailed):
+    """migrt-runc ran the lower runtime and reports its failure with the lower runtime's exit status
+    (containerd reads runc's): 126 when it could not be executed at all."""
+
+    def __init__(self, message: str, *, exit_code: int = 126, details: list[str] | None = None) -> None:
+        super().__init__(message, details=details)
+        self.exit_code = exit_code
+
+
+class NoLowerRuntime(MigrtError):
+    """migrt-runc found no lower runtime to run (neither the config's `runtime:` nor runc on PATH)."""
+
+    exit_code = 127

@@ -47,10 +47,11 @@ from typing import TYPE_CHECKING
 from migrt.errors import MigrtError, PreconditionFailed, UsageError
 from migrt.migration import peers
 from migrt.migration.protocol import TransferError
-from migrt.runtime import runclog
+from migrt.runtime.argv import Call, CreateFlags
 
 if TYPE_CHECKING:
     from migrt.config import Config
+    from migrt.oci.bundle import Bundle, MigrateFrom
 
 DEFAULT_AGENT_PORT = 7070
 CONNECT_TIMEOUT = 5.0  # an unreachable source fails the create within seconds, long before kubelet's deadline
@@ -115,24 +116,29 @@ def describe(source: dict) -> str:
     return f"container {source['container']} of pod {source['namespace']}/{source['pod']}"
 
 
-def pull_on_create(parsed, cmd, bundle, request, *, lower: str, lower_warning: str | None) -> int:
-    """The shim's create for a bundle that asks for a pull. Returns the exit code for containerd."""
-    def fail(message: str, code: int) -> int:
-        runclog.append(parsed.log_path, "error", f"migrt: {message}", log_format=parsed.log_format)
-        return code
+class PullFailed(MigrtError):
+    """The pull's worker process failed: its error's message, and its exit code."""
 
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def pull_on_create(call: Call, bundle: Bundle, request: MigrateFrom) -> int:
+    """The shim's create for a bundle that asks for a pull: returns only when it failed (PullFailed);
+    once the copy runs this process ends at once (os._exit(0)) and the worker carries on."""
     verdict_r, verdict_w = os.pipe()
     ack_r, ack_w = os.pipe()
     try:
         pid = os.fork()  # single-threaded here: nothing started yet
     except OSError as exc:
-        return fail(f"cannot start the pull of {request.value!r}: {exc}", 1)
+        raise MigrtError(f"cannot start the pull of {request.value!r}: {exc}") from exc
     if pid == 0:  # the worker
         code = 1
         try:
             os.close(verdict_r)
             os.close(ack_w)
-            code = _worker(parsed, cmd, bundle, request, lower, lower_warning, verdict_w, ack_r)
+            code = _worker(call, bundle, request, verdict_w, ack_r)
         except BaseException:  # noqa: BLE001 - never unwind into the shim's code in a forked child
             pass
         finally:
@@ -146,8 +152,8 @@ def pull_on_create(parsed, cmd, bundle, request, *, lower: str, lower_warning: s
         _ack(ack_w)
         os._exit(0)
     _ack(ack_w)
-    return fail(verdict.get("error") or f"the pull of {request.value!r} ended without a verdict (see migrt's log)",
-                verdict.get("exit_code") or 1)
+    raise PullFailed(verdict.get("error") or f"the pull of {request.value!r} ended without a verdict (see migrt's log)",
+                     verdict.get("exit_code") or 1)
 
 
 def _ack(fd: int) -> None:
@@ -195,7 +201,7 @@ def _watch_create(ack_r: int, log) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _worker(parsed, cmd, bundle, request, lower: str, lower_warning: str | None, verdict_w: int, ack_r: int) -> int:
+def _worker(call: Call, bundle: Bundle, request: MigrateFrom, verdict_w: int, ack_r: int) -> int:
     os.setsid()  # signals to the create's group are not ours
     from migrt import config as config_mod
     from migrt import log as log_mod
@@ -207,23 +213,20 @@ def _worker(parsed, cmd, bundle, request, lower: str, lower_warning: str | None,
         return exc.exit_code
     log = log_mod.setup(cfg.log_file, cfg.log_level, component="migrt-runc").bind(pull=request.value)
     threading.Thread(target=_watch_create, args=(ack_r, log), daemon=True, name="migrt-create-watch").start()
-    if lower_warning:
-        log.warning("lower_runtime_fallback", detail=lower_warning)
+    if call.lower_warning:
+        log.warning("lower_runtime_fallback", detail=call.lower_warning)
     said = {"running": False}
-    cid = cmd.container_id
+    cid = call.container_id or None
     what = f"pull of {request.value!r}"
     try:
         address, source = parse(request.value, bundle.cri_metadata().get("container_name"))
         what = f"pull of {describe(source)} from {address}"
         admit_peer(cfg, address)
-        if not cid:
-            raise UsageError("create without a container id")
-        from migrt.ops.restore import _check_create_flags
-
-        for flag in _check_create_flags(cmd):
+        flags = call.create_flags()  # refused: no container id, a flag restore cannot honour
+        for flag in flags.dropped:
             log.debug("create_flag_dropped", flag=flag)
-        cfg.runtime = lower  # the shim already resolved it (same rules)
-        result = _pull(cfg, log, parsed, cmd, bundle, cid, address, source, verdict_w, said)
+        cfg.runtime = call.lower  # the shim already resolved it (same rules)
+        result = _pull(cfg, log, flags, bundle, address, source, verdict_w, said)
     except MigrtError as exc:
         result = {"error": str(exc), "exit_code": exc.exit_code}
     except Exception as exc:  # never a traceback in kubelet's events
@@ -238,11 +241,11 @@ def _worker(parsed, cmd, bundle, request, lower: str, lower_warning: str | None,
     return 0
 
 
-def _pull(cfg, log, parsed, cmd, bundle, cid: str, address: str, source: dict, verdict_w: int, said: dict) -> dict:
+def _pull(cfg: Config, log, flags: CreateFlags, bundle: Bundle, address: str, source: dict, verdict_w: int,
+          said: dict) -> dict:
     from migrt.migration.receive import ReceiveOptions, Receiver
     from migrt.migration.tls import TLSFiles
     from migrt.migration.wire import connect, load_key, parse_address
-    from migrt.runtime import lower as lower_mod
 
     def restored(res: dict) -> None:
         """The copy runs: kubelet may have it. Our stdio are containerd's pipes: let them go."""
@@ -253,12 +256,9 @@ def _pull(cfg, log, parsed, cmd, bundle, cid: str, address: str, source: dict, v
         said["running"] = True
         _say(verdict_w, {"running": True, "pid": res.get("pid")})
 
-    root = parsed.root or lower_mod.default_root(cfg.runtime)
-    create = {"global_tokens": [t for f in parsed.global_flags for t in f.tokens],
-              "pid_file": cmd.value("pid-file"), "console_socket": cmd.value("console-socket"),
-              "no_pivot": cmd.has("no-pivot"), "log_path": parsed.log_path, "log_format": parsed.log_format or "json"}
-    receiver = Receiver(cfg, ReceiveOptions(listen="", once=True, restore_bundle=bundle.path, root=root,
-                                            container_id=cid, create=create, on_restored=restored),
+    cid = flags.container_id
+    receiver = Receiver(cfg, ReceiveOptions(listen="", once=True, restore_bundle=bundle.path, root=flags.root,
+                                            container_id=cid, create=flags, on_restored=restored),
                         report=lambda out: log.info("pull_session", **out))
     key = load_key(cfg.migration_key_file)
     meta = bundle.cri_metadata()

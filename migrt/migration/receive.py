@@ -45,6 +45,7 @@ from migrt.migration.wire import Channel, TransferError, accept, load_key, parse
 from migrt.oci.bundle import Bundle
 from migrt.ops.restore import RestoreTarget, check_target, restore_checkpoint
 from migrt.pagefill import PageFill
+from migrt.runtime.argv import CreateFlags
 from migrt.runtime.lower import default_root
 from migrt.runtime.markers import marker_path
 from migrt.runtime.runc import LowerRuntime, candidate_roots
@@ -69,9 +70,9 @@ class ReceiveOptions:
     root: str | None = None            # runc root for those restores (default: the runtime's)
     container_id: str | None = None    # id of the restored container (default: the source's id)
     output: str = os.devnull           # restored container's stdout and stderr
-    # A restore inside the lower runtime's `create` (a pod's pull, pull.py): RestoreTarget's fields
-    # from the create's command line (global flags, pid file, console socket, log); stdio inherited.
-    create: dict | None = None
+    # A restore inside the lower runtime's `create` (a pod's pull, pull.py): what the create's command
+    # line says (global flags, pid file, console socket, log: runtime/argv.py); stdio inherited.
+    create: CreateFlags | None = None
     on_restored: Callable[[dict], None] | None = None  # the copy runs (a pull returns to kubelet here)
     # The node agent (agent.py): hands this node's containers over to pulls; takes no pushed offers.
     pulls: Callable[[Channel, dict, dict], None] | None = None
@@ -456,9 +457,9 @@ class Receiver:
         bundle = Bundle.load(os.path.abspath(self.opts.restore_bundle))
         try:
             if self.opts.create is not None:  # inside containerd's create: its flags, its stdio
-                return restore_checkpoint(self.cfg, name, RestoreTarget(
-                    container_id=restore_id, bundle=bundle, root=self.root, verified=True, before_restore=prepare,
-                    supervise=supervise, fill=fill, **self.opts.create, **seams))
+                return restore_checkpoint(self.cfg, name, RestoreTarget.for_create(
+                    self.opts.create, bundle, verified=True, before_restore=prepare, supervise=supervise, fill=fill,
+                    **seams))
             with open(os.devnull, "rb") as devnull, open(self.opts.output, "ab") as sink:
                 return restore_checkpoint(self.cfg, name, RestoreTarget(
                     container_id=restore_id, bundle=bundle, root=self.root, stdio=(devnull, sink, sink), verified=True,

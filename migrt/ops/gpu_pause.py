@@ -17,14 +17,13 @@ A container with no CUDA process when paused is simply paused. A GPU suspend mad
 from __future__ import annotations
 
 import os
-import subprocess
 
 from migrt import names
-from migrt.errors import MigrtError
+from migrt.errors import LowerRuntimeFailed, MigrtError, RuntimeFailed
 from migrt.gpu import procs
 from migrt.ops import gpu_preempt
-from migrt.runtime import lower as lower_mod
-from migrt.runtime import runclog
+from migrt.runtime.argv import Call
+from migrt.runtime.runc import LowerRuntime
 
 
 def _setup():
@@ -35,20 +34,22 @@ def _setup():
     return cfg, log_mod.setup(cfg.log_file, cfg.log_level, component="migrt-runc")
 
 
-def _lower(lower: str, parsed, args: list[str] | None = None) -> int:
-    argv = [lower, *parsed.render()] if args is None else [lower, *[t for f in parsed.global_flags for t in f.tokens],
-                                                            *args]
+def _lower(call: Call, args: list[str] | None = None) -> int:
+    """The lower runtime as a child: the call's own command line, or its global flags and `args`; its
+    exit status. LowerRuntimeFailed (126) when it cannot be executed."""
+    argv = call.render() if args is None else [*call.global_tokens, *args]
     try:
-        return subprocess.run(argv, check=False).returncode
-    except OSError as exc:
-        runclog.append(parsed.log_path, "error", f"migrt: cannot execute lower runtime {lower}: {exc}",
-                       log_format=parsed.log_format)
-        return 126
+        return LowerRuntime(call.lower).call(argv)
+    except RuntimeFailed as exc:
+        raise LowerRuntimeFailed(exc.message) from exc
 
 
-def _fail(parsed, msg: str, code: int) -> int:
-    runclog.append(parsed.log_path, "error", f"migrt: {msg}", log_format=parsed.log_format)
-    return code
+def _status(call: Call, args: list[str]) -> int:
+    """The exit status of a follow-up call (the undo of a failed step, whose error is the one told)."""
+    try:
+        return _lower(call, args)
+    except LowerRuntimeFailed as exc:
+        return exc.exit_code
 
 
 def mark(root: str, cid: str) -> None:
@@ -57,62 +58,72 @@ def mark(root: str, cid: str) -> None:
     os.close(fd)
 
 
-def create(parsed, lower: str) -> int:
+def create(call: Call) -> int:
     """The lower runtime's create, then the marker (a failed marker fails the create: the user asked)."""
-    rc = _lower(lower, parsed)
+    rc = _lower(call)
     if rc != 0:
         return rc
-    cid = parsed.command_args().container_id or ""
-    root = parsed.root or lower_mod.default_root(lower)
+    cid, root = call.container_id, call.root
     try:
         mark(root, cid)
     except OSError as exc:
-        _lower(lower, parsed, ["delete", "--force", cid])
-        return _fail(parsed, f"container {cid}: cannot write {gpu_preempt.RELEASE_MARKER} under {root}: {exc}", 1)
+        _status(call, ["delete", "--force", cid])
+        raise MigrtError(f"container {cid}: cannot write {gpu_preempt.RELEASE_MARKER} under {root}: {exc}") from exc
     return 0
 
 
-def pause(parsed, lower: str) -> int:
-    cid = parsed.command_args().container_id or ""
-    root = parsed.root or lower_mod.default_root(lower)
+def pause(call: Call) -> int:
+    cid, root = call.container_id, call.root
     if gpu_preempt.read_record(root, cid) is not None or not procs.container_cuda_pids(root, cid):
-        return _lower(lower, parsed)  # already suspended by someone, or nothing on a GPU
+        return _lower(call)  # already suspended by someone, or nothing on a GPU
     try:
         cfg, log = _setup()
         rec = gpu_preempt.suspend(cfg, cid, root, by="pause")
     except MigrtError as exc:
-        return _fail(parsed, f"container {cid} was not paused (it keeps running): {exc}", exc.exit_code)
-    rc = _lower(lower, parsed)
+        exc.message = f"container {cid} was not paused (it keeps running): {exc.message}"
+        raise
+    try:
+        rc = _lower(call)
+    except LowerRuntimeFailed as exc:
+        _unsuspend(cfg, call, exc.exit_code)
+        raise
     if rc != 0:
-        try:
-            gpu_preempt.resume(cfg, cid, root)
-        except MigrtError as exc:
-            return _fail(parsed, f"container {cid}: the pause failed and its GPU state could not be resumed: {exc}; "
-                                 f"run 'migrt gpu resume {cid}'", rc)
+        _unsuspend(cfg, call, rc)
         return rc
     log.info("gpu_released_on_pause", container=cid, timings=rec.get("timings"))
     return 0
 
 
-def resume(parsed, lower: str) -> int:
-    cid = parsed.command_args().container_id or ""
-    root = parsed.root or lower_mod.default_root(lower)
+def _unsuspend(cfg, call: Call, rc: int) -> None:
+    """The freeze failed (the lower runtime's status `rc`): the GPU state goes back; if it cannot, that
+    is the call's error, with that status."""
+    cid = call.container_id
+    try:
+        gpu_preempt.resume(cfg, cid, call.root)
+    except MigrtError as exc:
+        raise LowerRuntimeFailed(f"container {cid}: the pause failed and its GPU state could not be resumed: {exc}; "
+                                 f"run 'migrt gpu resume {cid}'", exit_code=rc) from exc
+
+
+def resume(call: Call) -> int:
+    cid, root = call.container_id, call.root
     try:
         rec = gpu_preempt.read_record(root, cid)
     except MigrtError:
         rec = None
     if rec is None or rec.get("by") != "pause":
-        return _lower(lower, parsed)
-    rc = _lower(lower, parsed)
+        return _lower(call)
+    rc = _lower(call)
     if rc != 0:
         return rc
     try:
         cfg, log = _setup()
         done = gpu_preempt.resume(cfg, cid, root)
     except MigrtError as exc:
-        again = _lower(lower, parsed, ["pause", cid])
+        again = _status(call, ["pause", cid])
         state = ("it was paused again with its GPU state in host memory" if again == 0 else
                  "it could NOT be paused again: its tasks run but block on their first CUDA call")
-        return _fail(parsed, f"container {cid}: GPU resume failed, {state}: {exc}", exc.exit_code)
+        exc.message = f"container {cid}: GPU resume failed, {state}: {exc.message}"
+        raise
     log.info("gpu_restored_on_resume", container=cid, timings=done.get("timings"))
     return 0

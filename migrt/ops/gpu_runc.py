@@ -13,23 +13,23 @@ stands aside, between the GPU steps:
   restore:    preflight (nothing touched on a mismatch) -> `<runtime> restore ...` -> GPU restore
               with the UUID remap and unlock; on failure `delete --force` of the half-restored
               container (the image is left as it was).
-Errors go to runc's --log as runc-shaped JSON lines; stdout/stderr belong to the container.
+Handlers take the shim's typed call (runtime/argv.py) and return the lower runtime's exit status;
+migrt's own failures are raised as MigrtErrors, which the shim writes to runc's --log.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 
-from migrt.errors import MigrtError, UsageError
+from migrt.errors import LowerRuntimeFailed, MigrtError, RuntimeFailed, UsageError
 from migrt.gpu import procs, records
 from migrt.oci.bundle import Bundle
 from migrt.ops import gpu_steps
-from migrt.runtime import lower as lower_mod
-from migrt.runtime import runclog
+from migrt.runtime.argv import Call
+from migrt.runtime.runc import LowerRuntime
 
 
-def _setup(parsed):
+def _setup():
     from migrt import config as config_mod
     from migrt import log as log_mod
 
@@ -37,18 +37,13 @@ def _setup(parsed):
     return cfg, log_mod.setup(cfg.log_file, cfg.log_level, component="migrt-runc")
 
 
-def _fail(parsed, exc: MigrtError) -> int:
-    runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
-    return exc.exit_code
-
-
-def _run(lower: str, parsed, env: dict | None) -> int:
+def _run(call: Call, env: dict | None) -> int:
+    """The call's own command line, run by the lower runtime as a child: its exit status;
+    LowerRuntimeFailed (126) when it cannot be executed."""
     try:
-        return subprocess.run([lower, *parsed.render()], env=env, check=False).returncode
-    except OSError as exc:
-        runclog.append(parsed.log_path, "error", f"migrt: cannot execute lower runtime {lower}: {exc}",
-                       log_format=parsed.log_format)
-        return 126
+        return LowerRuntime(call.lower).call(call.render(), env=env)
+    except RuntimeFailed as exc:
+        raise LowerRuntimeFailed(exc.message) from exc
 
 
 def _bundle_config(state: dict | None) -> dict | None:
@@ -57,21 +52,20 @@ def _bundle_config(state: dict | None) -> dict | None:
     return bundle.config if bundle else None
 
 
-def checkpoint(parsed, lower: str, pids: list[int]) -> int:
-    cmd = parsed.command_args()
-    cid = cmd.container_id or ""
-    root = parsed.root or lower_mod.default_root(lower)
-    keeps_running = cmd.has("leave-running") or cmd.has("pre-dump")
-    image_dir = cmd.value("image-path") or os.path.join(os.getcwd(), "checkpoint")
-    try:
-        cfg, log = _setup(parsed)
-    except MigrtError as exc:  # fail closed: do not dump CUDA processes blindly
-        return _fail(parsed, exc)
+def checkpoint(call: Call, pids: list[int]) -> int:
+    """The lower runtime's exit status; a MigrtError when migrt's GPU steps failed."""
+    cid, root, image_dir = call.container_id, call.root, call.image_path
+    keeps_running = call.cmd.has("leave-running") or call.cmd.has("pre-dump")
+    cfg, log = _setup()  # fail closed: do not dump CUDA processes blindly
     state = procs.runc_state(root, cid)
     init_pid = (state or {}).get("init_process_pid")
     entry = _journal(cfg, log, cid, root, image_dir, pids)
     try:
-        rc = _checkpoint(parsed, lower, cfg, log, cid, root, init_pid, state, pids, image_dir, keeps_running)
+        rc = _checkpoint(call, cfg, log, init_pid, state, pids, keeps_running)
+    except MigrtError:
+        if entry:
+            entry.end()  # a failure migrt reports: nothing is left for recovery
+        raise
     except BaseException:
         if entry:
             entry.release()  # an exception we did not expect: leave the record for recovery
@@ -96,15 +90,15 @@ def _journal(cfg, log, cid: str, root: str, image_dir: str, pids: list[int]):
         return None
 
 
-def _checkpoint(parsed, lower: str, cfg, log, cid: str, root: str, init_pid, state, pids: list[int], image_dir: str,
-                keeps_running: bool) -> int:
+def _checkpoint(call: Call, cfg, log, init_pid, state, pids: list[int], keeps_running: bool) -> int:
+    cid, image_dir = call.container_id, call.image_path
     try:
         gpu = gpu_steps.suspend(cfg, cid, init_pid, _bundle_config(state), pids=pids)
     except MigrtError as exc:
         log.error("gpu_checkpoint_failed", container=cid, error=str(exc))
-        return _fail(parsed, exc)
+        raise
     if gpu is None:  # no CUDA process (the shim found some: never here): a plain checkpoint
-        return _run(lower, parsed, None)
+        return _run(call, None)
     try:
         os.makedirs(image_dir, mode=0o700, exist_ok=True)
         records.write_image_file(image_dir, gpu.section)
@@ -114,43 +108,53 @@ def _checkpoint(parsed, lower: str, cfg, log, cid: str, root: str, init_pid, sta
             gpu.resume()
         except MigrtError as undo:
             err.details.append(f"the GPU processes could not be resumed: {undo}")
-        return _fail(parsed, err)
-    rc = _run(lower, parsed, gpu_steps.runtime_env(gpu))
+        raise err from exc
+    try:
+        rc = _run(call, gpu_steps.runtime_env(gpu))
+    except LowerRuntimeFailed as exc:  # no dump: the processes resume as after a failed one
+        _resume(call, log, gpu, exc.exit_code)
+        raise
     if rc != 0 or keeps_running:
-        try:
-            gpu.resume()
-        except MigrtError as exc:
-            log.error("gpu_resume_failed", container=cid, error=str(exc))
-            from migrt.ops import gpu_preempt  # the container runs on: 'migrt gpu resume' can retry
-
-            kept = gpu_preempt.keep_suspended(cid, root, gpu.pids, gpu.section, by="migrt-runc checkpoint",
-                                              error=str(exc))
-            runclog.append(parsed.log_path, "error",
-                           f"migrt: container {cid}: the GPU processes could not be resumed: {exc}{kept}",
-                           log_format=parsed.log_format)
-            return rc or exc.exit_code
+        _resume(call, log, gpu, rc)
     log.info("gpu_checkpoint", container=cid, rc=rc, pids=pids, timings=gpu.timings)
     return rc
 
 
-def restore(parsed, lower: str, image_dir: str) -> int:
-    cmd = parsed.command_args()
-    cid = cmd.container_id or ""
-    root = parsed.root or lower_mod.default_root(lower)
+def _resume(call: Call, log, gpu, rc: int) -> None:
+    """GPU resume after the lower runtime's checkpoint (`rc`: its exit status) when the container goes
+    on. A resume that fails leaves the processes recorded as suspended for 'migrt gpu resume', and is
+    the call's error, with the lower runtime's exit status when that failed too."""
+    cid = call.container_id
     try:
-        cfg, log = _setup(parsed)
-        if not (cmd.has("detach", "d")):
-            raise UsageError("restoring a checkpoint with GPU state needs --detach (the GPU is restored after runc "
-                             "returns)")
-        bundle = Bundle.load(cmd.value("bundle", "b") or os.getcwd())
-        try:
-            section = records.read_image_file(image_dir)
-        except ValueError as exc:
-            raise MigrtError(str(exc)) from exc
-        gpu = gpu_steps.plan_restore(cfg, section, bundle.config, f"checkpoint image {image_dir}")
+        gpu.resume()
     except MigrtError as exc:
-        return _fail(parsed, exc)
-    rc = _run(lower, parsed, gpu_steps.runtime_env(gpu))
+        log.error("gpu_resume_failed", container=cid, error=str(exc))
+        from migrt.ops import gpu_preempt  # the container runs on: 'migrt gpu resume' can retry
+
+        kept = gpu_preempt.keep_suspended(cid, call.root, gpu.pids, gpu.section, by="migrt-runc checkpoint",
+                                          error=str(exc))
+        message = f"container {cid}: the GPU processes could not be resumed: {exc}{kept}"
+        if rc:
+            raise LowerRuntimeFailed(message, exit_code=rc) from exc
+        exc.message, exc.details = message, []
+        raise
+
+
+def restore(call: Call, image_dir: str) -> int:
+    """The lower runtime's exit status; a MigrtError when migrt's GPU steps failed (nothing touched
+    before the lower runtime's restore; the container removed after it)."""
+    cid, root = call.container_id, call.root
+    cfg, log = _setup()
+    if not call.cmd.has("detach", "d"):
+        raise UsageError("restoring a checkpoint with GPU state needs --detach (the GPU is restored after runc "
+                         "returns)")
+    bundle = Bundle.load(call.bundle_dir)
+    try:
+        section = records.read_image_file(image_dir)
+    except ValueError as exc:
+        raise MigrtError(str(exc)) from exc
+    gpu = gpu_steps.plan_restore(cfg, section, bundle.config, f"checkpoint image {image_dir}")
+    rc = _run(call, gpu_steps.runtime_env(gpu))
     if rc != 0 or gpu is None:
         return rc
     try:
@@ -162,10 +166,9 @@ def restore(parsed, lower: str, image_dir: str) -> int:
         gpu_steps.resume_restored(gpu, pid, timings)
     except MigrtError as exc:
         log.error("gpu_restore_failed", container=cid, error=str(exc))
-        subprocess.run([lower, *[t for f in parsed.global_flags for t in f.tokens], "delete", "--force", cid],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        LowerRuntime(call.lower, call.global_tokens).delete_force(None, cid)
         exc.message = (f"GPU restore of container {cid} failed; the container was removed, the checkpoint image "
                        f"{image_dir} is unchanged: {exc.message}")
-        return _fail(parsed, exc)
+        raise
     log.info("gpu_restore", container=cid, pid=pid, timings=timings)
     return 0

@@ -20,11 +20,16 @@ from migrt.errors import Conflict, MigrtError, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle, RestoreRequest
 from migrt.ops import pages, restore_checks, restore_privileges
 from migrt.pods import namespaces, rootfs
-from migrt.registry import reference
 from migrt.progress import Progress, null_progress
+from migrt.registry import reference
+from migrt.runtime.argv import Call, CreateFlags
 from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
 from migrt.store import Store, journal
+
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 @dataclass
@@ -51,6 +56,15 @@ class RestoreTarget:
     # a direct migration: the restored tree is held at CRIU's post-restore until `fill` has every page
     # (ops/pages.py FilledFirst); fill_first is then its stall deadline in seconds
     fill_first: float | None = None
+
+    @classmethod
+    def for_create(cls, flags: CreateFlags, bundle: Bundle, **seams: Any) -> RestoreTarget:
+        """The restore that replaces a runc `create`: its container, root, global flags, pid file,
+        console socket and log (runtime/argv.py Call.create_flags); `seams` as above."""
+        return cls(container_id=flags.container_id, bundle=bundle, root=flags.root,
+                   global_tokens=list(flags.global_tokens), pid_file=flags.pid_file,
+                   console_socket=flags.console_socket, no_pivot=flags.no_pivot, log_path=flags.log_path,
+                   log_format=flags.log_format, **seams)
 
 
 def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: Progress = null_progress) -> dict:
@@ -364,88 +378,61 @@ def pull_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, c
     return name, just_pulled
 
 
-def _check_create_flags(cmd) -> list[str]:
-    """Flags of `create` that `restore` does not take: drop the harmless, refuse the rest."""
-    dropped = []
-    for f in cmd.flags:
-        if f.name in ("bundle", "b", "pid-file", "console-socket", "no-pivot"):
-            continue
-        if f.name == "no-new-keyring":
-            dropped.append("--no-new-keyring")  # restore keeps the checkpointed keyring
-        elif f.name == "preserve-fds" and (f.value or "0") == "0":
-            dropped.append("--preserve-fds=0")
-        elif f.name in ("preserve-fds", "pidfd-socket"):
-            raise UsageError(f"create flag --{f.name} is not supported when restoring a checkpoint")
-        else:
-            raise UsageError(f"create flag {' '.join(f.tokens)} is unknown to migrt; refusing to restore with it")
-    return dropped
+@dataclass(frozen=True)
+class FreshStart:
+    """A create's restore failed and its restore failure policy is 'fresh': the shim warns in runc's
+    log and runs the original create."""
+
+    warning: str
 
 
-def restore_on_create(parsed, cmd, bundle: Bundle, request: RestoreRequest, *, lower: str,
-                      lower_warning: str | None) -> int:
-    """The shim's create -> restore swap. Returns the exit code; may exec the original create."""
+def restore_on_create(call: Call, bundle: Bundle, request: RestoreRequest) -> FreshStart | None:
+    """The shim's create -> restore swap: None once restored; a FreshStart when the restore failed and
+    the policy says so; else the failure, as a MigrtError."""
     from migrt import config as config_mod
     from migrt import log as log_mod
-    from migrt.runtime import lower as lower_mod
-    from migrt.runtime import runclog
 
-    args = parsed.render()
-
-    def fail(exc: MigrtError) -> int:
-        runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
-        return exc.exit_code
-
-    try:
-        _mark("imported")
-        cfg = config_mod.load()
-        _mark("config")
-    except MigrtError as exc:  # fail closed: never guess a store or policy
-        return fail(exc)
+    _mark("imported")
+    cfg = config_mod.load()  # fail closed: never guess a store or policy
+    _mark("config")
     log = log_mod.setup(cfg.log_file, cfg.log_level, component="migrt-runc")
-    if lower_warning:
-        log.warning("lower_runtime_fallback", detail=lower_warning)
-    cid = cmd.container_id
+    if call.lower_warning:
+        log.warning("lower_runtime_fallback", detail=call.lower_warning)
+    cid = call.container_id or None
     policy = request.fallback or cfg.restore_failure_policy
     log.info("restore_requested", container=cid, checkpoint=request.name, source=request.source, policy=policy)
     try:
-        if policy not in POLICIES:
-            raise UsageError(f"MIGRT_RESTORE_FALLBACK must be one of {POLICIES}, got {policy!r}")
-        if not cid:
-            raise UsageError("create without a container id")
-        name, just_pulled = request.name, False
-        if reference.is_reference(name):  # oci:REF: pulled into the store once per node, then restored
-            t0 = time.monotonic()
-            name, just_pulled = pull_for_create(cfg, request, bundle, log, cid)
-            log.info("restore_image_ready", container=cid, reference=request.name, checkpoint=name,
-                     pulled=just_pulled, seconds=round(time.monotonic() - t0, 3))
-        names.validate(name)
-        for flag in _check_create_flags(cmd):
-            log.debug("create_flag_dropped", flag=flag)
-        cfg.runtime = lower  # the shim already resolved it (same rules)
-        target = RestoreTarget(
-            container_id=cid, bundle=bundle, root=parsed.root or lower_mod.default_root(lower),
-            global_tokens=[t for f in parsed.global_flags for t in f.tokens],
-            pid_file=cmd.value("pid-file"), console_socket=cmd.value("console-socket"),
-            no_pivot=cmd.has("no-pivot"), log_path=parsed.log_path, log_format=parsed.log_format or "json",
-            verified=just_pulled,  # every byte was checked against its digest on arrival, a moment ago
-        )
-        try:
-            result = restore_checkpoint(cfg, name, target)
-        except MigrtError:
-            raise
-        except Exception as exc:  # never leak a traceback to the container's stderr
-            log.exception("restore_crashed", container=cid)
-            raise MigrtError(f"internal error during restore of {request.name!r}: {exc!r}") from exc
+        result = _restore_on_create(cfg, log, call, bundle, request, policy)
     except MigrtError as exc:
         log.error("restore_failed", container=cid, checkpoint=request.name, error=str(exc))
         if policy == "fresh":
-            runclog.append(parsed.log_path, "warning",
-                           f"migrt: restore of {request.name!r} failed ({exc}); starting the container fresh "
-                           "(restore failure policy 'fresh')", log_format=parsed.log_format)
-            try:
-                os.execv(lower, [lower, *args])
-            except OSError as exec_exc:
-                return fail(MigrtError(f"cannot execute lower runtime {lower}: {exec_exc}"))
-        return fail(exc)
+            return FreshStart(f"restore of {request.name!r} failed ({exc}); starting the container fresh "
+                              "(restore failure policy 'fresh')")
+        raise
     log.info("restored", **result)
-    return 0
+    return None
+
+
+def _restore_on_create(cfg: Config, log, call: Call, bundle: Bundle, request: RestoreRequest, policy: str) -> dict:
+    if policy not in POLICIES:
+        raise UsageError(f"MIGRT_RESTORE_FALLBACK must be one of {POLICIES}, got {policy!r}")
+    flags = call.create_flags()  # refused: no container id, a flag restore cannot honour
+    name, just_pulled = request.name, False
+    if reference.is_reference(name):  # oci:REF: pulled into the store once per node, then restored
+        t0 = time.monotonic()
+        name, just_pulled = pull_for_create(cfg, request, bundle, log, flags.container_id)
+        log.info("restore_image_ready", container=flags.container_id, reference=request.name, checkpoint=name,
+                 pulled=just_pulled, seconds=round(time.monotonic() - t0, 3))
+    names.validate(name)
+    for flag in flags.dropped:
+        log.debug("create_flag_dropped", flag=flag)
+    cfg.runtime = call.lower  # the shim already resolved it (same rules)
+    # every byte of a checkpoint pulled a moment ago was checked against its digest on arrival
+    target = RestoreTarget.for_create(flags, bundle, verified=just_pulled)
+    try:
+        return restore_checkpoint(cfg, name, target)
+    except MigrtError:
+        raise
+    except Exception as exc:  # never leak a traceback to the container's stderr
+        log.exception("restore_crashed", container=flags.container_id)
+        raise MigrtError(f"internal error during restore of {request.name!r}: {exc!r}") from exc

@@ -23,6 +23,7 @@ from migrt.errors import MigrtError
 from migrt.gpu import procs
 from migrt.oci.bundle import Bundle
 from migrt.runtime import lower as lower_mod
+from migrt.runtime.argv import Call
 from migrt.store import Store, journal
 
 # Standard library only in migrt-runc's own process (tests/unit/test_gpu_ops.py checks): the config
@@ -55,11 +56,9 @@ def _frozen(state: dict | None) -> bool:
     return False
 
 
-def checkpoint(parsed, lower: str, run: Callable[[], int]) -> int:
+def checkpoint(call: Call, run: Callable[[], int]) -> int:
     """`run()` runs the lower runtime's checkpoint (as a child) and returns its exit status."""
-    cmd = parsed.command_args()
-    cid = cmd.container_id or ""
-    root = parsed.root or lower_mod.default_root(lower)
+    cmd, cid, root = call.cmd, call.container_id, call.root
     entry = None
     try:
         state = procs.runc_state(root, cid)
@@ -71,7 +70,7 @@ def checkpoint(parsed, lower: str, run: Callable[[], int]) -> int:
                 store.root, "runc-checkpoint", phase="dumping", container=cid, root=root,
                 was_paused=paused and not pod, paused_by_containerd=paused and pod,
                 leave_running=cmd.has("leave-running"),
-                image_dir=os.path.abspath(cmd.value("image-path") or os.path.join(os.getcwd(), "checkpoint")),
+                image_dir=os.path.abspath(call.image_path),
                 work=os.path.abspath(cmd.value("work-path")) if cmd.value("work-path") else None)
     except (MigrtError, OSError, ValueError):
         entry = None  # recording is a safety net, never a reason to refuse a checkpoint

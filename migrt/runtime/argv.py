@@ -1,12 +1,26 @@
-"""runc's command line as a value: (global flags, subcommand, rest), rendered back byte-identical.
+"""runc's command line as a value, and the one typed call that migrt's handlers take.
 
-runc (urfave/cli) accepts `-x`, `--x`, `--x=v` and `--x v`; containerd sends the single-dash
-`-no-subreaper` to `restore`. Standard library only: this module is on the hot path.
+`RuncArgv`: (global flags, subcommand, rest), rendered back byte-identical. runc (urfave/cli)
+accepts `-x`, `--x`, `--x=v` and `--x v`; containerd sends the single-dash `-no-subreaper` to
+`restore`.
+
+`Call`: what the shim hands a handler (ops/, migration/) once it decides to intercept: the parsed
+command line and the lower runtime that serves it, with what every handler reads from them worked
+out once (the runtime root, the global flags, the container, the images, the flags of a `create`
+that becomes `runc restore`). Handlers take a Call and raise MigrtErrors; they never write runc's
+log nor pick exit codes: the shim does both, from the error's class. That is runc's own line: its
+command layer turns argv into CriuOpts, and libcontainer never sees argv.
+
+Standard library only: the shim imports this module before it decides (the hot path).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+from migrt.errors import UsageError
+from migrt.runtime.lower import default_root
 
 # runc's global flags. Value flags take the next token unless written `--x=v`.
 GLOBAL_VALUE_FLAGS = frozenset({"root", "log", "log-format", "criu", "rootless"})
@@ -197,3 +211,111 @@ class CommandArgs:
             self.command, frozenset()
         )
         return [f for f in self.flags if f.name not in known]
+
+
+# Flags of `create` that `restore` takes as they are (the rest are dropped when harmless, else refused).
+CREATE_FLAGS_RESTORE_TAKES = frozenset({"bundle", "b", "pid-file", "console-socket", "no-pivot"})
+
+
+def check_create_flags(cmd: CommandArgs) -> list[str]:
+    """Flags of `create` that `restore` does not take: drop the harmless (returned, for the log),
+    refuse the rest with a UsageError."""
+    dropped = []
+    for f in cmd.flags:
+        if f.name in CREATE_FLAGS_RESTORE_TAKES:
+            continue
+        if f.name == "no-new-keyring":
+            dropped.append("--no-new-keyring")  # restore keeps the checkpointed keyring
+        elif f.name == "preserve-fds" and (f.value or "0") == "0":
+            dropped.append("--preserve-fds=0")
+        elif f.name in ("preserve-fds", "pidfd-socket"):
+            raise UsageError(f"create flag --{f.name} is not supported when restoring a checkpoint")
+        else:
+            raise UsageError(f"create flag {' '.join(f.tokens)} is unknown to migrt; refusing to restore with it")
+    return dropped
+
+
+@dataclass(frozen=True)
+class CreateFlags:
+    """What a `create` that migrt turns into `runc restore` carries over from containerd's command
+    line: the restore runs under the same global flags, pid file, console socket and log
+    (ops/restore.py RestoreTarget.for_create). `dropped`: the create flags restore does not take."""
+
+    container_id: str
+    root: str
+    global_tokens: tuple[str, ...]
+    pid_file: str | None
+    console_socket: str | None
+    no_pivot: bool
+    log_path: str | None
+    log_format: str
+    dropped: tuple[str, ...] = ()
+
+
+@dataclass
+class Call:
+    """One runc call that migrt handles: its command line and the lower runtime that serves it."""
+
+    argv: RuncArgv
+    lower: str  # the lower runtime's executable
+    lower_warning: str | None = None  # why the configured runtime was not used, for migrt's log
+    root: str = field(init=False)  # the lower runtime's state root: --root, else its default
+    cmd: CommandArgs = field(init=False)  # the subcommand's flags and positionals
+
+    def __post_init__(self) -> None:
+        self.root = self.argv.root or default_root(self.lower)
+        self.cmd = self.argv.command_args()
+
+    @property
+    def command(self) -> str | None:
+        return self.argv.command
+
+    @property
+    def container_id(self) -> str:
+        """The first positional ("" when there is none: runc itself refuses such a call)."""
+        return self.cmd.container_id or ""
+
+    @property
+    def log_path(self) -> str | None:
+        return self.argv.log_path
+
+    @property
+    def log_format(self) -> str:
+        return self.argv.log_format
+
+    @property
+    def global_tokens(self) -> list[str]:
+        """The global flags as given (--root, --log, --systemd-cgroup ...), for the lower runtime's
+        other calls on the same container."""
+        return [t for f in self.argv.global_flags for t in f.tokens]
+
+    @property
+    def bundle_dir(self) -> str:
+        """`--bundle`, else the working directory (runc's default)."""
+        return self.cmd.value("bundle", "b") or os.getcwd()
+
+    @property
+    def image_path(self) -> str:
+        """`--image-path` of checkpoint/restore, else ./checkpoint (runc's default)."""
+        return self.cmd.value("image-path") or os.path.join(os.getcwd(), "checkpoint")
+
+    def render(self) -> list[str]:
+        """The command line for the lower runtime: byte-identical unless flags were added."""
+        return self.argv.render()
+
+    def add_flags(self, tokens: list[str]) -> None:
+        """Flags put before the subcommand's own (restore: the bundle's --lsm-profile)."""
+        self.argv.rest = [*tokens, *self.argv.rest]
+        self.cmd = self.argv.command_args()
+
+    def create_flags(self) -> CreateFlags:
+        """A `create` that becomes `runc restore`: its container and the flags the restore keeps.
+        UsageError without a container id or with a flag restore cannot honour."""
+        if not self.container_id:
+            raise UsageError("create without a container id")
+        dropped = check_create_flags(self.cmd)
+        return CreateFlags(
+            container_id=self.container_id, root=self.root, global_tokens=tuple(self.global_tokens),
+            pid_file=self.cmd.value("pid-file"), console_socket=self.cmd.value("console-socket"),
+            no_pivot=self.cmd.has("no-pivot"), log_path=self.log_path, log_format=self.log_format,
+            dropped=tuple(dropped))

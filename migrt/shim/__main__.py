@@ -11,6 +11,9 @@ processes and `restore` of an image with GPU state (migrt drives the GPU around 
 of a container carrying that marker (GPU suspend before the freeze, GPU resume after the thaw).
 A `restore` (the lower runtime's own checkpoints) is refused when its tasks hold more than the
 bundle grants (ops/restore_privileges.py). Standard library only until that decision.
+
+The handlers take the typed call (runtime/argv.py Call) and raise MigrtErrors; this module alone
+writes runc's log line (runtime/runclog.py) and picks the exit code, from the error's class.
 """
 
 from __future__ import annotations
@@ -19,26 +22,23 @@ import os
 import sys
 
 from migrt.criu.binary import use_migrt_criu
+from migrt.errors import Conflict, LowerRuntimeFailed, MigrtError, NoLowerRuntime
 from migrt.names import is_container_id
 from migrt.runtime import lower as _lower
 from migrt.runtime import moved, runclog
+from migrt.runtime.argv import Call, RuncArgv
 from migrt.runtime.markers import GPU_RELEASE_MARKER as RELEASE_MARKER
 from migrt.runtime.markers import gpu_suspended, gpu_suspended_message, is_restored
-from migrt.shim.argv import RuncArgv
-from migrt.trust import Untrusted
 
 
-def _exec(path: str, args: list[str], parsed: RuncArgv) -> int:
+def _exec(path: str, args: list[str]) -> None:
     try:
         os.execv(path, [path, *args])
     except OSError as exc:
-        runclog.append(parsed.log_path, "error", f"migrt: cannot execute lower runtime {path}: {exc}",
-                       log_format=parsed.log_format)
-        return 126
-    return 126  # not reached
+        raise LowerRuntimeFailed(f"cannot execute lower runtime {path}: {exc}") from exc
 
 
-def _child(path: str, args: list[str], parsed: RuncArgv) -> int:
+def _child(path: str, args: list[str]) -> int:
     """`checkpoint`: the lower runtime as a child instead of exec'd, argv untouched. containerd kills
     the runtime process (SIGKILL) when a CRI call's deadline passes (kubelet's checkpoint timeout); a
     runc killed mid-dump makes its CRIU fail at the next notification it sends runc, which leaves the
@@ -50,9 +50,7 @@ def _child(path: str, args: list[str], parsed: RuncArgv) -> int:
     try:
         proc = subprocess.Popen([path, *args], close_fds=False)
     except OSError as exc:
-        runclog.append(parsed.log_path, "error", f"migrt: cannot execute lower runtime {path}: {exc}",
-                       log_format=parsed.log_format)
-        return 126
+        raise LowerRuntimeFailed(f"cannot execute lower runtime {path}: {exc}") from exc
     while True:
         try:
             rc = proc.wait()
@@ -62,177 +60,162 @@ def _child(path: str, args: list[str], parsed: RuncArgv) -> int:
     return rc if rc >= 0 else 128 - rc
 
 
-def _create(parsed: RuncArgv, lower: str, warning: str | None) -> int | None:
+def _create(call: Call) -> int | None:
     """Returns an exit code when migrt handled the create, None to pass it through."""
     from migrt.oci.bundle import Bundle, BundleError
 
-    cmd = parsed.command_args()
-    bundle_dir = cmd.value("bundle", "b") or os.getcwd()
     try:
-        bundle = Bundle.load(bundle_dir)
+        bundle = Bundle.load(call.bundle_dir)
     except BundleError:
         return None  # runc reports its own error about the bundle
-    refused = _moved_away(parsed, lower, bundle)
-    if refused is not None:
-        return refused
+    _moved_away(call, bundle)
     pull = bundle.migrate_request()
     if pull is not None:
         from migrt.migration.pull import pull_on_create  # heavy imports only from here on
 
-        return pull_on_create(parsed, cmd, bundle, pull, lower=lower, lower_warning=warning)
+        return pull_on_create(call, bundle, pull)
     request = bundle.restore_request()
     if request is None:
         if not bundle.gpu_release_on_pause:
             return None
         from migrt.ops import gpu_pause
 
-        return gpu_pause.create(parsed, lower)
+        return gpu_pause.create(call)
     from migrt.ops.restore import restore_on_create  # heavy imports only from here on
 
-    rc = restore_on_create(parsed, cmd, bundle, request, lower=lower, lower_warning=warning)
-    if rc == 0 and bundle.gpu_release_on_pause:
+    fresh = restore_on_create(call, bundle, request)
+    if fresh is not None:  # the restore failed; the policy says: the original create
+        runclog.append(call.log_path, "warning", f"migrt: {fresh.warning}", log_format=call.log_format)
+        return None
+    if bundle.gpu_release_on_pause:
         from migrt.ops import gpu_pause
 
-        gpu_pause.mark(parsed.root or _lower.default_root(lower), cmd.container_id or "")
-    return rc
+        gpu_pause.mark(call.root, call.container_id)
+    return 0
 
 
-def _moved_away(parsed: RuncArgv, lower: str, bundle) -> int | None:
+def _moved_away(call: Call, bundle) -> None:
     """A container of a pod whose container was pulled to another node: its restart here is refused
     (runtime/moved.py); records of pods that are gone are removed on the way."""
     if not bundle.is_application_container:
-        return None
-    root = parsed.root or _lower.default_root(lower)
-    rec = moved.find(root, bundle.annotations)
+        return
+    rec = moved.find(call.root, bundle.annotations)
     if rec is None:
-        moved.sweep(root)
-        return None
-    runclog.append(parsed.log_path, "error", f"migrt: {moved.refusal(rec)}", log_format=parsed.log_format)
-    return 6  # errors.Conflict
+        moved.sweep(call.root)
+        return
+    raise Conflict(moved.refusal(rec))
 
 
-def _pause(parsed: RuncArgv, lower: str) -> int | None:
+def _pause(call: Call) -> int | None:
     """pause/resume of a container created with GPU release on pause; None to pass through."""
-    cid = parsed.command_args().container_id
-    root = parsed.root or _lower.default_root(lower)
-    if not is_container_id(cid) or not os.path.isfile(os.path.join(root, cid, RELEASE_MARKER)):
+    cid = call.container_id
+    if not is_container_id(cid) or not os.path.isfile(os.path.join(call.root, cid, RELEASE_MARKER)):
         return None
     from migrt.ops import gpu_pause
 
-    return gpu_pause.pause(parsed, lower) if parsed.command == "pause" else gpu_pause.resume(parsed, lower)
+    return gpu_pause.pause(call) if call.command == "pause" else gpu_pause.resume(call)
 
 
-def _memory_arriving(parsed: RuncArgv, lower: str) -> int | None:
+def _memory_arriving(call: Call) -> None:
     """checkpoint of a container whose memory a lazy restore is still filling: wait until it is all in
-    (CRIU would skip the pages not yet there: runtime/lazy_memory.py); an exit code if it never is."""
-    from migrt.errors import MigrtError
+    (CRIU would skip the pages not yet there: runtime/lazy_memory.py); a MigrtError if it never is."""
     from migrt.gpu import procs
     from migrt.runtime import lazy_memory
 
-    cid = parsed.command_args().container_id or ""
-    root = parsed.root or _lower.default_root(lower)
-    try:
-        lazy_memory.wait_filled(lambda: procs.runc_container_pids(root, cid), f"container {cid}")
-    except MigrtError as exc:
-        runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
-        return exc.exit_code
-    return None
+    cid = call.container_id
+    lazy_memory.wait_filled(lambda: procs.runc_container_pids(call.root, cid), f"container {cid}")
 
 
-def _restore_privileges(parsed: RuncArgv) -> int | None:
+def _restore_privileges(call: Call) -> None:
     """`restore` of the lower runtime's own checkpoint (containerd's task restore, its CRI restore of a
     checkpoint image): its tasks may hold no more than the bundle grants, as in migrt's own restores
-    (ops/restore_privileges.py). An exit code when refused; None to go on, with the bundle's LSM
-    label added as --lsm-profile where the tasks recorded another."""
-    from migrt.errors import MigrtError
+    (ops/restore_privileges.py). A MigrtError when refused; else the bundle's LSM label is added as
+    --lsm-profile where the tasks recorded another."""
     from migrt.oci.bundle import Bundle, BundleError
     from migrt.ops import restore_privileges
 
-    cmd = parsed.command_args()
     try:
-        bundle = Bundle.load(cmd.value("bundle", "b") or os.getcwd())
+        bundle = Bundle.load(call.bundle_dir)
     except BundleError:
-        return None  # runc reports its own error about the bundle
-    images = cmd.value("image-path") or os.path.join(os.getcwd(), "checkpoint")
-    try:
-        verdict = restore_privileges.check(images, bundle, images)
-    except MigrtError as exc:
-        runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
-        return exc.exit_code
-    if verdict.runc_args and cmd.value("lsm-profile") is None:
-        parsed.rest = [*verdict.runc_args, *parsed.rest]
-    return None
+        return  # runc reports its own error about the bundle
+    images = call.image_path
+    verdict = restore_privileges.check(images, bundle, images)
+    if verdict.runc_args and call.cmd.value("lsm-profile") is None:
+        call.add_flags(verdict.runc_args)
 
 
-def _gpu(parsed: RuncArgv, lower: str) -> int | None:
+def _gpu(call: Call) -> int | None:
     """checkpoint/restore with GPU state: migrt drives the GPU; None to pass the call through."""
     from migrt.gpu import procs, records
 
     if os.environ.get(records.HANDLED_ENV):
         return None  # whoever called us drives the GPU
-    cmd = parsed.command_args()
-    if parsed.command == "checkpoint":
-        root = parsed.root or _lower.default_root(lower)
-        if gpu_suspended(root, cmd.container_id or ""):  # its GPU state sits in host memory: refuse
-            runclog.append(parsed.log_path, "error", f"migrt: {gpu_suspended_message(cmd.container_id or '')}",
-                           log_format=parsed.log_format)
-            return 6
-        pids = procs.container_cuda_pids(parsed.root or _lower.default_root(lower), cmd.container_id or "")
+    if call.command == "checkpoint":
+        if gpu_suspended(call.root, call.container_id):  # its GPU state sits in host memory: refuse
+            raise Conflict(gpu_suspended_message(call.container_id))
+        pids = procs.container_cuda_pids(call.root, call.container_id)
         if not pids:
             return None
         from migrt.ops import gpu_runc
 
-        return gpu_runc.checkpoint(parsed, lower, pids)
-    image_dir = cmd.value("image-path") or os.path.join(os.getcwd(), "checkpoint")
+        return gpu_runc.checkpoint(call, pids)
+    image_dir = call.image_path
     if not os.path.isfile(os.path.join(image_dir, records.IMAGE_FILE)):
         return None
     from migrt.ops import gpu_runc
 
-    return gpu_runc.restore(parsed, lower, image_dir)
+    return gpu_runc.restore(call, image_dir)
+
+
+def _call(parsed: RuncArgv) -> Call:
+    """The typed call, once the lower runtime is known; migrt's CRIU first on runc's PATH."""
+    lower, warning = _lower.lower_runtime()  # trust.Untrusted: its `runtime:` would run as root
+    if lower is None:
+        raise NoLowerRuntime("no lower runtime found: set 'runtime:' in the migrt config or put runc on PATH")
+    use_migrt_criu(_lower.configured_value("criu"))  # runc runs `criu` from PATH (migrt.criu.binary)
+    return Call(parsed, lower, warning)
+
+
+def _handle(call: Call, args: list[str]) -> int:
+    """The call's exit code: migrt's handling of it, else the lower runtime exec'd with `args`."""
+    rc: int | None = None
+    if call.command == "create":
+        rc = _create(call)
+    elif call.command == "checkpoint":
+        _memory_arriving(call)
+        rc = _gpu(call)
+        if rc is None:
+            from migrt.ops import runc_checkpoint
+
+            return runc_checkpoint.checkpoint(call, lambda: _child(call.lower, args))
+    elif call.command == "restore":
+        _restore_privileges(call)
+        args = call.render()  # byte-identical, or with the bundle's --lsm-profile added
+        rc = _gpu(call)
+    elif call.command in ("pause", "resume"):
+        rc = _pause(call)
+    elif call.command == "start" and call.container_id and is_restored(call.root, call.container_id):
+        return 0  # restored at create: already running
+    if rc is not None:
+        return rc
+    _exec(call.lower, args)
+    return 126  # not reached
+
+
+def report(parsed: RuncArgv, exc: MigrtError) -> int:
+    """A failed call: its one line in runc's log (containerd shows the last error line as the reason
+    for the failure), and its exit code, which the error's class says."""
+    runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
+    return exc.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parsed = RuncArgv.parse(args)
     try:
-        lower, warning = _lower.lower_runtime()
-    except Untrusted as exc:  # its `runtime:` would run as root: refused, never replaced by a default
-        runclog.append(parsed.log_path, "error", f"migrt: {exc}", log_format=parsed.log_format)
-        return exc.exit_code
-    if lower is None:
-        runclog.append(parsed.log_path, "error",
-                       "migrt: no lower runtime found: set 'runtime:' in the migrt config or put runc on PATH",
-                       log_format=parsed.log_format)
-        return 127
-    # runc runs `criu` from PATH: migrt's own CRIU first (migrt.criu.binary)
-    use_migrt_criu(_lower.configured_value("criu"))
-    if parsed.command == "create":
-        rc = _create(parsed, lower, warning)
-        if rc is not None:
-            return rc
-    elif parsed.command in ("checkpoint", "restore"):
-        rc = _memory_arriving(parsed, lower) if parsed.command == "checkpoint" else _restore_privileges(parsed)
-        if rc is not None:
-            return rc
-        if parsed.command == "restore":
-            args = parsed.render()  # byte-identical, or with the bundle's --lsm-profile added
-        rc = _gpu(parsed, lower)
-        if rc is not None:
-            return rc
-        if parsed.command == "checkpoint":
-            from migrt.ops import runc_checkpoint
-
-            return runc_checkpoint.checkpoint(parsed, lower, lambda: _child(lower, args, parsed))
-    elif parsed.command in ("pause", "resume"):
-        rc = _pause(parsed, lower)
-        if rc is not None:
-            return rc
-    elif parsed.command == "start":
-        cid = parsed.command_args().container_id
-        root = parsed.root or _lower.default_root(lower)
-        if cid and is_restored(root, cid):
-            return 0  # restored at create: already running
-    return _exec(lower, args, parsed)
+        return _handle(_call(parsed), args)
+    except MigrtError as exc:
+        return report(parsed, exc)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from migrt.shim.argv import (
+from migrt.runtime.argv import (
     COMMAND_BOOL_FLAGS,
     COMMAND_VALUE_FLAGS,
     GLOBAL_BOOL_FLAGS,

@@ -8,7 +8,7 @@ import pytest
 
 from migrt.config import CRIU_OPTION_KEYS
 from migrt.criu.options import CriuOptions
-from migrt.shim.argv import COMMAND_BOOL_FLAGS
+from migrt.runtime.argv import COMMAND_BOOL_FLAGS
 
 
 def test_defaults_are_all_off():

@@ -411,7 +411,7 @@ def test_migrt_runc_checkpoint_that_cannot_resume_leaves_a_record_for_gpu_resume
                                                                                 monkeypatch):
     from migrt.gpu import procs
     from migrt.ops import gpu_runc
-    from tests.unit.test_gpu_ops import runc_args
+    from tests.unit.test_gpu_ops import as_shim, runc_args
 
     bundle = write_bundle(tmp_path / "bundle", env=[f"NVIDIA_VISIBLE_DEVICES={U0}"])
     monkeypatch.setattr(procs, "runc_state", lambda root, cid: {"init_process_pid": INIT,
@@ -419,7 +419,7 @@ def test_migrt_runc_checkpoint_that_cannot_resume_leaves_a_record_for_gpu_resume
     (tmp_path / "root" / "c1").mkdir(parents=True)
     node.backend.fail("restore", CHILD, message="CUDA_ERROR_NOT_SUPPORTED", code=801, times=2)
     parsed = runc_args(tmp_path, "checkpoint", "--image-path", str(tmp_path / "img"), "--leave-running", "c1")
-    assert gpu_runc.checkpoint(parsed, str(migrt_env.fake.path), [INIT, CHILD]) == 5
+    assert as_shim(gpu_runc.checkpoint, parsed, str(migrt_env.fake.path), [INIT, CHILD]) == 5
     last = json.loads((tmp_path / "log.json").read_text().splitlines()[-1])
     assert "could not be resumed" in last["msg"] and "'migrt gpu resume c1' retries" in last["msg"]
     rec = gpu_preempt.read_record(str(tmp_path / "root"), "c1")

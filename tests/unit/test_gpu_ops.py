@@ -13,7 +13,7 @@ import pytest
 
 from migrt import config as config_mod
 from migrt.config import Config
-from migrt.errors import ConfigError, PreconditionFailed, RuntimeFailed
+from migrt.errors import ConfigError, MigrtError, PreconditionFailed, RuntimeFailed
 from migrt.gpu import devnodes, procs, records, select, visible
 from migrt.gpu.backend import CHECKPOINTED, RUNNING, GpuError
 from migrt.gpu.fake import FakeGpuBackend
@@ -23,8 +23,9 @@ from migrt.oci.bundle import Bundle
 from migrt.ops import checkpoint as ops_checkpoint
 from migrt.ops import gpu_runc, gpu_steps
 from migrt.ops import restore as ops_restore
+from migrt.runtime.argv import Call, RuncArgv
 from migrt.runtime.messages import ContainerState
-from migrt.shim.argv import RuncArgv
+from migrt.shim import __main__ as shim
 from migrt.store import Store
 from tests.unit.support import PY_SHIM, write_bundle
 
@@ -352,6 +353,15 @@ def runc_args(tmp_path: Path, *rest: str) -> RuncArgv:
                            "--log-format", "json", *rest])
 
 
+def as_shim(handler, parsed: RuncArgv, lower: str, *args) -> int:
+    """A handler's outcome as migrt-runc ends it: the exit status it returns, or its MigrtError as the
+    shim reports it (the error's line in runc's log, the error's exit code)."""
+    try:
+        return handler(Call(parsed, lower), *args)
+    except MigrtError as exc:
+        return shim.report(parsed, exc)
+
+
 @pytest.fixture
 def shim_env(migrt_env, node, monkeypatch, tmp_path):
     bundle = write_bundle(tmp_path / "bundle", env=[f"NVIDIA_VISIBLE_DEVICES={U0}"])
@@ -363,7 +373,7 @@ def shim_env(migrt_env, node, monkeypatch, tmp_path):
 def test_runc_checkpoint_with_gpu(shim_env, node, tmp_path):
     img = tmp_path / "img"
     parsed = runc_args(tmp_path, "checkpoint", "--image-path", str(img), "--work-path", str(tmp_path / "w"), "c1")
-    assert gpu_runc.checkpoint(parsed, str(shim_env.fake.path), [INIT, CHILD]) == 0
+    assert as_shim(gpu_runc.checkpoint, parsed, str(shim_env.fake.path), [INIT, CHILD]) == 0
     call, = shim_env.fake.calls()
     assert call["env"]["MIGRT_GPU_HANDLED"] == "1"
     assert [bytes.fromhex(a).decode() for a in call["argv_hex"]] == parsed.render()
@@ -376,14 +386,14 @@ def test_runc_checkpoint_resumes_when_the_container_stays(shim_env, node, tmp_pa
     monkeypatch.setenv("FAKE_RC", rc)
     flags = ["--leave-running"] if leave_running else []
     parsed = runc_args(tmp_path, "checkpoint", "--image-path", str(tmp_path / "img"), *flags, "c1")
-    assert gpu_runc.checkpoint(parsed, str(shim_env.fake.path), [INIT, CHILD]) == int(rc)
+    assert as_shim(gpu_runc.checkpoint, parsed, str(shim_env.fake.path), [INIT, CHILD]) == int(rc)
     assert node.states(INIT, CHILD) == [RUNNING, RUNNING]
 
 
 def test_runc_checkpoint_gpu_failure_is_reported_in_runc_log(shim_env, node, tmp_path):
     node.backend.fail("lock", INIT, message="CUDA_ERROR_TIMEOUT")
     parsed = runc_args(tmp_path, "checkpoint", "--image-path", str(tmp_path / "img"), "c1")
-    assert gpu_runc.checkpoint(parsed, str(shim_env.fake.path), [INIT, CHILD]) == 5
+    assert as_shim(gpu_runc.checkpoint, parsed, str(shim_env.fake.path), [INIT, CHILD]) == 5
     assert shim_env.fake.calls() == []
     last = json.loads((tmp_path / "log.json").read_text().splitlines()[-1])
     assert last["level"] == "error" and "GPU lock of 2 process(es) failed" in last["msg"]
@@ -414,7 +424,7 @@ def test_runc_restore_with_gpu_remaps_after_runc(shim_env, restored_node, tmp_pa
     node, img, bundle = restored_node, restored_node.img, restored_node.new_bundle
     parsed = runc_args(tmp_path, "restore", "--image-path", str(img), "--detach", "--pid-file", str(bundle / "init.pid"),
                        "-no-subreaper", "--bundle", str(bundle), "c2")
-    assert gpu_runc.restore(parsed, str(shim_env.fake.path), str(img)) == 0
+    assert as_shim(gpu_runc.restore, parsed, str(shim_env.fake.path), str(img)) == 0
     call, = shim_env.fake.calls()
     assert call["env"]["MIGRT_GPU_HANDLED"] == "1" and "-no-subreaper" in [bytes.fromhex(a).decode() for a in call["argv_hex"]]
     assert node.states(NEW_INIT) == [RUNNING] and node.synced == [(NEW_INIT, [1])]
@@ -424,7 +434,7 @@ def test_runc_restore_gpu_failure_deletes_the_container(shim_env, restored_node,
     node, img, bundle = restored_node, restored_node.img, restored_node.new_bundle
     node.backend.fail("restore", NEW_INIT)
     parsed = runc_args(tmp_path, "restore", "--image-path", str(img), "--detach", "--bundle", str(bundle), "c2")
-    assert gpu_runc.restore(parsed, str(shim_env.fake.path), str(img)) == 5
+    assert as_shim(gpu_runc.restore, parsed, str(shim_env.fake.path), str(img)) == 5
     argvs = [[bytes.fromhex(a).decode() for a in c["argv_hex"]] for c in shim_env.fake.calls()]
     assert argvs[1][-3:] == ["delete", "--force", "c2"]
     last = json.loads((tmp_path / "log.json").read_text().splitlines()[-1])
@@ -435,7 +445,7 @@ def test_runc_restore_gpu_failure_deletes_the_container(shim_env, restored_node,
 def test_runc_restore_without_detach_is_refused_before_runc(shim_env, restored_node, tmp_path):
     img, bundle = restored_node.img, restored_node.new_bundle
     parsed = runc_args(tmp_path, "restore", "--image-path", str(img), "--bundle", str(bundle), "c2")
-    assert gpu_runc.restore(parsed, str(shim_env.fake.path), str(img)) == 2
+    assert as_shim(gpu_runc.restore, parsed, str(shim_env.fake.path), str(img)) == 2
     assert shim_env.fake.calls() == []
     assert "needs --detach" in json.loads((tmp_path / "log.json").read_text().splitlines()[-1])["msg"]
 
