@@ -78,8 +78,8 @@ fi
 
 # 3. Install it (install-host.sh checks it runs here first; an unchanged payload is left in place).
 #    A development install (its venv holds this checkout, so it differs from the payload) is kept while
-#    the payload it was made from is the same.
-stamp="$(sha256sum < "$payload/PAYLOAD" | cut -c1-16) $here"
+#    the payload it was made from and the checkout's pyproject.toml (its dependencies) are the same.
+stamp="$(cat "$payload/PAYLOAD" "$here/pyproject.toml" | sha256sum | cut -c1-16) $here"
 if [ "$dev" = 1 ] && [ "$(cat "$prefix/DEV" 2>/dev/null)" = "$stamp" ] &&
     "$prefix/venv/bin/python" -c 'import migrt, sys; sys.exit(not migrt.__file__.startswith(sys.argv[1]))' "$here/migrt/" 2>/dev/null; then
     log "$prefix: the development install of $here is up to date"
