@@ -32,6 +32,8 @@ import json
 import os
 from collections.abc import Iterator
 
+from migrt.kernel.files import atomic_file
+
 ENV = "MIGRT_FAKE_GPU"
 DEFAULT_MARKER = "FAKE_CUDA=1"
 
@@ -67,12 +69,10 @@ def _environ_by_vm(pid: int) -> bytes:
     if not 0 < start < end or end - start > 1 << 20:
         return b""
 
-    class Iovec(ctypes.Structure):
-        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+    from migrt.kernel.libc import Iovec, libc
 
     buf = ctypes.create_string_buffer(end - start)
     local, remote = Iovec(ctypes.addressof(buf), end - start), Iovec(start, end - start)
-    libc = ctypes.CDLL(None, use_errno=True)
     got = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
     return buf.raw[:got] if got > 0 else b""
 
@@ -116,10 +116,8 @@ def locked(file: str | None = None) -> Iterator[dict]:
 
 
 def save(file: str, data: dict) -> None:
-    tmp = f"{file}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_file(file, 0o644, text=True, durable=False) as fh:
         json.dump(data, fh, indent=1)
-    os.replace(tmp, file)
 
 
 def read(file: str | None = None) -> dict:

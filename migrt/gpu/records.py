@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from migrt import jsonsafe
 from migrt.gpu import procs
+from migrt.kernel.files import atomic_file
 
 if TYPE_CHECKING:  # annotations only: the restore path reads HANDLED_ENV without loading the inventory
     from migrt.gpu.inventory import Inventory
@@ -60,12 +61,8 @@ def visible_at_checkpoint(config_gpus: list[str] | None, devnode_gpus: list[str]
 
 def write_image_file(image_dir: str, section: dict) -> str:
     path = os.path.join(image_dir, IMAGE_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_file(path, 0o644, text=True) as fh:
         json.dump(section, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
     return path
 
 

@@ -35,13 +35,13 @@ import fcntl
 import json
 import os
 import re
-import tempfile
 import uuid
 from collections.abc import Iterator
 
 from migrt import jsonsafe
 from migrt import log as log_mod
 from migrt.gpu import procs
+from migrt.kernel.files import atomic_file
 from migrt.text import printable
 
 ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"  # test seam
@@ -252,19 +252,9 @@ def _read_or_none() -> dict | None:
 
 
 def _save(state: dict) -> None:
-    """Whole or not at all (temp file, fsync, rename): a migrt killed while writing leaves the old state.
-    /run is tmpfs: nothing to fsync the directory for."""
-    fd, tmp = tempfile.mkstemp(prefix=".thp-", dir=STATE_DIR)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(state, fh, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, state_path())
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Whole or not at all (kernel/files.py's atomic write): a migrt killed while writing leaves the old state."""
+    with atomic_file(state_path(), text=True) as fh:
+        json.dump(state, fh, sort_keys=True)
 
 
 def _remove() -> None:

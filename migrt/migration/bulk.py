@@ -59,12 +59,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from migrt import faults
 from migrt.errors import CheckpointInvalid, MigrtError
+from migrt.kernel import mm
+from migrt.kernel.files import TREE_CHUNK
+from migrt.kernel.libc import libc
 from migrt.migration import protocol as p
-from migrt.migration.channel import Channel, RemoteError, _io, _punch_hole, _recv_exact, _sendall
+from migrt.migration.channel import Channel, RemoteError, io_errors, punch_hole, recv_exact, send_all
 from migrt.migration.protocol import AuthError, TransferError
 from migrt.migration.tls import TLSFiles, wrap_client, wrap_server
 from migrt.store import hugetmpfs
-from migrt.store.fsutil import TREE_CHUNK, fold_chunks, make_entry
+from migrt.store.fsutil import fold_chunks, make_entry
 
 PROTOCOL = "migrt-bulk/1"
 CHUNK = TREE_CHUNK
@@ -77,20 +80,11 @@ PIECE = 4 << 20  # what a stream receives (or sends) and then hashes at a time (
 MAPPED_FROM = 2  # more streams than this receive straight into mappings (pwrite() serializes on the file's lock)
 OVERLAP_MAX = 4  # at most this many streams hash in a thread of their own (when CPUs allow: _overlap)
 DEPTH = 2  # pieces a stream has in hand when it hashes in a thread of its own: one hashed, one moving
-MADV_POPULATE_READ = 22
-MADV_POPULATE_WRITE = 23
 LISTEN_POLL = 1.0  # the listener notices within this long that its migration connection was closed
 REASON_WAIT = 3.0  # a sender whose stream broke waits this long for the receiver's reason
 _DIGEST = 32
 
 Progress = Callable[[int], None]
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
 
 def auto_streams(cpus: int | None = None) -> int:
     """Streams when `migration_streams` is 0: half the CPUs (each stream keeps one core busy at each end,
@@ -208,7 +202,7 @@ def open_streams(ch: Channel, offer: dict, n: int, *, tls: TLSFiles | None, stal
     try:
         for _ in range(n):
             peer = f"{ch.peer_host}:{offer['port']}"
-            with _io(f"connecting stream to {peer}"):
+            with io_errors(f"connecting stream to {peer}"):
                 sock = socket.create_connection((ch.peer_host, int(offer["port"])), timeout=JOIN_TIMEOUT)
             try:
                 out.append(_join_client(sock, key, str(offer["token"]), tls=tls, stall=stall, peer=peer))
@@ -235,14 +229,14 @@ def _join_server(sock: socket.socket, key: bytes, token: str, *, tls: TLSFiles |
     if tls:
         sock = wrap_server(sock, tls, peer)
     ns = secrets.token_bytes(NONCE)
-    with _io(f"stream handshake with {peer}"):
+    with io_errors(f"stream handshake with {peer}"):
         sock.sendall(MAGIC + ns)
-        got = _recv_exact(sock, NONCE + 32 + _DIGEST, peer)
+        got = recv_exact(sock, NONCE + 32 + _DIGEST, peer)
     nc, tok, mac = got[:NONCE], got[NONCE:NONCE + 32], got[NONCE + 32:]
     if not hmac.compare_digest(tok, token.encode()[:32].ljust(32, b"\0")) or \
             not hmac.compare_digest(mac, p.client_proof(key, ns, nc + tok)):
         raise AuthError(f"{peer} tried to join a migration it does not belong to")
-    with _io(f"stream handshake with {peer}"):
+    with io_errors(f"stream handshake with {peer}"):
         sock.sendall(p.server_proof(key, ns, nc + tok))
     sock.settimeout(stall)
     return Channel(sock, p.session_key(key, ns, nc + tok), is_server=True, stall=stall)
@@ -254,14 +248,14 @@ def _join_client(sock: socket.socket, key: bytes, token: str, *, tls: TLSFiles |
     sock.settimeout(JOIN_TIMEOUT)
     if tls:
         sock = wrap_client(sock, tls, peer)
-    with _io(f"stream handshake with {peer}"):
-        hello = _recv_exact(sock, len(MAGIC) + NONCE, peer)
+    with io_errors(f"stream handshake with {peer}"):
+        hello = recv_exact(sock, len(MAGIC) + NONCE, peer)
         if not hello.startswith(MAGIC):
             raise TransferError(f"{peer} is not a migrt stream listener")
         ns, nc = hello[len(MAGIC):], secrets.token_bytes(NONCE)
         tok = token.encode()[:32].ljust(32, b"\0")
         sock.sendall(nc + tok + p.client_proof(key, ns, nc + tok))
-        proof = _recv_exact(sock, _DIGEST, peer)
+        proof = recv_exact(sock, _DIGEST, peer)
     if not hmac.compare_digest(proof, p.server_proof(key, ns, nc + tok)):
         raise AuthError(f"{peer} could not prove it belongs to this migration; refusing to send to it")
     sock.settimeout(stall)
@@ -451,7 +445,7 @@ def _recv_full(ch: Channel, view: memoryview) -> int:
 def _send_full(ch: Channel, view) -> None:
     """All of view into the stream."""
     if isinstance(ch.sock, ssl.SSLSocket):
-        _sendall(ch.sock, view)
+        send_all(ch.sock, view)
         return
     mv = memoryview(view).cast("B")
     with _blocking(ch) as sock:
@@ -466,7 +460,7 @@ def _map(fd: int, size: int, prot: int) -> tuple[int, memoryview | None]:
     """A shared mapping of the file and a memoryview over it ((0, None) where mmap fails)."""
     if not size:
         return 0, None
-    addr = _libc.mmap(None, size, prot, 0x01, fd, 0)  # MAP_SHARED
+    addr = libc.mmap(None, size, prot, mm.MAP_SHARED, fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
         return 0, None
     return addr, memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
@@ -476,7 +470,7 @@ def _unmap(addr: int, view: memoryview | None, size: int) -> None:
     if view is not None:
         view.release()
     if addr:
-        _libc.munmap(addr, size)
+        libc.munmap(addr, size)
 
 
 # -- sending ---------------------------------------------------------------------------------------
@@ -486,17 +480,17 @@ class _Source:
 
     def __init__(self, rel: str, path: str, release: bool) -> None:
         self.rel, self.path = rel, path
-        with _io(f"reading {path}"):
+        with io_errors(f"reading {path}"):
             self.fd = os.open(path, (os.O_RDWR if release else os.O_RDONLY) | os.O_CLOEXEC)
         self.size = os.fstat(self.fd).st_size
-        self.addr, self.map = _map(self.fd, self.size, 1)  # PROT_READ
+        self.addr, self.map = _map(self.fd, self.size, mm.PROT_READ)
 
     def view(self, off: int, n: int, buf: memoryview) -> memoryview:
         """The file's bytes [off, off + n): from the mapping once its pages are in (MADV_POPULATE_READ:
         a file that shrank fails here, not with a SIGBUS), else read into buf."""
-        if self.map is not None and _libc.madvise(self.addr + off, n, MADV_POPULATE_READ) == 0:
+        if self.map is not None and libc.madvise(self.addr + off, n, mm.MADV_POPULATE_READ) == 0:
             return self.map[off:off + n]
-        with _io(f"reading {self.path}"):
+        with io_errors(f"reading {self.path}"):
             got = os.preadv(self.fd, [buf[:n]], off)
         if got != n:
             raise TransferError(f"{self.path} shrank while being sent ({off + max(got, 0)} of {self.size} bytes)")
@@ -552,7 +546,7 @@ def send(chs: list[Channel], files: list[tuple[str, str]], *, release: bool = Fa
                     digests[src.rel][off] = d
                     ch.send({"type": "sum", "path": src.rel, "offset": off, "sha256": d.hex()})
                     if release and n:
-                        _punch_hole(src.fd, off, n)
+                        punch_hole(src.fd, off, n)
                     with lock:
                         sent[0] += n
                 if not failure.event.is_set():
@@ -588,7 +582,7 @@ def _send_chunk(ch: Channel, src: _Source, off: int, n: int, known: bytes | None
                 hasher.update(h, view)
         else:
             view = None
-        with _io(f"sending {src.rel} to {ch.peer}"):
+        with io_errors(f"sending {src.rel} to {ch.peer}"):
             _put_piece(ch, src, off + done, k, None if zero_copy else view)
         done += k
     return known if known is not None else hasher.digest(h)  # h is None just when known is not
@@ -611,7 +605,7 @@ def _sendfile(ch: Channel, src: _Source, off: int, n: int) -> None:
     end = off + n
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLOUT)
-    with _io(f"sending {src.rel} to {ch.peer}"):
+    with io_errors(f"sending {src.rel} to {ch.peer}"):
         while off < end:
             try:
                 k = os.sendfile(sock.fileno(), src.fd, off, end - off)
@@ -653,14 +647,14 @@ class _Dest:
         self.computed: dict[int, bytes] = {}
         self.claimed: dict[int, bytes] = {}
         self.arrived: set[int] = set()
-        self.addr, self.map = _map(fd, size, 3) if mapped else (0, None)  # PROT_READ|PROT_WRITE
+        self.addr, self.map = _map(fd, size, mm.PROT_READ | mm.PROT_WRITE) if mapped else (0, None)
         if self.addr:
             hugetmpfs.advise(self.addr, size)  # 2 MiB pages where the store's tmpfs gives them
 
     def view(self, off: int, n: int) -> memoryview | None:
         """The mapping's bytes [off, off + n), their pages allocated first (a store that fills up fails
         then in pwrite with ENOSPC, not with a SIGBUS in the copy); None: write them with pwrite."""
-        if self.map is not None and _libc.madvise(self.addr + off, n, MADV_POPULATE_WRITE) == 0:
+        if self.map is not None and libc.madvise(self.addr + off, n, mm.MADV_POPULATE_WRITE) == 0:
             return self.map[off:off + n]
         return None
 
@@ -746,17 +740,17 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
                     while done < n:
                         k = min(PIECE, n - done)
                         hasher.wait_room()
-                        with _io(f"writing {dest.rel}"):
+                        with io_errors(f"writing {dest.rel}"):
                             view = mapped_view = dest.view(off + done, k)
                         if view is None:
                             view = hasher.buffer()[:k]
-                        with _io(f"receiving {dest.rel} from {ch.peer}"):
+                        with io_errors(f"receiving {dest.rel} from {ch.peer}"):
                             if _recv_full(ch, view) != k:
                                 raise TransferError(f"{ch.peer} closed a stream in the middle of {dest.rel} "
                                                     f"(chunk at {off})")
                         hasher.update(h, view)  # what landed: read back from the mapping, or the bytes written
                         if mapped_view is None:
-                            with _io(f"writing {dest.rel}"):
+                            with io_errors(f"writing {dest.rel}"):
                                 dest.pwrite(view, off + done)
                         done += k
                         with lock:

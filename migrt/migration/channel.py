@@ -6,8 +6,6 @@ OSError and socket timeouts become TransferError here and nowhere else.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import hmac
 import os
 import secrets
@@ -17,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from migrt.errors import UsageError
+from migrt.kernel import mm
 from migrt.migration import protocol as p
 from migrt.migration.protocol import AuthError, TransferError
 from migrt.migration.tls import TLSFiles, wrap_client, wrap_server
@@ -52,7 +51,7 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 @contextlib.contextmanager
-def _io(what: str) -> Iterator[None]:
+def io_errors(what: str) -> Iterator[None]:
     try:
         yield
     except TransferError:
@@ -63,7 +62,7 @@ def _io(what: str) -> Iterator[None]:
         raise TransferError(f"{what}: {exc.strerror or exc}") from exc
 
 
-def _sendall(sock: socket.socket, data) -> None:
+def send_all(sock: socket.socket, data) -> None:
     """sendall whose timeout counts from the last byte that left, not from the start (socket.sendall's
     timeout bounds the whole call: 8 MiB over a slow link would time out while bytes still flow)."""
     mv = memoryview(data).cast("B")
@@ -80,17 +79,12 @@ def _keepalive(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-_libc = None
-
-
-def _punch_hole(fd: int, offset: int, length: int) -> None:
+def punch_hole(fd: int, offset: int, length: int) -> None:
     """Give the pages of a sent range back to the system (tmpfs stores: keeps memory flat while a
     checkpoint as large as the container is streamed). Best effort."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    _libc.fallocate(fd, 0x01 | 0x02, offset, length)  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+    from migrt.kernel.libc import libc
+
+    libc.fallocate(fd, mm.FALLOC_FL_KEEP_SIZE | mm.FALLOC_FL_PUNCH_HOLE, offset, length)
 
 
 class Channel:
@@ -123,8 +117,8 @@ class Channel:
     def send(self, msg: dict) -> None:
         with self._send_lock:
             body = self._out.seal(p.encode(msg))
-            with _io(f"sending {msg.get('type')} to {self.peer}"):
-                _sendall(self.sock, p.HEADER.pack(p.SEALED, len(body)) + body)
+            with io_errors(f"sending {msg.get('type')} to {self.peer}"):
+                send_all(self.sock, p.HEADER.pack(p.SEALED, len(body)) + body)
 
     def recv(self, *expected: str) -> dict:
         """The next message (`alive` ones skipped); an `error` message from the peer is raised as
@@ -174,7 +168,7 @@ class Channel:
     def send_file(self, path: str, rel: str, *, progress: Progress | None = None, release: bool = False) -> dict:
         """Announce and stream one file; return {"size", "sha256"} of what was sent. The hash runs in
         a second thread alongside the send. release=True punches out each range once sent."""
-        with _io(f"reading {path}"):
+        with io_errors(f"reading {path}"):
             fd = os.open(path, (os.O_RDWR if release else os.O_RDONLY) | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
@@ -185,25 +179,25 @@ class Channel:
 
     def _send_file(self, fd: int, path: str, rel: str, size: int, progress: Progress | None, release: bool) -> dict:
         body = self._out.seal(p.encode({"type": "file", "path": rel, "size": size}))
-        with _io(f"sending file to {self.peer}"):
-            _sendall(self.sock, p.HEADER.pack(p.SEALED, len(body)) + body)
+        with io_errors(f"sending file to {self.peer}"):
+            send_all(self.sock, p.HEADER.pack(p.SEALED, len(body)) + body)
         h = TreeHasher()
         mv = memoryview(self._buf)
         off = 0
         while off < size:
-            with _io(f"reading {path}"):
+            with io_errors(f"reading {path}"):
                 n = os.preadv(fd, [mv[: min(CHUNK, size - off)]], off)
             if n <= 0:
                 raise TransferError(f"{path} shrank while being sent ({off} of {size} bytes)")
             chunk = mv[:n]
             hashing = self._pool.submit(h.update, chunk)
             try:
-                with _io(f"sending {rel} to {self.peer}"):
-                    _sendall(self.sock, chunk)
+                with io_errors(f"sending {rel} to {self.peer}"):
+                    send_all(self.sock, chunk)
             finally:
                 hashing.result()
             if release:
-                _punch_hole(fd, off, n)
+                punch_hole(fd, off, n)
             off += n
             if progress:
                 progress(n)
@@ -217,7 +211,7 @@ class Channel:
         while left:
             want = min(CHUNK, left)
             got = 0
-            with _io(f"receiving from {self.peer}"):
+            with io_errors(f"receiving from {self.peer}"):
                 while got < want:
                     n = self.sock.recv_into(mv[got:want])
                     if not n:
@@ -227,7 +221,7 @@ class Channel:
             chunk = mv[:got]
             hashing = self._pool.submit(h.update, chunk)
             try:
-                with _io("writing a received file"):
+                with io_errors("writing a received file"):
                     done = 0
                     while done < got:
                         done += os.write(fd, chunk[done:])
@@ -244,11 +238,11 @@ class Channel:
             self.sock.close()
 
 
-def _recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
+def recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
     buf = bytearray(n)
     mv = memoryview(buf)
     got = 0
-    with _io(f"receiving from {peer}"):
+    with io_errors(f"receiving from {peer}"):
         while got < n:
             k = sock.recv_into(mv[got:])
             if not k:
@@ -259,15 +253,15 @@ def _recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
 
 def _recv_frame(sock: socket.socket, peer: str, limit: int = p.MAX_JSON) -> tuple[int, bytes]:
     """One frame; its length is checked against `limit` before anything is allocated for it."""
-    kind, length = p.HEADER.unpack(_recv_exact(sock, p.HEADER.size, peer))
+    kind, length = p.HEADER.unpack(recv_exact(sock, p.HEADER.size, peer))
     if kind not in (p.PLAIN, p.SEALED) or length > limit:
         raise TransferError(f"{peer} does not speak the migrt protocol (frame type {kind}, length {length})")
-    return kind, _recv_exact(sock, length, peer)
+    return kind, recv_exact(sock, length, peer)
 
 
 def _send_plain(sock: socket.socket, msg: dict, peer: str) -> None:
     body = p.encode(msg)
-    with _io(f"sending to {peer}"):
+    with io_errors(f"sending to {peer}"):
         sock.sendall(p.HEADER.pack(p.PLAIN, len(body)) + body)
 
 
@@ -299,7 +293,7 @@ def connect(address: str, key: bytes, *, timeout: float = CONNECT_TIMEOUT, tls: 
     """Connect to a receiver and authenticate both ways (client side), inside TLS when `tls` is given."""
     host, port = parse_address(address)
     peer = f"{host}:{port}"
-    with _io(f"connecting to {peer}"):
+    with io_errors(f"connecting to {peer}"):
         sock = socket.create_connection((host, port), timeout=timeout)
     try:
         _keepalive(sock)
@@ -330,7 +324,7 @@ def accept(sock: socket.socket, key: bytes, *, tls: TLSFiles | None = None, stal
     peer = "{}:{}".format(*sock.getpeername()[:2])
     _keepalive(sock)
     sock.settimeout(HANDSHAKE_TIMEOUT)
-    with _io(f"receiving from {peer}"):
+    with io_errors(f"receiving from {peer}"):
         first = sock.recv(1, socket.MSG_PEEK)
     if first == TLS_HANDSHAKE and not tls:
         raise TransferError(f"{peer} speaks TLS; this node has no 'migration_tls' configured")

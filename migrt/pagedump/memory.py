@@ -43,28 +43,14 @@ import os
 import threading
 import time
 
+from migrt.kernel import mm
+from migrt.kernel.files import TREE_CHUNK, atomic_file
+from migrt.kernel.libc import Iovec, libc
 from migrt.pagedump.images import NEW_SUFFIX, PAGE, DumpPlan, PagesFile
 
-PIECE = 64 << 20   # the unit of work a thread takes and hashes: the store's digest chunk (fsutil.TREE_CHUNK)
+PIECE = TREE_CHUNK  # the unit of work a thread takes and hashes: the store's digest chunk
 BUF = 4 << 20      # a thread's buffer (stays in the caches between the read and the write)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
-                                   ctypes.c_ulong, ctypes.c_ulong]
-_libc.process_vm_readv.restype = ctypes.c_ssize_t
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-_libc.fallocate.restype = ctypes.c_int
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-MADV_HUGEPAGE = 14
 WRITE = os.environ.get("MIGRT_DUMP_WRITE", "mmap")  # "pwrite": the buffer + pwrite way (benchmarks)
 
 
@@ -75,7 +61,7 @@ class ReadError(Exception):
 def reserve(fd: int, offset: int, length: int) -> None:
     """Allocate the blocks of [offset, offset + length) (ENOSPC before the copy); nothing where the file
     system has no fallocate."""
-    if length and _libc.fallocate(fd, 0, offset, length) != 0:
+    if length and libc.fallocate(fd, 0, offset, length) != 0:
         err = ctypes.get_errno()
         if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise OSError(err, os.strerror(err))
@@ -112,11 +98,11 @@ class Reader:
         pid = self.pids[vpid]
         got = 0
         base = self.base if dest is None else dest
-        local, remote = _Iovec(), _Iovec()
+        local, remote = Iovec(), Iovec()
         while got < n:
             local.base, local.len = base + got, n - got
             remote.base, remote.len = address + got, n - got
-            k = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            k = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
             if k > 0:
                 got += k
                 continue
@@ -235,7 +221,7 @@ def write(plan: DumpPlan, pids: dict[int, int], threads: int, progress=None, chu
         finally:
             for (addr, size) in maps or []:
                 if addr:
-                    _libc.munmap(addr, size)
+                    libc.munmap(addr, size)
     except BaseException:
         _close(dst_fds + src_fds)
         discard(plan)
@@ -252,14 +238,14 @@ def _map(files, dst_fds) -> list[tuple[int, int]]:
     for f, fd in zip(files, dst_fds, strict=True):  # one new file per source file
         addr = 0
         if f.size:
-            addr = _libc.mmap(None, f.size, 3, 0x01, fd, 0)  # PROT_READ|PROT_WRITE, MAP_SHARED
+            addr = libc.mmap(None, f.size, mm.PROT_READ | mm.PROT_WRITE, mm.MAP_SHARED, fd, 0)
             if addr in (None, ctypes.c_void_p(-1).value):
                 err = ctypes.get_errno()
                 for a, size in out:
                     if a:
-                        _libc.munmap(a, size)
+                        libc.munmap(a, size)
                 raise OSError(err, f"cannot map {new_path(f)}: {os.strerror(err)}")
-            _libc.madvise(addr, f.size, MADV_HUGEPAGE)  # 2 MiB pages where the store's tmpfs gives them
+            libc.madvise(addr, f.size, mm.MADV_HUGEPAGE)  # 2 MiB pages where the store's tmpfs gives them
             # (store/hugetmpfs.advise: a tmpfs mounted huge=; EINVAL elsewhere, ignored)
         out.append((addr, f.size))
     return out
@@ -390,10 +376,5 @@ def install(plan: DumpPlan) -> None:
         st_mode = 0o600
         with contextlib.suppress(OSError):
             st_mode = os.stat(f.pagemap_path).st_mode & 0o777
-        tmp = f.pagemap_path + NEW_SUFFIX
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, st_mode)
-        try:
-            _pwrite_all(fd, memoryview(f.pagemap), 0)
-        finally:
-            os.close(fd)
-        os.replace(tmp, f.pagemap_path)
+        with atomic_file(f.pagemap_path, st_mode, durable=False) as fh:
+            fh.write(f.pagemap)

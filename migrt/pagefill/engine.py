@@ -49,7 +49,6 @@ import ctypes
 import errno
 import heapq
 import json
-import mmap as _mmap
 import os
 import select
 import signal
@@ -58,6 +57,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from migrt.kernel import mm
+from migrt.kernel.files import atomic_file
+from migrt.kernel.libc import libc
 from migrt.pagefill import uffd
 from migrt.pagefill.images import PAGE, Plan, in_ranges
 from migrt.pagefill.remote import FetchError, RemotePages
@@ -69,11 +71,6 @@ REMOTE_CHUNK = 2 << 20          # a fetch from the source: big enough to stream,
 REMOTE_FAULT_WINDOW = 256 << 10
 BACKGROUND_NICE = 10            # copy threads; the event thread (faults) keeps the process's priority
 STATUS_EVERY_S = 0.5
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 class FillError(Exception):
@@ -128,7 +125,7 @@ class PagesFile:
             self.size = os.fstat(fd).st_size
             self.base = 0
             if self.size:
-                addr = _libc.mmap(None, self.size, _mmap.PROT_READ, _mmap.MAP_SHARED, fd, 0)
+                addr = libc.mmap(None, self.size, mm.PROT_READ, mm.MAP_SHARED, fd, 0)
                 if addr in (None, ctypes.c_void_p(-1).value):
                     raise FillError(f"cannot map {path}: {os.strerror(ctypes.get_errno())}")
                 self.base = addr
@@ -883,13 +880,8 @@ class Filler:
 
 
 def write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), atomic_file(path, 0o644, text=True, durable=False) as fh:
+        json.dump(data, fh)
 
 
 def _fault_seam() -> int | None:

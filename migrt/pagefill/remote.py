@@ -32,16 +32,15 @@ import ssl
 import struct
 import threading
 
+from migrt.kernel import mm
+from migrt.kernel.libc import libc
+
 MAGIC = b"MGPG1"
 NONCE = 16
 REQUEST = struct.Struct("<QQQ")
 STATUS = struct.Struct("<q")
 MAX_REQUEST = 16 << 20
 CONNECT_TIMEOUT = 10.0
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 
 
 class FetchError(Exception):
@@ -85,7 +84,7 @@ def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
 
 def _anon_buffer(size: int) -> tuple[int, memoryview]:
     """Page-aligned memory (UFFDIO_COPY wants an aligned source) and a writable view of it."""
-    addr = _libc.mmap(None, size, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+    addr = libc.mmap(None, size, mm.PROT_READ | mm.PROT_WRITE, mm.MAP_PRIVATE | mm.MAP_ANONYMOUS, -1, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
         raise FetchError(f"cannot allocate a {size}-byte buffer: {os.strerror(ctypes.get_errno())}")
     return addr, memoryview((ctypes.c_char * size).from_address(addr)).cast("B")

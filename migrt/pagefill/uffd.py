@@ -13,28 +13,11 @@ import os
 import struct
 from dataclasses import dataclass
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
-_libc.ioctl.restype = ctypes.c_int
-_libc.syscall.restype = ctypes.c_long
+from migrt.kernel import mm
+from migrt.kernel.libc import libc
 
-SYS_userfaultfd = {"x86_64": 323, "aarch64": 282, "ppc64le": 364, "s390x": 355}.get(os.uname().machine, 323)
-
-UFFD_API = 0xAA
-UFFDIO_API = 0xC018AA3F
-UFFDIO_REGISTER = 0xC020AA00
-UFFDIO_UNREGISTER = 0x8010AA01
-UFFDIO_WAKE = 0x8010AA02
-UFFDIO_COPY = 0xC028AA03
-UFFDIO_ZEROPAGE = 0xC020AA04
-UFFDIO_REGISTER_MODE_MISSING = 1
-
-UFFD_FEATURE_EVENT_FORK = 1 << 1
-UFFD_FEATURE_EVENT_REMAP = 1 << 2
-UFFD_FEATURE_EVENT_REMOVE = 1 << 3
-UFFD_FEATURE_EVENT_UNMAP = 1 << 6
-NONCOOP_FEATURES = (UFFD_FEATURE_EVENT_FORK | UFFD_FEATURE_EVENT_REMAP | UFFD_FEATURE_EVENT_REMOVE
-                    | UFFD_FEATURE_EVENT_UNMAP)
+NONCOOP_FEATURES = (mm.UFFD_FEATURE_EVENT_FORK | mm.UFFD_FEATURE_EVENT_REMAP | mm.UFFD_FEATURE_EVENT_REMOVE
+                    | mm.UFFD_FEATURE_EVENT_UNMAP)
 
 EVENT_PAGEFAULT, EVENT_FORK, EVENT_REMAP, EVENT_REMOVE, EVENT_UNMAP = 0x12, 0x13, 0x14, 0x15, 0x16
 MSG_SIZE = 32
@@ -72,7 +55,7 @@ class _Zero(ctypes.Structure):
 
 
 def _ioctl(fd: int, req: int, arg) -> int:
-    if _libc.ioctl(fd, req, ctypes.byref(arg)) == 0:
+    if libc.ioctl(fd, req, ctypes.byref(arg)) == 0:
         return 0
     return ctypes.get_errno() or errno.EIO
 
@@ -80,7 +63,7 @@ def _ioctl(fd: int, req: int, arg) -> int:
 def copy(fd: int, dst: int, src: int, length: int) -> None:
     """UFFDIO_COPY length bytes from our address src to the task's address dst (wakes faulters)."""
     c = _Copy(dst, src, length, 0, 0)
-    err = _ioctl(fd, UFFDIO_COPY, c)
+    err = _ioctl(fd, mm.UFFDIO_COPY, c)
     if err:
         raise UffdError(err, "UFFDIO_COPY", max(int(c.copy), 0))
     if c.copy != length:
@@ -89,31 +72,31 @@ def copy(fd: int, dst: int, src: int, length: int) -> None:
 
 def zeropage(fd: int, start: int, length: int) -> None:
     z = _Zero(start, length, 0, 0)
-    err = _ioctl(fd, UFFDIO_ZEROPAGE, z)
+    err = _ioctl(fd, mm.UFFDIO_ZEROPAGE, z)
     if err:
         raise UffdError(err, "UFFDIO_ZEROPAGE", max(int(z.zeropage), 0))
 
 
 def unregister(fd: int, start: int, length: int) -> None:
-    err = _ioctl(fd, UFFDIO_UNREGISTER, _Range(start, length))
+    err = _ioctl(fd, mm.UFFDIO_UNREGISTER, _Range(start, length))
     if err:
         raise UffdError(err, "UFFDIO_UNREGISTER")
 
 
 def wake(fd: int, start: int, length: int) -> None:
-    err = _ioctl(fd, UFFDIO_WAKE, _Range(start, length))
+    err = _ioctl(fd, mm.UFFDIO_WAKE, _Range(start, length))
     if err:
         raise UffdError(err, "UFFDIO_WAKE")
 
 
 def open_uffd(features: int = 0) -> tuple[int, int]:
     """A new userfaultfd of our own (checks, tests): (fd, features the kernel granted)."""
-    fd = _libc.syscall(SYS_userfaultfd, os.O_CLOEXEC | os.O_NONBLOCK)
+    fd = libc.syscall(mm.SYS_userfaultfd, os.O_CLOEXEC | os.O_NONBLOCK)
     if fd < 0:
         err = ctypes.get_errno()
         raise UffdError(err, "userfaultfd")
-    api = _Api(UFFD_API, features, 0)
-    err = _ioctl(fd, UFFDIO_API, api)
+    api = _Api(mm.UFFD_API, features, 0)
+    err = _ioctl(fd, mm.UFFDIO_API, api)
     if err:
         os.close(fd)
         raise UffdError(err, "UFFDIO_API")
@@ -121,7 +104,7 @@ def open_uffd(features: int = 0) -> tuple[int, int]:
 
 
 def register(fd: int, start: int, length: int) -> None:
-    err = _ioctl(fd, UFFDIO_REGISTER, _Register(start, length, UFFDIO_REGISTER_MODE_MISSING, 0))
+    err = _ioctl(fd, mm.UFFDIO_REGISTER, _Register(start, length, mm.UFFDIO_REGISTER_MODE_MISSING, 0))
     if err:
         raise UffdError(err, "UFFDIO_REGISTER")
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-TREE_CHUNK = 64 << 20  # store/fsutil.py TREE_CHUNK (the manifest's chunk size); pagefill stays below store/
+from migrt.kernel.files import TREE_CHUNK  # the manifest's chunk size
 
 
 class VerifyError(Exception):

@@ -20,6 +20,7 @@ import os
 import tarfile
 
 from migrt.errors import CheckpointInvalid
+from migrt.kernel.files import atomic_file
 from migrt.pods import rootfs
 
 PODMAN = "podman"
@@ -50,10 +51,8 @@ def _load(path: str) -> dict:
 def _dump(path: str, img: dict) -> None:
     import pycriu
 
-    tmp = path + ".new"
-    with open(tmp, "wb") as fh:
+    with atomic_file(path, 0o644, durable=False) as fh:  # a restore view's image: replaces the hard link
         pycriu.images.dump(img, fh)
-    os.replace(tmp, path)
 
 
 def drop_engine_mounts(images: str, engine: str) -> tuple[list[str], list[str]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 
+from migrt.kernel.files import atomic_file
 from migrt.oci.bundle import Bundle
 from migrt.pods.forked import run_forked
 
@@ -22,7 +23,8 @@ def ns_uname(ns_path: str) -> tuple[str, str]:
     def child() -> bytes:
         import ctypes  # setns: only when a namespace is joined (not on the restore's path to CRIU)
 
-        libc = ctypes.CDLL(None, use_errno=True)
+        from migrt.kernel.libc import libc
+
         if libc.setns(fd, CLONE_NEWUTS) != 0:
             raise OSError(ctypes.get_errno(), f"setns({ns_path})")
         return f"{os.uname().nodename}\n{_domainname()}".encode()
@@ -110,8 +112,6 @@ def retarget_uts(view: str, bundle: Bundle) -> str | None:
         entry["nodename"] = node
         if domain is not None:
             entry["domainname"] = domain
-        tmp = path + ".new"
-        with open(tmp, "wb") as fh:
+        with atomic_file(path, 0o644, durable=False) as fh:  # replaces the hard link: the checkpoint's stays
             pycriu.images.dump(img, fh)
-        os.replace(tmp, path)  # replaces the hard link: the checkpoint's own file is untouched
     return node

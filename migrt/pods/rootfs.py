@@ -19,6 +19,7 @@ import stat
 import tarfile
 
 from migrt import jsonsafe
+from migrt.kernel.files import atomic_file
 from migrt.pods.forked import run_forked
 
 DIFF_TAR = "rootfs-diff.tar"
@@ -248,8 +249,6 @@ def align_root_mode(view: str, rootfs: str, recorded: int | None = None) -> int 
             changed = True
     if not changed:
         return None
-    tmp = path + ".new"
-    with open(tmp, "wb") as fh:
+    with atomic_file(path, 0o644, durable=False) as fh:  # replaces the hard link
         pycriu.images.dump(img, fh)
-    os.replace(tmp, path)  # replaces the hard link
     return mode

@@ -9,8 +9,6 @@ So: unmount first, then delete.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import shutil
 import time
@@ -18,12 +16,11 @@ import time
 from migrt.errors import RuntimeFailed
 from migrt.runtime.runc import LowerRuntime
 
-_libc = None
+MNT_DETACH = 2
 
 
 def unmount_under(path: str) -> list[str]:
     """Detach every mount at or below `path` (deepest first); return them."""
-    global _libc
     path = os.path.realpath(path)
     found = []
     try:
@@ -36,10 +33,10 @@ def unmount_under(path: str) -> list[str]:
         return []
     if not found:
         return found
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    from migrt.kernel.libc import libc  # ctypes: only where something is mounted there
+
     for mnt in sorted(found, key=len, reverse=True):
-        _libc.umount2(mnt.encode(), 2)  # MNT_DETACH
+        libc.umount2(mnt.encode(), MNT_DETACH)
     return found
 
 

@@ -25,6 +25,7 @@ import re
 import time
 
 from migrt import jsonsafe
+from migrt.kernel.files import atomic_file
 
 PREFIX = ".migrt-moved-"
 SANDBOX_ID = "io.kubernetes.cri.sandbox-id"
@@ -56,18 +57,11 @@ def leave(root: str, rec: dict | None) -> None:
     name = _name((rec or {}).get("sandbox_id"), (rec or {}).get("container"))
     if name is None:
         return
-    path = os.path.join(root, name)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+    try:  # under /run (tmpfs): nothing to fsync
+        with atomic_file(os.path.join(root, name), text=True, durable=False) as fh:
             json.dump(rec, fh)
-        os.replace(tmp, path)
     except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        pass
 
 
 def find(root: str, annotations: dict) -> dict | None:

@@ -1,18 +1,19 @@
-"""Durable file-system helpers: fsync, atomic writes, hashing."""
+"""The store's file-system helpers: paths that never follow links, locks, hashing (the atomic write and
+TREE_CHUNK are the kernel room's: migrt/kernel/files.py, imported here for the store's callers)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterator
-from io import IOBase  # not typing.IO: typing costs 2 ms of every migrt-runc start
 
 from migrt.errors import MigrtError
+from migrt.kernel.files import TREE_CHUNK as TREE_CHUNK  # re-exported: the store's callers import them from here
+from migrt.kernel.files import atomic_file as atomic_file
+from migrt.kernel.files import fsync_dir as fsync_dir
 
 CHUNK = 4 << 20
 SMALL_BYTES = 4 << 20  # hash_chunks hashes at most this much in the calling thread
@@ -32,36 +33,6 @@ def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
             raise StoreError(f"{path} is a symbolic link; migrt never follows links inside its store (remove it, "
                              "then run the command again)") from exc
         raise
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_file(path: str, mode: int = 0o600, *, text: bool = False) -> Iterator[IOBase]:
-    """Write `path` all or nothing: the block writes a temporary file in the same directory (a hidden
-    name: no glob of the directory picks it up), which is fsynced, given `mode` and renamed over `path`
-    when the block ends, then the directory is fsynced. On any exception the temporary file goes and
-    `path` is as it was."""
-    d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w" if text else "wb", encoding="utf-8" if text else None) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(d)
 
 
 def lock_is_free(lock_path: str) -> bool:
@@ -117,7 +88,6 @@ def walk_files(top: str) -> list[str]:
 # Files larger than one TREE_CHUNK are digested as a tree: sha256 over the sha256 digests of their
 # 64 MiB chunks, so one large image (CRIU writes one pages file per process) hashes on every core.
 # A file of at most one chunk keeps its plain sha256 (its tree digest is the same value).
-TREE_CHUNK = 64 << 20
 
 
 def digest_key(size: int) -> str:

@@ -27,27 +27,26 @@ whole blocks counts them.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 from dataclasses import dataclass
 
-MADV_HUGEPAGE = 14
+from migrt.kernel import mm
+
 HUGE_PAGE = 2 << 20
 BLOCK = 4096                                                     # where statvfs cannot say
 MOUNTINFO = "/proc/self/mountinfo"                               # test seams
 SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 HUGE_MODES = ("always", "within_size", "advise")                 # a mount's huge= that gives huge pages to our writers
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
 
 def advise(addr: int, size: int) -> None:
     """Ask for huge pages in a mapping of a store file just mapped. Where the file system cannot give
     them (a disk file system, a tmpfs without huge=, a kernel without THP: EINVAL) nothing changes."""
     if addr and size:
-        _libc.madvise(addr, size, MADV_HUGEPAGE)
+        from migrt.kernel.libc import libc  # ctypes: only where a file is mapped
+
+        libc.madvise(addr, size, mm.MADV_HUGEPAGE)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 from migrt import jsonsafe
 from migrt.errors import PreconditionFailed, StoreFull
+from migrt.kernel.files import atomic_file
 from migrt.store import hugetmpfs
 from migrt.store.fsutil import open_nofollow
 from migrt.store.store import private_dir
@@ -132,12 +133,8 @@ class Reservation:
         return live
 
     def _write(self, entries: dict) -> None:
-        path = os.path.join(self.root, ".locks", DATA)
-        tmp = f"{path}.{self.id}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        with open(fd, "w", encoding="utf-8") as fh:
+        with atomic_file(os.path.join(self.root, ".locks", DATA), text=True, durable=False) as fh:
             json.dump(entries, fh)
-        os.replace(tmp, path)
 
     def _file(self, entries: dict) -> None:
         """Our entry as we stand now, written with the others' (under the list's flock)."""

@@ -13,7 +13,7 @@ import pathlib
 import migrt
 
 PKG = pathlib.Path(migrt.__file__).parent
-FOUNDATION = {"errors", "faults", "log", "names", "progress", "trust", "jsonsafe", "text", "__init__"}
+FOUNDATION = {"errors", "faults", "log", "names", "progress", "trust", "jsonsafe", "text", "kernel", "__init__"}
 MECHANISMS = {"runtime", "criu", "gpu", "store", "oci", "pagefill", "pagedump"}
 ALLOWED = {
     # entry points
@@ -37,6 +37,7 @@ ALLOWED = {
     "errors": set(), "faults": {"errors"}, "log": set(), "names": {"errors", "text"}, "progress": set(),
     "__init__": set(),
     "jsonsafe": set(), "text": set(),  # the bounded JSON reader, the escaping of outside text in messages
+    "kernel": set(),  # libc through ctypes, mmap/madvise/userfaultfd numbers, the atomic write: stdlib only
     "trust": {"errors"},  # who may own and write the files a node trusts (config, keys, store, runtime)
     "apphook": set(),  # the application hook's client side, copied into apps: standard library only
 }
