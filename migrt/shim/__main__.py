@@ -30,8 +30,12 @@ from migrt.runtime.argv import Call, RuncArgv
 from migrt.runtime.markers import GPU_RELEASE_MARKER as RELEASE_MARKER
 from migrt.runtime.markers import gpu_suspended, gpu_suspended_message, is_restored
 
+TYPE_CHECKING = False  # the standard library only, and not even typing, before the decision
+if TYPE_CHECKING:
+    from typing import NoReturn
 
-def _exec(path: str, args: list[str]) -> None:
+
+def _exec(path: str, args: list[str]) -> NoReturn:
     try:
         os.execv(path, [path, *args])
     except OSError as exc:
@@ -199,7 +203,6 @@ def _handle(call: Call, args: list[str]) -> int:
     if rc is not None:
         return rc
     _exec(call.lower, args)
-    return 126  # not reached
 
 
 def report(parsed: RuncArgv, exc: MigrtError) -> int:

@@ -1,4 +1,5 @@
-"""RuncArgv: runc's argv as (global flags, subcommand, rest), rendered back byte-identical."""
+"""RuncArgv: runc's argv as (global flags, subcommand, rest), rendered back byte-identical; the typed Call
+the shim builds from it for its handlers."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import subprocess
 
 import pytest
 
+from migrt.errors import UsageError
 from migrt.runtime.argv import (
     COMMAND_BOOL_FLAGS,
     COMMAND_VALUE_FLAGS,
     GLOBAL_BOOL_FLAGS,
     GLOBAL_VALUE_FLAGS,
+    Call,
+    CreateFlags,
     Flag,
     RuncArgv,
+    check_create_flags,
 )
 
 ROOT = "/run/containerd/runc/k8s.io"
@@ -296,3 +301,72 @@ def test_global_flag_tables_match_runc():
     values, bools = _runc_flags()
     assert values == set(GLOBAL_VALUE_FLAGS) - {"criu"}  # --criu: runc <= 1.3 only, containerd 1.6 may send it
     assert bools == set(GLOBAL_BOOL_FLAGS)
+
+
+# -- the typed call (runtime/argv.py Call) ---------------------------------------------------------------------
+def test_call_root_is_the_given_one_else_the_lower_runtimes_default():
+    assert Call(RuncArgv.parse([*G, "start", CID]), "/usr/bin/runc").root == ROOT
+    assert Call(RuncArgv.parse(["start", CID]), "/usr/bin/runc").root == "/run/runc"
+    assert Call(RuncArgv.parse(["start", CID]), "/usr/local/bin/crun").root == "/run/crun"
+
+
+def test_call_reads_the_container_the_images_and_the_global_flags_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    call = Call(RuncArgv.parse([*G, "--systemd-cgroup", "checkpoint", "--leave-running", CID]), "/usr/bin/runc")
+    assert (call.command, call.container_id, call.log_path, call.log_format) == ("checkpoint", CID, f"{B}/log.json",
+                                                                               "json")
+    assert call.global_tokens == [*G, "--systemd-cgroup"]
+    assert call.image_path == str(tmp_path / "checkpoint") and call.bundle_dir == str(tmp_path)  # runc's defaults
+    assert call.cmd.has("leave-running")
+    assert Call(RuncArgv.parse(["state"]), "/usr/bin/runc").container_id == ""
+
+
+def test_call_flags_added_in_front_are_rendered_and_read():
+    argv = [*G, "restore", "--image-path", "/i", "--detach", "--bundle", B, CID]
+    call = Call(RuncArgv.parse(argv), "/usr/bin/runc")
+    assert call.cmd.value("lsm-profile") is None
+    call.add_flags(["--lsm-profile", "apparmor:p"])
+    assert call.render() == [*G, "restore", "--lsm-profile", "apparmor:p", *argv[len(G) + 1:]]
+    assert call.cmd.value("lsm-profile") == "apparmor:p" and call.container_id == CID
+
+
+def test_create_flags_carry_what_the_restore_keeps():
+    argv = [*G, "create", "--bundle", B, "--pid-file", f"{B}/init.pid", "--console-socket", "/s", "--no-pivot",
+            "--no-new-keyring", "--preserve-fds=0", CID]
+    flags = Call(RuncArgv.parse(argv), "/usr/bin/runc").create_flags()
+    assert flags == CreateFlags(container_id=CID, root=ROOT, global_tokens=tuple(G), pid_file=f"{B}/init.pid",
+                                console_socket="/s", no_pivot=True, log_path=f"{B}/log.json", log_format="json",
+                                dropped=("--no-new-keyring", "--preserve-fds=0"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--preserve-fds", "3"], "create flag --preserve-fds is not supported when restoring a checkpoint"),
+    (["--pidfd-socket", "/p"], "create flag --pidfd-socket is not supported when restoring a checkpoint"),
+    (["--future", "x"], "create flag --future is unknown to migrt; refusing to restore with it"),
+])
+def test_create_flags_restore_cannot_honour_are_refused(extra, message):
+    call = Call(RuncArgv.parse([*G, "create", "--bundle", B, *extra, CID]), "/usr/bin/runc")
+    with pytest.raises(UsageError, match=re.escape(message)):
+        call.create_flags()
+    with pytest.raises(UsageError, match=re.escape(message)):
+        check_create_flags(call.cmd)
+
+
+def test_a_create_without_a_container_id_is_refused():
+    with pytest.raises(UsageError, match="create without a container id"):
+        Call(RuncArgv.parse([*G, "create", "--bundle", B]), "/usr/bin/runc").create_flags()
+
+
+def test_restore_target_for_a_create_takes_the_create_flags(tmp_path):
+    from migrt.oci.bundle import Bundle
+    from migrt.ops.restore import RestoreTarget
+    from tests.unit.support import write_bundle
+
+    bundle = Bundle.load(str(write_bundle(tmp_path / "b")))
+    argv = [*G, "create", "--bundle", B, "--pid-file", "/p", "--console-socket", "/s", CID]
+    target = RestoreTarget.for_create(Call(RuncArgv.parse(argv), "/usr/bin/runc").create_flags(), bundle,
+                                      verified=True)
+    assert (target.container_id, target.root, target.global_tokens, target.pid_file, target.console_socket,
+            target.no_pivot, target.log_path, target.log_format, target.verified, target.bundle) == (
+        CID, ROOT, G, "/p", "/s", False, f"{B}/log.json", "json", True, bundle)
+

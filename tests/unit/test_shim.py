@@ -115,6 +115,32 @@ def test_shim_entry_point_imports_no_third_party_module(migrt_env, tmp_path):
     assert "click" in set(report["control"])
 
 
+# The one writer of runc's log line for a call: handlers (ops/, migration/) take runtime/argv.py's Call and
+# raise MigrtErrors; the shim writes the line and exits with the error's code. The page filler, a process
+# of its own that outlives the call, reports its own failures there (pagefill/guard.py).
+RUNCLOG_WRITERS = {"shim/__main__.py", "runtime/runclog.py", "pagefill/guard.py"}
+
+
+def test_only_the_shim_writes_runcs_log_and_it_picks_no_exit_code_by_number():
+    import ast
+
+    import migrt
+
+    pkg = Path(migrt.__file__).parent
+    writers = set()
+    for path in pkg.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in ("migrt.runtime", "migrt.runtime.runclog") and (
+                    node.module.endswith("runclog") or any(a.name == "runclog" for a in node.names)):
+                writers.add(str(path.relative_to(pkg)))
+    assert writers <= RUNCLOG_WRITERS, f"runc's log written outside the shim: {sorted(writers - RUNCLOG_WRITERS)}"
+    shim = ast.parse((pkg / "shim" / "__main__.py").read_text())
+    numbers = [n.lineno for n in ast.walk(shim) if isinstance(n, ast.Return) and isinstance(n.value, ast.Constant)
+               and isinstance(n.value.value, int) and n.value.value != 0]
+    assert numbers == [], f"shim/__main__.py returns exit codes by number at lines {numbers}: raise the MigrtError"
+
+
 # -- (b) the Python shim passes everything else through, byte-identical ------------------------------
 def run_py(argv: list, env: dict, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([str(PY_SHIM), *argv], env=env, capture_output=True, timeout=60, **kw)
