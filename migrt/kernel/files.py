@@ -18,12 +18,17 @@ if TYPE_CHECKING:
 TREE_CHUNK = 64 << 20  # a multiple of the 2 MiB huge page
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: str, flags: int = 0) -> None:
+    """fsync a file (or, with O_DIRECTORY, a directory) by its path."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fsync_path(path, os.O_DIRECTORY)
 
 
 @contextlib.contextmanager

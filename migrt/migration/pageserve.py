@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 
+from migrt.kernel.procs import end_child
 from migrt.pagedump import memory
 from migrt.pagefill.remote import (
     MAGIC,
@@ -238,13 +239,7 @@ class Handle:
     def stop(self) -> dict:
         with contextlib.suppress(OSError):
             self.stdin.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_child(self.proc, 10)
         return self._collect()
 
 

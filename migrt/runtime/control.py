@@ -16,6 +16,7 @@ import time
 from migrt.criu.logs import error_lines
 from migrt.criu.options import CriuOptions
 from migrt.errors import RuntimeFailed
+from migrt.kernel.procs import end_child
 from migrt.runtime.messages import last_error
 from migrt.runtime.runc import LowerRuntime
 
@@ -229,12 +230,7 @@ class LazyCheckpoint:
                 return
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end_child(self.proc, 20)
 
     def _release(self) -> None:
         if self._reserved is not None:

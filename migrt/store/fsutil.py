@@ -14,6 +14,7 @@ from migrt.errors import MigrtError
 from migrt.kernel.files import TREE_CHUNK as TREE_CHUNK  # re-exported: the store's callers import them from here
 from migrt.kernel.files import atomic_file as atomic_file
 from migrt.kernel.files import fsync_dir as fsync_dir
+from migrt.kernel.files import fsync_path
 
 CHUNK = 4 << 20
 SMALL_BYTES = 4 << 20  # hash_chunks hashes at most this much in the calling thread
@@ -148,14 +149,6 @@ def _hash_range(path: str, offset: int, length: int) -> bytes:
     return h.digest()
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def hash_chunks(top: str, rel_paths: list[str], *, fsync: bool = False, workers: int | None = None,
                 progress=None) -> dict[str, list[tuple[int, int, bytes]]]:
     """{rel: [(offset, length, sha256 digest bytes)]}: every 64 MiB chunk of every file hashed in
@@ -186,7 +179,7 @@ def hash_chunks(top: str, rel_paths: list[str], *, fsync: bool = False, workers:
         if progress:
             progress(length)
     if fsync:
-        for _ in _in_threads(lambda rel: _fsync_path(os.path.join(top, rel)), rel_paths, workers):
+        for _ in _in_threads(lambda rel: fsync_path(os.path.join(top, rel)), rel_paths, workers):
             pass
     return {rel: [(off, *parts[rel][off]) for off in sorted(parts[rel])] for rel in rel_paths}
 
@@ -247,7 +240,7 @@ _END = object()
 def fsync_files(top: str, rel_paths: list[str], *, workers: int | None = None) -> None:
     """fsync every file, in threads (the file system merges concurrent syncs into few commits)."""
     workers = workers or max(2, min(32, os.cpu_count() or 2))
-    for _ in _in_threads(lambda rel: _fsync_path(os.path.join(top, rel)), rel_paths, workers):
+    for _ in _in_threads(lambda rel: fsync_path(os.path.join(top, rel)), rel_paths, workers):
         pass
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from migrt.errors import CheckpointInvalid, Conflict
+from migrt.kernel.files import fsync_path
 from migrt.store import manifest as mf
 from migrt.store import journal, reserve
 from migrt.store.beside import Beside
@@ -131,7 +132,7 @@ class Import:
         self.verify(files)
         if durable:  # all files at once: the file system merges concurrent syncs into few commits
             with ThreadPoolExecutor(max_workers=8) as pool:
-                list(pool.map(_fsync_file, [os.path.join(self.path, rel) for rel in self.received]))
+                list(pool.map(fsync_path, [os.path.join(self.path, rel) for rel in self.received]))
         secure_tree(self.path)
         data = {k: v for k, v in fields.items() if k not in OWN_FIELDS}
         data.update(schema=mf.SCHEMA, name=self.name, files=dict(sorted(self.received.items())),
@@ -149,14 +150,6 @@ class Import:
     def discard(self) -> None:
         if not self.committed and not self.adopted:
             shutil.rmtree(self.path, ignore_errors=True)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
