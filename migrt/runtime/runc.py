@@ -23,6 +23,8 @@ TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/
 if TYPE_CHECKING:
     from typing import IO
 
+    Stdio = int | IO[bytes] | IO[str] | None
+
 __all__ = ["LowerRuntime", "ContainerState", "RestoreSpec", "collapse_lines", "runc_message", "candidate_roots",
            "find_root"]
 
@@ -136,23 +138,22 @@ class LowerRuntime:
                 details=error_lines(os.path.join(work_path, "dump.log")),
             )
 
-    def restore(self, spec: RestoreSpec, *, global_tokens: list[str], stdio: tuple | None = None,
+    def restore(self, spec: RestoreSpec, *, global_tokens: list[str], stdio: tuple[Stdio, Stdio, Stdio] | None = None,
                 log_path: str | None = None, env: dict[str, str] | None = None,
-                supervise: Callable[[subprocess.Popen], int] | None = None) -> int:
+                supervise: Callable[[subprocess.Popen[bytes]], int] | None = None) -> int:
         """Run `restore --detach`; return the restored init's pid (from the pid file when given).
         stdio: (stdin, stdout, stderr) for runc, which CRIU hands to the restored process;
         None inherits ours (the shim's pipes at create). env: runc's environment (None: ours).
         supervise: waits for runc (started in its own session) and returns its exit status; it may
         kill it (a migration's deadline) by raising a MigrtError."""
         argv = [self.path, *global_tokens, *spec.argv()]
-        kw = {}
-        if stdio is not None:
-            kw = {"stdin": stdio[0], "stdout": stdio[1], "stderr": stdio[2]}
+        stdin, stdout, stderr = stdio if stdio is not None else (None, None, None)
         try:
             if supervise:
-                rc = supervise(subprocess.Popen(argv, env=env, start_new_session=True, **kw))
+                rc = supervise(subprocess.Popen(argv, env=env, start_new_session=True, stdin=stdin, stdout=stdout,
+                                                stderr=stderr))
             else:
-                rc = subprocess.run(argv, check=False, env=env, **kw).returncode
+                rc = subprocess.run(argv, check=False, env=env, stdin=stdin, stdout=stdout, stderr=stderr).returncode
         except OSError as exc:
             raise RuntimeFailed(f"cannot run {self.path}: {exc}") from exc
         if rc != 0:
