@@ -55,8 +55,3 @@ def atomic_file(path: str, mode: int = 0o600, *, text: bool = False, durable: bo
     if durable:
         fsync_dir(d)
 
-
-def write_atomic(path: str, data: bytes | str, mode: int = 0o600, *, durable: bool = True) -> None:
-    """`data` as the whole new content of `path` (atomic_file)."""
-    with atomic_file(path, mode, text=isinstance(data, str), durable=durable) as fh:
-        fh.write(data)
