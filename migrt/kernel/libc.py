@@ -34,3 +34,5 @@ libc.ioctl.restype = c_int
 libc.syscall.restype = c_long  # variadic: no argtypes
 libc.umount2.argtypes = [ctypes.c_char_p, c_int]
 libc.setns.argtypes = [c_int, c_int]
+libc.free.argtypes = [c_void_p]
+libc.free.restype = None

@@ -18,6 +18,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 
+from migrt.kernel.libc import libc
 from migrt.seccomp.bpf import Insn, decode
 
 ACT_KILL_PROCESS, ACT_KILL_THREAD, ACT_TRAP, ACT_ERRNO = 0x80000000, 0, 0x00030000, 0x00050000
@@ -102,7 +103,7 @@ def syscall_name(arch: int, nr: int) -> str:
     if not ptr:
         return f"system call {nr}"
     name = ctypes.string_at(ptr).decode(errors="replace")
-    ctypes.CDLL(None).free(ctypes.c_void_p(ptr))
+    libc.free(ptr)
     return name
 
 

@@ -154,3 +154,23 @@ def test_a_circle_is_seen():
              "migrt.runtime.stop": {"migrt.runtime.runc"}, "migrt.errors": set(),
              "a": {"b"}, "b": {"c"}, "c": {"a"}}
     assert sorted(circles(graph)) == [["a", "b", "c"], ["migrt.runtime.runc", "migrt.runtime.stop"]]
+
+
+def libc_loaders(source: str) -> list[int]:
+    """Lines that load the C library: ctypes.CDLL(None) or CDLL(find_library("c"))."""
+    hits = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("CDLL") and n.args:
+            arg = ast.unparse(n.args[0])
+            if arg == "None" or "find_library('c')" in arg:
+                hits.append(n.lineno)
+    return hits
+
+
+def test_libc_is_loaded_in_the_kernel_room_only():
+    """One loader, one set of prototypes (kernel/libc.py): another CDLL of libc would carry its own."""
+    bad = [f"{path.relative_to(PKG)}:{line}" for path in sorted(PKG.rglob("*.py"))
+           if path.relative_to(PKG).parts[0] != "kernel" for line in libc_loaders(path.read_text())]
+    assert not bad, "libc loaded outside migrt/kernel/libc.py:\n" + "\n".join(bad)
+    assert libc_loaders("import ctypes, ctypes.util\na = ctypes.CDLL(None, use_errno=True)\n"
+                        "b = ctypes.CDLL(ctypes.util.find_library('c'))\nc = ctypes.CDLL('libcuda.so.1')\n") == [2, 3]
