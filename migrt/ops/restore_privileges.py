@@ -45,7 +45,9 @@ bundle's config.json grants (oci/grants.py), and the restore is refused, naming 
                 mount runc supplies for that destination, or a filesystem that is no kernel
                 interface), a cgroup v1 controller below a declared cgroup mount, runc's masks
                 (/dev/null or a tmpfs) and read-only remounts (the filesystem below, no other),
-                the device nodes runc binds (their own key), what a declared rbind brings along
+                the device nodes runc binds (their own key), a mask of /dev/null anywhere (another
+                engine's: it only hides), a read-only mount of the filesystem below it (another
+                engine's read-only path: a read-only view of what is there), what a declared rbind brings along
                 (no kernel filesystem), or a fresh tmpfs, mqueue or devpts (the checkpoint's own
                 files); never writable where the bundle says read-only (the entry's "ro", the one
                 above it, linux.readonlyPaths; a tmpfs under root.readonly); no table at all
@@ -449,7 +451,8 @@ def _under(table: list[Mount], m: Mount) -> int | None:
 def _mount(m: Mount, table: list[Mount], g: Grants, masked: set[str], ro_paths: set[str]) -> str | None:
     """Why the mount `m` CRIU would recreate is not one the container declares (None: it is)."""
     p = os.path.normpath(m.mountpoint)
-    what = f"the mount table in its images has {m.fs} mounted at {p}"
+    what = f"the mount table in its images has {m.fs} mounted at {p}" + \
+        (f" (a bind of the external mount {m.ext_key})" if m.ext_key is not None else "")
     need_ro = "linux.readonlyPaths" if p in ro_paths else None
     decl = _declared(g, p)
     if p == "/":
@@ -473,6 +476,10 @@ def _mount(m: Mount, table: list[Mount], g: Grants, masked: set[str], ro_paths: 
         return None if m.ext_key == p else f"{what} where runc binds the device node (linux.devices)"
     elif p == "/dev/console" and m.fstype == criu_tasks.FS_DEVPTS and m.ext_key is None:
         return None  # the container's terminal
+    elif m.ext_key == "/dev/null":
+        return None  # a mask the source engine added (podman's): it hides a file, gives nothing
+    elif m.read_only and m.ext_key is None and m.fstype == _under(table, m):
+        return None  # a read-only view of the filesystem below it (another engine's read-only path)
     else:
         need_ro, problem = _submount(m, p, g)
         if problem is not None:

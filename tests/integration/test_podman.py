@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from migrt.criu import tasks as criu_tasks
 from tests.helpers.cri import CriError, read_cri_log
 from tests.helpers.podman import Podman
 from tests.integration.conftest import SHIM, run_cli
@@ -183,8 +184,12 @@ def test_podman_restores_a_containerd_checkpoint_through_migrt_runc(podman, cont
     assert "runs without a seccomp filter but the container asks for one" in str(refused.value), refused.value
     assert "leaves /sys/dev/block unmasked" in str(refused.value), refused.value
     podman("rm", "--force", "--time", "0", ctr, check=False)
+    # nor fewer processes than it had (ctr's counter inherits containerd's RLIMIT_NPROC; podman asks 32768 here)
+    nproc = max(th.rlimits_max[6] for th in criu_tasks.read(os.path.join(migrt_config["store"], name, "images")).threads
+                if th.rlimits_max)
     podman.run_detached(ctr, podman.image, "echo started-fresh; exit 3", "-e", f"MIGRT_RESTORE={name}",
-                        "--security-opt", "seccomp=unconfined", "--security-opt", "unmask=/sys/dev/block", runtime=SHIM)
+                        "--security-opt", "seccomp=unconfined", "--security-opt", "unmask=/sys/dev/block",
+                        "--ulimit", f"nproc={nproc}:{nproc}", runtime=SHIM)
     try:
         ticks = _wait_ticks(lambda: podman.logs(ctr), 3)
         assert podman.state(ctr) == "running"

@@ -534,7 +534,8 @@ def test_binds_come_from_the_bundle_and_keep_its_read_only(tmp_path):
     passes(images, runc_bundle(tmp_path, "rw", mounts=[*RUNC_MOUNTS, rw]))
     # a bind whose key is another destination: CRIU would put that source here
     other = runc_images(tmp_path, "other").mount("/data", False, fs=0, ext_key="/etc").write()
-    assert "has fstype 0 mounted at /data where the container declares bind (mounts)" in \
+    assert "has fstype 0 mounted at /data (a bind of the external mount /etc) where the container declares bind " \
+           "(mounts)" in \
         str(refused(other, runc_bundle(tmp_path, "other", mounts=[*RUNC_MOUNTS, rw])))
     # below a recursive bind: what its source brings along, as a bind, never a kernel filesystem
     sub = runc_images(tmp_path, "sub").mount("/data", False, fs=0, ext_key="/data").mount("/data/v", False, fs=0)
@@ -574,8 +575,15 @@ def test_device_binds_are_runcs_and_the_table_must_exist(tmp_path):
     assert "has devtmpfs mounted at /dev/null where runc binds the device node (linux.devices)" in \
         str(refused(fresh.write(), b))
     sda = runc_images(tmp_path, "sda").mount("/dev/sda", False, fs=DEVTMPFS, ext_key="/dev/sda")
-    assert "has devtmpfs mounted at /dev/sda that the container does not declare (mounts)" in \
+    assert "has devtmpfs mounted at /dev/sda (a bind of the external mount /dev/sda) that the container does not " \
+           "declare (mounts)" in \
         str(refused(sda.write(), b))
+    # another engine's mask (podman's /proc/timer_list): /dev/null over a file hides it, gives nothing
+    passes(runc_images(tmp_path, "mask").mount("/proc/timer_list", False, fs=TMPFS, ext_key="/dev/null").write(), b)
+    # another engine's read-only remount (podman's /proc/bus): a read-only view of the procfs below it
+    passes(runc_images(tmp_path, "robus").mount("/proc/bus", True, fs=PROC, root="/bus").write(), b)
+    rw = runc_images(tmp_path, "rwbus").mount("/proc/bus", False, fs=PROC, root="/bus")
+    assert "has proc mounted at /proc/bus that the container does not declare (mounts)" in str(refused(rw.write(), b))
     none = Images(tmp_path / "none").proc(1, {1: DEFAULT_ROOT})
     none.mounts = []
     assert "its images record no mount table of its own" in str(refused(none.write(), b))
