@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass, field
 
 from migrt.pagefill.images import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, ImageError, read_pids, split_entries
-from migrt.pagefill.images import _varint as _read_varint
+from migrt.pagefill.images import varint as _read_varint
 
 # PagemapEntry.flags (criu/images/pagemap.proto: vaddr 1, compat_nr_pages 2, in_parent 3, flags 4, nr_pages 5)
 _FLAGS = 4

@@ -41,7 +41,7 @@ from migrt.criu.protobuf import (
     split_entries,  # noqa: F401 - pagedump splits its images with it
 )
 from migrt.criu.protobuf import fields as _fields
-from migrt.criu.protobuf import varint as _varint  # noqa: F401 - pagedump reads its varints with it
+from migrt.criu.protobuf import varint as varint  # re-exported: pagedump (below criu/) reads its varints with it
 
 PAGE = 4096
 # The version of plan()'s rules (what it refuses, what it counts as lazy). A recorded survey counts
