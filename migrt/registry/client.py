@@ -66,23 +66,28 @@ _TRANSIENT = (OSError, http.client.HTTPException, ssl.SSLError)
 class Deadline:
     """The end of a whole operation (a push or a pull), on time.monotonic(), and the setting that chose
     it (named in the error). With a `rate` (bytes/s), allow(n) extends it by n / rate once the size of
-    the data is known (before any of it moves), so that a budget sized for the exchange of manifests
-    also carries a large image; without one it is a plain wall-clock budget. `then`: what the error
-    says happens to what moved."""
+    the data is known (before any of it moves, or before waiting for another pull of the same image
+    to move it), so that a budget sized for the exchange of manifests also carries a large image;
+    without one it is a plain wall-clock budget. The allowance covers the most bytes ever allowed, not
+    their sum: the wait for another pull and a pull of the same image after it are allowed once.
+    `then`: what the error says happens to what moved."""
     at: float
     seconds: float
     setting: str
     rate: float | None = None
     then: str = "what arrived is kept and the next pull of the same image resumes it"
+    allowed: int = 0
 
     @classmethod
     def after(cls, seconds: float, setting: str, *, rate: float | None = None, then: str | None = None) -> Deadline:
         return cls(time.monotonic() + seconds, seconds, setting, rate, then or cls.then)
 
     def allow(self, nbytes: int) -> None:
-        """nbytes of data are about to move: with a rate, the budget grows by their time at that rate."""
-        if self.rate and nbytes > 0:
-            extra = nbytes / self.rate
+        """nbytes of data are about to move: with a rate, the budget covers their time at that rate (grown
+        by what nbytes exceed the bytes allowed so far)."""
+        if self.rate and nbytes > self.allowed:
+            extra = (nbytes - self.allowed) / self.rate
+            self.allowed = nbytes
             self.at += extra
             self.seconds += extra
 

@@ -109,6 +109,7 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
         if image.kind(manifest) == "index":
             raw, mdigest, manifest = _from_index(client, manifest, ref)
         name = name or default_name(ref, mdigest)
+        deadline.allow(_layer_bytes(manifest))  # a wait for another pull of it moves as much (Deadline)
         with image_lock(store, mdigest, deadline):
             if store.exists(name):
                 if _present(store, name, mdigest):
@@ -129,6 +130,14 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
     return {"name": name, "reference": str(ref), "digest": mdigest, "already_present": False,
             "size_bytes": data.get("size_bytes"), "bytes_received": client.stats.received,
             "retries": client.stats.retries, "seconds": round(time.monotonic() - t_start, 3)}
+
+
+def _layer_bytes(manifest: dict) -> int:
+    """What the image's layers say they weigh (descriptors that do not check out count nothing: the
+    pull refuses them later)."""
+    layers = manifest.get("layers")
+    sizes = (d.get("size") for d in layers if isinstance(d, dict)) if isinstance(layers, list) else ()
+    return sum(s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s > 0)
 
 
 def _present(store: Store, name: str, manifest_digest: str) -> str | None:
