@@ -25,7 +25,6 @@ import re
 import time
 
 from migrt import jsonsafe
-from migrt.kernel.files import atomic_file
 
 PREFIX = ".migrt-moved-"
 SANDBOX_ID = "io.kubernetes.cri.sandbox-id"
@@ -57,6 +56,8 @@ def leave(root: str, rec: dict | None) -> None:
     name = _name((rec or {}).get("sandbox_id"), (rec or {}).get("container"))
     if name is None:
         return
+    from migrt.kernel.files import atomic_file  # here: the shim imports this module before it decides
+
     try:  # under /run (tmpfs): nothing to fsync
         with atomic_file(os.path.join(root, name), text=True, durable=False) as fh:
             json.dump(rec, fh)
