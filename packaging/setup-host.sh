@@ -117,6 +117,7 @@ fi
 #    at 3.2 MiB): at the 1 MiB default a 32 GiB container needs 65k descriptors, at 4 MiB 20k
 #    (docs/migration.md; migrt checks the limit before freezing anything).
 if [ "$(cat /proc/sys/fs/pipe-max-size 2>/dev/null || echo 0)" -lt 4194304 ]; then
+    mkdir -p /etc/sysctl.d  # (a minimal root has no procps; systemd-sysctl reads it too)
     echo 'fs.pipe-max-size = 4194304' > /etc/sysctl.d/90-migrt.conf
     echo 4194304 2>/dev/null > /proc/sys/fs/pipe-max-size ||
         log "could not raise fs.pipe-max-size (big lazy dumps need more descriptors then)"

@@ -65,7 +65,8 @@ def main() -> int:
         fh.write(f"runtime: {runtime}\nstore: {base}/store\nlog_file: {base}/migrt.log\n")
     os.environ["MIGRT_CONFIG"] = cfg
     ctd = Containerd(os.path.join(base, "containerd"), namespace="migrt-demo", version=args.containerd)
-    say(f"private containerd {args.containerd} under {base} (store {base}/store)")
+    which = "the one on PATH" if args.containerd == SYSTEM else args.containerd
+    say(f"private containerd ({which}) under {base} (store {base}/store)")
     ctd.start()
     try:
         server = [line.split(":", 1)[1].strip() for line in ctd.ctr("version").stdout.splitlines()
