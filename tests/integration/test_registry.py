@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
-import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.helpers.registry import local_registry, missing, write_auth
-from tests.integration.conftest import SHIM, run_cli
+from tests.integration.conftest import CLI, run_cli
 from tests.integration.test_containerd import _checkpointed_counter, _ctr_run_fg, _id, _remove
 from tests.integration.workloads import parse_ticks
 
@@ -32,7 +33,8 @@ def registry(migrt_config, tmp_path_factory):
         pytest.skip(msg)
     base = tmp_path_factory.mktemp("registry")
     cfg = migrt_config["config"]
-    original = open(cfg).read()
+    with open(cfg) as fh:
+        original = fh.read()
     with local_registry(str(base)) as reg:
         with open(cfg, "a") as fh:
             fh.write(f"registry_auth_file: {reg.auth_file}\nregistry_ca_file: {reg.ca_file}\n"
@@ -91,7 +93,8 @@ def test_tampered_blob_refused_nothing_committed(pushed, registry, migrt_config)
     layers = _image_manifest(registry, pushed["push"]["digest"])["layers"]
     big = max(layers, key=lambda d: d["size"])
     path = registry.blob_path(big["digest"])
-    saved = open(path, "rb").read()
+    with open(path, "rb") as fh:
+        saved = fh.read()
     try:
         with open(path, "r+b") as fh:
             fh.seek(len(saved) // 2)
@@ -117,7 +120,8 @@ def test_tampered_manifest_digest_refused(pushed, registry, migrt_config, tmp_pa
     assert out["digest"] == pushed["push"]["digest"] and not out["already_present"]
     # pulled from exactly that manifest: found again without the registry (here: an untrusted CA)
     cfg = tmp_path / "no-registry.yaml"
-    cfg.write_text(open(migrt_config["config"]).read().replace(registry.ca_file, "/etc/ssl/certs/ca-certificates.crt"))
+    system_ca = "/etc/ssl/certs/ca-certificates.crt"
+    cfg.write_text(Path(migrt_config["config"]).read_text().replace(registry.ca_file, system_ca))
     again = json.loads(run_cli("--config", str(cfg), "pull", good, "--name", "pinned", "--json").stdout)
     assert again["already_present"] and again["bytes_received"] == 0
     res = run_cli("--config", str(cfg), "pull", pushed["ref"], "--name", "pinned", check=False)
@@ -129,7 +133,7 @@ def test_wrong_password_and_open_auth_file(pushed, registry, migrt_config, tmp_p
     bad = tmp_path / "bad-auth.json"
     write_auth(str(bad), registry.host, password="wrong")
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(open(migrt_config["config"]).read().replace(registry.auth_file, str(bad)))
+    cfg.write_text(Path(migrt_config["config"]).read_text().replace(registry.auth_file, str(bad)))
     res = run_cli("--config", str(cfg), "pull", pushed["ref"], check=False)
     assert res.returncode == 9 and "registry_auth_file" in res.stderr, res.stderr
     os.chmod(bad, 0o644)
@@ -263,8 +267,8 @@ def test_cri_format_push_and_pull(pushed, registry, migrt_config):
 
 def _image_manifest(registry, digest: str, repo: str = "team/counter") -> dict:
     """Read a manifest straight from the registry's storage (what it serves)."""
-    from migrt.registry.client import Client
     from migrt.registry.auth import load
+    from migrt.registry.client import Client
     from migrt.registry.reference import parse
 
     ref = parse(f"{registry.host}/{repo}@{digest}")
@@ -305,3 +309,61 @@ def test_push_resumes_after_a_cut(pushed, registry, migrt_config, monkeypatch):
     assert got["digest"] == out["digest"]
     run_cli("inspect", "after-cut-push", "--verify")
     run_cli("rm", "after-cut-push")
+
+
+@pytest.fixture(scope="module")
+def big(registry, migrt_config):
+    """A 320 MiB checkpoint (random pages: five 64 MiB blobs) pushed to a repository of its own."""
+    from migrt.store import Store
+
+    name = "big-random"
+    with Store(migrt_config["store"]).writer(name) as w:
+        with open(os.path.join(w.images, "inventory.img"), "wb") as fh:
+            fh.write(b"inventory")
+        with open(os.path.join(w.images, "pages-1.img"), "wb") as fh:
+            for _ in range(320):
+                fh.write(os.urandom(1 << 20))
+        w.commit({"created": "2026-11-27T00:00:00Z"})
+    ref = registry.ref("team/big", "v1")
+    out = json.loads(run_cli("push", name, ref, "--json").stdout)
+    yield {"name": name, "ref": ref, "digest": out["digest"],
+           "layers": _image_manifest(registry, out["digest"], repo="team/big")["layers"]}
+    run_cli("rm", name, check=False)
+
+
+def _served(log: str, repo: str) -> dict[str, int]:
+    """Bytes of each blob the registry served (GET answered 200 or 206), from its access log."""
+    pattern = re.compile(rf'"GET /v2/{re.escape(repo)}/blobs/(sha256:[0-9a-f]{{64}}) HTTP/1\.1" (?:200|206) (\d+)')
+    served: dict[str, int] = {}
+    with open(log, errors="replace") as fh:
+        for m in pattern.finditer(fh.read()):
+            served[m[1]] = served.get(m[1], 0) + int(m[2])
+    return served
+
+
+def test_four_pulls_of_one_image_share_one_download(big, registry, migrt_config):
+    """Four `migrt pull` processes of one image on one store at once: one downloads it (each blob's
+    bytes served once, per the registry's own access log), the other three wait and use it."""
+    store = migrt_config["store"]
+    before = _served(registry.log, "team/big")
+    procs = []
+    for _ in range(4):
+        procs.append((time.monotonic(), subprocess.Popen([CLI, "pull", big["ref"], "--json"], text=True,
+                                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    outs = []
+    for start, p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+        outs.append((start, time.monotonic(), json.loads(out)))
+    try:
+        assert sorted(o[2]["already_present"] for o in outs) == [False, True, True, True], outs
+        puller = next(o for o in outs if not o[2]["already_present"])
+        assert all(o[0] < puller[1] for o in outs)        # all four ran at once (else the test proves nothing)
+        assert {o[2]["name"] for o in outs} == {puller[2]["name"]}
+        after = _served(registry.log, "team/big")
+        sizes = {d["digest"]: d["size"] for d in big["layers"]}
+        assert {d: after.get(d, 0) - before.get(d, 0) for d in sizes} == sizes   # each blob once, whole
+        run_cli("inspect", puller[2]["name"], "--verify")
+        assert os.listdir(os.path.join(store, ".pulls")) == []
+    finally:
+        run_cli("rm", outs[0][2]["name"], check=False)
