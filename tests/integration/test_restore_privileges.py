@@ -180,6 +180,18 @@ def test_the_reader_agrees_with_pycriu_on_images_criu_made(containerd, migrt_con
         assert ours.seccomp_filters == len(pycriu.images.load(fh)["entries"][0]["seccomp_filters"])
     mounts = {m.mountpoint: m for m in ours.mounts}
     assert not mounts["/"].read_only and mounts["/proc/sys"].read_only  # containerd's readonlyPaths
+    with open(os.path.join(images, f"core-{ours.threads[0].pid}.img"), "rb") as fh:
+        tc = pycriu.images.load(fh)["entries"][0]["tc"]
+    assert ours.threads[0].rlimits_max == tuple(r["max"] for r in tc["rlimits"]["rlimits"])
+    assert ours.threads[0].oom_score_adj == tc["oom_score_adj"] and ours.userns is None
+    mnt = next(f for f in os.listdir(images) if f.startswith("mountpoints-"))
+    with open(os.path.join(images, mnt), "rb") as fh:
+        theirs = pycriu.images.load(fh)["entries"]
+    def num(v) -> int:  # pycriu shows the fields CRIU marks hex as "0x..." strings
+        return int(v, 16) if isinstance(v, str) else v
+    assert [(m.mountpoint, m.fstype, m.flags, m.sb_flags, m.root, m.ext_key) for m in ours.mounts] == \
+        [(e["mountpoint"], e["fstype"], num(e["flags"]), num(e.get("sb_flags", 0)), e["root"], e.get("ext_key"))
+         for e in theirs]
 
 
 def test_a_checkpoint_without_a_namespace_is_refused_for_a_pod(containerd, migrt_config, tmp_path):
@@ -445,6 +457,8 @@ def test_a_user_namespace_checkpoint_restores_only_into_the_same_mappings(contai
                                                                           open_dir):
     name, before = _checkpoint(containerd, tmp_path, "userns", caps=[], edit=_userns(open_dir))
     assert before["Uid"].split() == ["0"] * 4
+    images = criu_tasks.read(os.path.join(migrt_config["store"], name, "images"))
+    assert images.userns == (((0, 100000, 65536),), ((0, 100000, 65536),))  # userns-<id>.img, as CRIU wrote it
     err = _refused(containerd, tmp_path, name, migrt_config, caps=[])
     assert f"migrt: checkpoint {name}: its images record a user namespace mapping uids 0->100000 (65536) that " \
            "the container does not ask for" in err, err
