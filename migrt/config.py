@@ -304,7 +304,7 @@ def _load_peers(cfg: Config, data: dict, path: str) -> None:
         raise ConfigError(f"config {path}: 'migrate_peers' must be a list of node agents as ADDRESS[:PORT] "
                           "(e.g. ['10.0.0.0/24', 'node-a.example:7070', '[fd00::/64]:*'])")
     if peers:
-        from migrt.migration.peers import parse_entry
+        from migrt.migrate_peers import parse_entry
 
         for entry in peers:
             try:

@@ -7,7 +7,7 @@ is `namespace/pod/container`, `namespace/pod` (the container of this one's name)
 the port defaults to the agent's (7070). containerd runs migrt-runc `create` for it inside kubelet's
 StartContainer; that create:
 
-    the source's agent must be one of the node's `migrate_peers` (peers.py): checked on the address
+    the source's agent must be one of the node's `migrate_peers` (migrate_peers.py): checked on the address
     as written, before any name is resolved or any connection made; a refusal names the setting
     connect to the source's agent, authenticate    (migration key; TLS when configured)
     pull {source, this pod's namespace}    -> the agent checks the rules (opt-in, namespace) and
@@ -44,8 +44,8 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
+from migrt import migrate_peers as peers
 from migrt.errors import MigrtError, PreconditionFailed, UsageError
-from migrt.migration import peers
 from migrt.migration.protocol import TransferError
 from migrt.runtime.argv import Call, CreateFlags
 
@@ -100,7 +100,7 @@ class PeerUnreachable(TransferError):
 
 def admit_peer(cfg: Config, address: str) -> None:
     """A pod may name only an agent of the node's migrate_peers: refused here, before any name is
-    resolved or any connection made (peers.py says how addresses and names match)."""
+    resolved or any connection made (migrate_peers.py says how addresses and names match)."""
     if peers.allowed(address, cfg.migrate_peers):
         return
     why = "lists no node, so every pull is refused" if not cfg.migrate_peers else "does not list it"

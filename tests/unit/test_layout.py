@@ -13,8 +13,9 @@ import pathlib
 import migrt
 
 PKG = pathlib.Path(migrt.__file__).parent
-FOUNDATION = {"errors", "faults", "log", "names", "progress", "trust", "jsonsafe", "text", "kernel", "__init__"}
-MECHANISMS = {"runtime", "criu", "gpu", "store", "oci", "pagefill", "pagedump"}
+FOUNDATION = {"errors", "faults", "log", "names", "progress", "trust", "jsonsafe", "text", "kernel",
+              "migrate_peers", "__init__"}
+MECHANISMS = {"runtime", "criu", "gpu", "store", "oci", "pagefill", "pagedump", "seccomp"}
 ALLOWED = {
     # entry points
     "cli": {"migration", "node", "ops", "pods", "registry", "config"} | MECHANISMS | FOUNDATION,
@@ -34,9 +35,11 @@ ALLOWED = {
     "gpu": FOUNDATION,
     "store": FOUNDATION,
     "oci": FOUNDATION,
+    "seccomp": FOUNDATION,  # seccomp filters compared by what they answer (libc's seccomp call through kernel/)
     "errors": set(), "faults": {"errors"}, "log": set(), "names": {"errors", "text"}, "progress": set(),
     "__init__": set(),
     "jsonsafe": set(), "text": set(),  # the bounded JSON reader, the escaping of outside text in messages
+    "migrate_peers": set(),  # which node agents a pod may pull from: the config's entries parsed and matched
     "kernel": set(),  # libc through ctypes, mmap/madvise/userfaultfd numbers, the atomic write: stdlib only
     "trust": {"errors"},  # who may own and write the files a node trusts (config, keys, store, runtime)
     "apphook": set(),  # the application hook's client side, copied into apps: standard library only

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from migrt import config as config_mod
+from migrt import migrate_peers as peers
 from migrt.config import Config
 from migrt.errors import ConfigError, PreconditionFailed, UsageError
-from migrt.migration import peers
 from migrt.migration.agent import Refused, locate
 from migrt.migration.pull import admit_peer, parse
 from migrt.oci.bundle import Bundle
