@@ -43,7 +43,7 @@ from migrt.migration.protocol import AuthError
 from migrt.migration.tls import TLSFiles
 from migrt.migration.wire import Channel, TransferError, accept, load_key, parse_address
 from migrt.oci.bundle import Bundle
-from migrt.ops.restore import RestoreTarget, check_target, restore_checkpoint
+from migrt.ops.restore import RestoreSeams, RestoreTarget, check_target, restore_checkpoint
 from migrt.pagefill import PageFill
 from migrt.runtime.argv import CreateFlags
 from migrt.runtime.lower import default_root
@@ -455,15 +455,13 @@ class Receiver:
         if not self.opts.restore_bundle:  # (the callers checked it)
             raise UsageError("this receiver was not started with --restore")
         bundle = Bundle.load(os.path.abspath(self.opts.restore_bundle))
+        hooks = RestoreSeams(verified=True, before_restore=prepare, supervise=supervise, fill=fill, **seams)
         try:
             if self.opts.create is not None:  # inside containerd's create: its flags, its stdio
-                return restore_checkpoint(self.cfg, name, RestoreTarget.for_create(
-                    self.opts.create, bundle, verified=True, before_restore=prepare, supervise=supervise, fill=fill,
-                    **seams))
+                return restore_checkpoint(self.cfg, name, RestoreTarget.for_create(self.opts.create, bundle, hooks))
             with open(os.devnull, "rb") as devnull, open(self.opts.output, "ab") as sink:
                 return restore_checkpoint(self.cfg, name, RestoreTarget(
-                    container_id=restore_id, bundle=bundle, root=self.root, stdio=(devnull, sink, sink), verified=True,
-                    before_restore=prepare, supervise=supervise, fill=fill, **seams))
+                    container_id=restore_id, bundle=bundle, root=self.root, stdio=(devnull, sink, sink), seams=hooks))
         except BaseException:
             watchdog.clear_container(self.runtime, self.root, restore_id)
             guard.arm({**guard.current, "do": "remove", "pids": [], "cid": None})  # cleaned up already
@@ -475,7 +473,7 @@ class Receiver:
         source while the container already runs. The copy is kept only if every page arrives;
         otherwise it is killed (the filler's guard does it; we then remove what is left) before the
         sender hears about it. The pageless checkpoint is removed afterwards. direct: the restored tree
-        is held at CRIU's post-restore until every page is in (RestoreTarget.fill_first): it runs with
+        is held at CRIU's post-restore until every page is in (RestoreSeams.fill_first): it runs with
         all of its memory, and a failure before that leaves nothing that ran."""
         def progress() -> dict:
             st = fill.status()

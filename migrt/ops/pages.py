@@ -22,7 +22,8 @@ from migrt.config import RESTORE_PAGES, Config
 from migrt.errors import CheckpointInvalid, PreconditionFailed, RuntimeFailed, UsageError
 
 ENV = "MIGRT_RESTORE_PAGES"
-MAX_AUTO_THREADS = 16  # H100 host, 16 CPUs: 32 GB GPU restore's memory wait 3.2 s vs 3.8 s with 8; lazy 16 GiB migration's 2.1 vs 2.5 s
+# H100 host, 16 CPUs: 32 GB GPU restore's memory wait 3.2 s vs 3.8 s with 8; lazy 16 GiB migration's 2.1 vs 2.5 s
+MAX_AUTO_THREADS = 16
 MIN_STREAMS = 4
 
 
@@ -402,3 +403,111 @@ def failed(fill, exc, name: str | None = None) -> CheckpointInvalid | None:
     fill.abort()
     error = (st.get("verify") or {}).get("error")
     return verify_failed(name, error) if error and name and not isinstance(exc, CheckpointInvalid) else None
+
+
+class PagesPlan:
+    """The page mode of one restore, from its decision to its filler's end, in the order a restore
+    meets them: decided (or a migration's filler taken as it is) -> the pages images the filler will
+    verify as it fills them taken out of the background hashing -> its checks added -> the filler
+    started before CRIU (a filler that cannot start leaves the restore eager, its images hashed before
+    the tree runs) -> runc's flag -> after runc: the init pid handed over, the memory waited for ->
+    on failure, the filler stopped and its reason; at the end, a filler of ours left to carry on alone.
+    `decision` is what the restore records (its result's `pages`)."""
+
+    def __init__(self, decision: dict, name: str, fill=None, images: str | None = None) -> None:
+        self.decision = decision
+        self.name = name
+        self.images = images  # the checkpoint's image directory (our filler reads it)
+        self.fill = fill
+        self.own = fill is None  # a filler the caller started (lazy migration) is the caller's to let go
+        self.as_filled: dict | None = None  # what the filler verifies chunk by chunk (verify_as_filled)
+        self._plan_check: PlanCheck | None = None
+        self._eager_check: EagerVerified | None = None
+
+    @classmethod
+    def decide(cls, cfg: Config, ckpt, fill=None, *, other_lazy: bool) -> PagesPlan:
+        """A migration's filler (pages from the source), else the mode decide() chooses for checkpoint
+        `ckpt` (a store.Checkpoint)."""
+        if fill is not None:
+            return cls(migration_mode(fill), ckpt.name, fill)
+        decision = decide(cfg, ckpt.images, name=ckpt.name, manifest_files=ckpt.manifest.get("files"),
+                          recorded=ckpt.manifest.get("pagefill"), other_lazy=other_lazy)
+        return cls(decision, ckpt.name, images=ckpt.images)
+
+    @property
+    def mode(self) -> str:
+        return self.decision["mode"]
+
+    def verified_as_filled(self, manifest: dict, background: list[str]) -> list[str]:
+        """`background` (the large files hashed while CRIU restores) less the pages images our filler
+        verifies chunk by chunk as it fills them (docs/restore-pages.md, "What is verified when")."""
+        if self.own:
+            self.as_filled = verify_as_filled(self.decision, manifest, background, self.name)
+        if not self.as_filled:
+            return background
+        handed = {f["rel"] for f in self.as_filled["files"].values()}
+        return [r for r in background if r not in handed]
+
+    def add_checks(self, checks, *, fill_first: float | None) -> None:
+        """The checks the gate waits for: our lazy restore's plan by the guard (PlanCheck), the chunks
+        CRIU reads itself verified (EagerVerified), and a direct migration's whole memory in before
+        anything runs (FilledFirst, `fill_first`: its stall deadline)."""
+        if self.own and self.mode == "lazy":
+            self._plan_check = PlanCheck(self.decision, self.name)
+            checks.add("pages_plan", self._plan_check, deferred=True)
+        if self.as_filled:
+            self._eager_check = EagerVerified(self.name)
+            checks.add("pages_verify_eager", self._eager_check, deferred=True)
+        if not self.own and fill_first:
+            self.decision["fill_first"] = True
+            checks.add("pages_in", FilledFirst(self.fill, checks, stall=fill_first), deferred=True)
+
+    def start_filler(self, checks, *, container_id: str, root: str, runc_log: str | None, log_format: str,
+                     log_file: str | None) -> list[str]:
+        """Our filler, listening before CRIU starts (lazy restore). Returns the pages images it was to
+        verify when it could not start (auto: eager after all): the caller hashes them before the tree runs."""
+        if not self.own:
+            return []
+        self.fill = start(self.decision, self.images or "", container_id=container_id, root=root, runc_log=runc_log,
+                          log_format=log_format, log_file=log_file, post_restore=checks.ran_path, verify=self.as_filled)
+        for check in (self._plan_check, self._eager_check):
+            if check is not None:
+                check.fill = self.fill
+        if not self.as_filled or self.fill is not None:
+            return []
+        late = sorted(f["rel"] for f in self.as_filled["files"].values())
+        before_run = self.decision["verify"]["before_run"]  # the rest of the background (verify_as_filled)
+        self.decision["verify"] = {"as_filled": [], "before_run": sorted(before_run + late)}
+        return late
+
+    def runc_args(self) -> list[str]:
+        return ["--lazy-pages"] if self.fill else []
+
+    def link(self, work: str) -> None:
+        """The filler's socket where CRIU's lazy-pages client looks for it (the restore's work dir)."""
+        if self.fill:
+            self.fill.link(work)
+
+    def after_restore(self, pid: int) -> None:
+        """runc restore returned: fail now if the filler already failed, else hand it the init pid."""
+        if self.fill:
+            after_restore(self.fill, pid, self.name)
+
+    def memory_ready(self, early: bool = False) -> MemoryReady | None:
+        """The fill as a GPU restore waits on it (None: every page is in already)."""
+        return MemoryReady(self.fill, early) if self.fill else None
+
+    def wait_all(self, timings: dict) -> None:
+        """Until every page is in (a lazy restore asked to wait: --wait-pages, a migration)."""
+        if self.fill:
+            wait_all(self.fill, self.decision, timings, self.name)
+
+    def failed(self, exc: BaseException) -> CheckpointInvalid | None:
+        """The restore failed: the filler stopped; a chunk that did not verify is the reason to report."""
+        return failed(self.fill, exc, self.name) if self.fill else None
+
+    def let_go(self) -> None:
+        """The restore is over: our filler carries on alone (its guard kills the container should it fail)."""
+        if self.fill and self.own:
+            self.fill.detach()
+

@@ -27,9 +27,23 @@ from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
 from migrt.store import Store, journal
 
-TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
-if TYPE_CHECKING:
-    from typing import Any
+
+@dataclass
+class RestoreSeams:
+    """What a caller that did part of a restore's work already hands it (a migration's receiver; a
+    create that pulled its checkpoint a moment ago): `verified` skips re-hashing a checkpoint just
+    imported and verified on the fly; `before_restore(image_view, work_dir)` runs right before runc
+    restore (lazy pages: the daemon); `supervise(proc)` waits for runc restore and may kill it (a
+    migration's progress deadline); `fill` is a PageFill the caller started (lazy migration: pages
+    from the source), and with `fill_first` (a direct migration) the restored tree is held at CRIU's
+    post-restore until `fill` has every page (ops/pages.py FilledFirst), `fill_first` seconds without
+    one being its stall deadline."""
+
+    verified: bool = False
+    before_restore: Callable[[str, str], None] | None = None
+    supervise: Callable | None = None
+    fill: object | None = None
+    fill_first: float | None = None
 
 
 @dataclass
@@ -46,25 +60,16 @@ class RestoreTarget:
     log_format: str = "json"
     extra: list[str] = field(default_factory=list)
     wait_pages: bool = False  # lazy restore: return only once every page is in (a GPU restore always waits)
-    # Migration seams: `verified` skips re-hashing a checkpoint just imported and verified on the fly;
-    # `before_restore(image_view, work_dir)` runs right before runc restore (lazy pages: the daemon);
-    # `supervise(proc)` waits for runc restore and may kill it (a migration's progress deadline).
-    verified: bool = False
-    before_restore: Callable[[str, str], None] | None = None
-    supervise: Callable | None = None
-    fill: object | None = None  # a PageFill started by the caller (lazy migration: pages from the source)
-    # a direct migration: the restored tree is held at CRIU's post-restore until `fill` has every page
-    # (ops/pages.py FilledFirst); fill_first is then its stall deadline in seconds
-    fill_first: float | None = None
+    seams: RestoreSeams = field(default_factory=RestoreSeams)
 
     @classmethod
-    def for_create(cls, flags: CreateFlags, bundle: Bundle, **seams: Any) -> RestoreTarget:
+    def for_create(cls, flags: CreateFlags, bundle: Bundle, seams: RestoreSeams | None = None) -> RestoreTarget:
         """The restore that replaces a runc `create`: its container, root, global flags, pid file,
-        console socket and log (runtime/argv.py Call.create_flags); `seams` as above."""
+        console socket and log (runtime/argv.py Call.create_flags)."""
         return cls(container_id=flags.container_id, bundle=bundle, root=flags.root,
                    global_tokens=list(flags.global_tokens), pid_file=flags.pid_file,
                    console_socket=flags.console_socket, no_pivot=flags.no_pivot, log_path=flags.log_path,
-                   log_format=flags.log_format, **seams)
+                   log_format=flags.log_format, seams=seams or RestoreSeams())
 
 
 def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: Progress = null_progress) -> dict:
@@ -80,185 +85,224 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
 
             recover.recover(cfg, wait_s=0)  # never delay a restore (containerd's create) for someone else's helpers
         _mark("recovered")
-        with store.reading(name) as ckpt:
-            with journal.recording(store.root, "restore", name=name, container=target.container_id,
-                                   root=target.root) as entry:
-                return _restore_read(cfg, store, ckpt, target, entry, progress)
+        with store.reading(name) as ckpt, journal.recording(store.root, "restore", name=name,
+                                                            container=target.container_id, root=target.root) as entry:
+            return _restore_read(cfg, store, ckpt, target, entry, progress)
     except OSError as exc:
         raise MigrtError(f"restore of checkpoint {name} failed: {exc} (the checkpoint is unchanged)") from exc
 
 
 def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry, progress: Progress) -> dict:
-    name = ckpt.name
-    runtime = LowerRuntime(cfg.runtime_path())
-    timings: dict[str, float] = {}
-    t_all = time.monotonic()
-    progress("phase", name="verify", checkpoint=name)
-    entry.update("verifying")
-    t0 = time.monotonic()
-    store.check_images_dir(ckpt)
-    background: list[str] = []
-    if not target.verified:  # up front: every file there with its size, the small ones hashed
-        front, background = restore_checks.split_for_background(ckpt.manifest.get("files") or {}, ckpt.path)
-        ckpt.verify_structure()
-        ckpt.verify_hashes(front)
-    _mark("verified")
-    timings["verify_s"] = round(time.monotonic() - t0, 3)
-    progress("done", name="verify", seconds=timings["verify_s"])
-    state_dir = os.path.join(target.root, names.container_id(target.container_id))
-    if os.path.exists(state_dir):
-        raise Conflict(f"container {target.container_id} already exists in {target.root}")
-    work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
-    # Checks that run while the restore prepares and CRIU restores; the restored tree waits at CRIU's
-    # post-restore for their verdict, and migrt checks it again before anything runs on a GPU
-    # (ops/restore_checks.py): the large image files hashed, and for a checkpoint with GPU state the
-    # GPU preflight (NVML: the new container's GPUs, their models, free memory, the remap) and the
-    # driver's load (cuInit), which start as runc is called (their Python work would compete for the
-    # GIL with the steps before it); their modules are imported there too, off the path to CRIU.
-    checks = restore_checks.RestoreChecks(work)
-    section = ckpt.manifest.get("gpu")
-    has_gpu = bool(section and section.get("processes"))  # gpu_steps.has_gpu_state, without importing it
-    if has_gpu:
-        what = f"checkpoint {name}"
-        checks.add("gpu_preflight", lambda: _gpu_steps().restore_preflight(section, target.bundle.config, what),
-                   deferred=True)
-        checks.add("gpu_driver", lambda: _gpu_steps().restore_driver(cfg, what), deferred=True)
-    fill = None
-    gate = None
-    try:
-        security = check_target(ckpt.manifest, target.bundle, name, allow_cross_namespace=cfg.allow_cross_namespace_restore,
-                                allow_unbound=cfg.allow_unbound_checkpoints, images=ckpt.images,
-                                rootfs_changes=lambda: restore_privileges.layer_changes(ckpt.path))
-        options = CriuOptions.from_dict(ckpt.manifest.get("options"))
-        if target.fill is not None:  # a lazy migration's filler, already fetching from the source
-            page_mode = pages.migration_mode(target.fill)
-        else:
-            page_mode = pages.decide(cfg, ckpt.images, name=name, manifest_files=ckpt.manifest.get("files"),
-                                     recorded=ckpt.manifest.get("pagefill"),
-                                     other_lazy="--lazy-pages" in target.extra)
-        entry.update("preparing", work=work)
-        os.makedirs(work, mode=0o700, exist_ok=True)
-        global_tokens = target.global_tokens
-        log_path = target.log_path
-        if global_tokens is None:
-            log_path = os.path.join(work, "runc.log")
-            global_tokens = ["--root", target.root, "--log", log_path, "--log-format", "json"]
-        # pages images the filler verifies chunk by chunk as it fills them (each chunk before any page
-        # of it is copied, the chunks CRIU reads itself before the tree runs) instead of the whole file
-        # being hashed before the tree may run (docs/restore-pages.md, "What is verified when")
-        as_filled = pages.verify_as_filled(page_mode, ckpt.manifest, background, name) \
-            if target.fill is None else None
-        if as_filled:
-            handed = {f["rel"] for f in as_filled["files"].values()}
-            background = [r for r in background if r not in handed]
+    """A checkpoint read under the store's lock, restored step by step (_Restore)."""
+    return _Restore(cfg, store, ckpt, target, entry, progress).run()
+
+
+class _Restore:
+    """One restore, its steps in the order they run: verify the checkpoint (its large files left to
+    the background), refuse a target it cannot go into, decide how its memory comes in (PagesPlan),
+    prepare the work directory and the checks the gate waits for, apply the rootfs layer, restore
+    through the lower runtime in a view of the images, then the GPU and the memory. Whatever happens,
+    the checks end, a filler of ours is let go and the work directory goes.
+
+    The checks run while the restore prepares and CRIU restores; the restored tree waits at CRIU's
+    post-restore for their verdict, and migrt checks it again before anything runs on a GPU
+    (ops/restore_checks.py): the large image files hashed, and for a checkpoint with GPU state the GPU
+    preflight (NVML: the new container's GPUs, their models, free memory, the remap) and the driver's
+    load (cuInit), which start as runc is called (their Python work would compete for the GIL with
+    the steps before it); their modules are imported there too, off the path to CRIU."""
+
+    def __init__(self, cfg: Config, store: Store, ckpt, target: RestoreTarget, entry, progress: Progress) -> None:
+        self.cfg, self.store, self.ckpt, self.target = cfg, store, ckpt, target
+        self.entry, self.progress = entry, progress
+        self.name: str = ckpt.name
+        self.runtime = LowerRuntime(cfg.runtime_path())
+        self.timings: dict = {}
+        self.t_all = time.monotonic()
+        self.state_dir = ""  # the container's state directory under the runtime root, once its id is checked
+        self.work = os.path.join(target.bundle.path, f".migrt-work-{os.getpid()}")
+        self.checks = restore_checks.RestoreChecks(self.work)
+        section = ckpt.manifest.get("gpu")
+        self.gpu_section: dict | None = section if section and section.get("processes") else None
+
+    def run(self) -> dict:
+        t = self.target
+        background = self._verify()
+        self.state_dir = os.path.join(t.root, names.container_id(t.container_id))
+        if os.path.exists(self.state_dir):
+            raise Conflict(f"container {t.container_id} already exists in {t.root}")
+        self._gpu_checks()
+        plan: pages.PagesPlan | None = None
+        try:
+            security = check_target(self.ckpt.manifest, t.bundle, self.name,
+                                    allow_cross_namespace=self.cfg.allow_cross_namespace_restore,
+                                    allow_unbound=self.cfg.allow_unbound_checkpoints, images=self.ckpt.images,
+                                    rootfs_changes=lambda: restore_privileges.layer_changes(self.ckpt.path))
+            options = CriuOptions.from_dict(self.ckpt.manifest.get("options"))
+            plan = pages.PagesPlan.decide(self.cfg, self.ckpt, t.seams.fill, other_lazy="--lazy-pages" in t.extra)
+            self._prepare(plan, background)
+            self._apply_rootfs()
+            pid, hostname = self._restore(plan, options, security)
+            write_marker(t.root, t.container_id,
+                         {"checkpoint": self.name, "restored_at": time.time(), "pid": pid, "pages": plan.mode})
+            self.entry.update("restored")
+        finally:
+            gate = self._end(plan)
+        self.timings["total_s"] = round(time.monotonic() - self.t_all, 3)
+        return {"checkpoint": self.name, "container_id": t.container_id, "pid": pid, "hostname": hostname,
+                "timings": self.timings, "restore_gate": gate, "pages": plan.decision, "security": security.notes}
+
+    def _verify(self) -> list[str]:
+        """Up front: every file there with its size, the small ones hashed (skipped for a checkpoint the
+        caller verified on arrival). Returns the large files left to hash while CRIU restores."""
+        self.progress("phase", name="verify", checkpoint=self.name)
+        self.entry.update("verifying")
+        t0 = time.monotonic()
+        self.store.check_images_dir(self.ckpt)
+        background: list[str] = []
+        if not self.target.seams.verified:
+            front, background = restore_checks.split_for_background(self.ckpt.manifest.get("files") or {},
+                                                                    self.ckpt.path)
+            self.ckpt.verify_structure()
+            self.ckpt.verify_hashes(front)
+        _mark("verified")
+        self.timings["verify_s"] = round(time.monotonic() - t0, 3)
+        self.progress("done", name="verify", seconds=self.timings["verify_s"])
+        return background
+
+    def _gpu_checks(self) -> None:
+        """A checkpoint with GPU state: the GPU preflight and the driver's load, started as runc is called."""
+        section = self.gpu_section
+        if section is None:
+            return
+        what = f"checkpoint {self.name}"
+        config = self.target.bundle.config
+        self.checks.add("gpu_preflight", lambda: _gpu_steps().restore_preflight(section, config, what), deferred=True)
+        self.checks.add("gpu_driver", lambda: _gpu_steps().restore_driver(self.cfg, what), deferred=True)
+
+    def _prepare(self, plan: pages.PagesPlan, background: list[str]) -> None:
+        """The work directory; the background hashing (less the pages images a filler verifies as it
+        fills them); the page checks; the filler, listening before CRIU starts; the checks started."""
+        self.entry.update("preparing", work=self.work)
+        os.makedirs(self.work, mode=0o700, exist_ok=True)
+        ckpt, t = self.ckpt, self.target
+        background = plan.verified_as_filled(ckpt.manifest, background)
         if background:
-            checks.add("verify_background", lambda: ckpt.verify_hashes(background))
-        # a lazy restore's tree waits at the gate for the guard's own plan of the images (the choice
-        # may rest on the manifest's record alone)
-        plan_check = pages.PlanCheck(page_mode, name) if target.fill is None and page_mode["mode"] == "lazy" else None
-        if plan_check is not None:
-            checks.add("pages_plan", plan_check, deferred=True)
-        eager_check = pages.EagerVerified(name) if as_filled else None
-        if eager_check is not None:
-            checks.add("pages_verify_eager", eager_check, deferred=True)
-        if target.fill is not None and target.fill_first:  # nothing runs before all of its memory is in
-            page_mode["fill_first"] = True
-            checks.add("pages_in", pages.FilledFirst(target.fill, checks, stall=target.fill_first), deferred=True)
-        # the page filler (lazy restore) must listen before CRIU starts
-        fill = target.fill if target.fill is not None else pages.start(
-            page_mode, ckpt.images, container_id=target.container_id, root=target.root,
-            runc_log=target.log_path if target.global_tokens is not None else None,
-            log_format=target.log_format, log_file=cfg.log_file, post_restore=checks.ran_path, verify=as_filled)
-        if as_filled and fill is None:  # the filler could not start (auto: eager): hashed before the tree runs
-            late = sorted(f["rel"] for f in as_filled["files"].values())
-            checks.add("verify_background_pages", lambda: ckpt.verify_hashes(late))
-            page_mode["verify"] = {"as_filled": [], "before_run": sorted(background + late)}
-        checks.start()
-        if plan_check is not None:
-            plan_check.fill = fill
-        if eager_check is not None:
-            eager_check.fill = fill
-        if (ckpt.manifest.get("rootfs") or {}).get("captured"):
+            self.checks.add("verify_background", lambda: ckpt.verify_hashes(background))
+        plan.add_checks(self.checks, fill_first=t.seams.fill_first)
+        late = plan.start_filler(self.checks, container_id=t.container_id, root=t.root,
+                                 runc_log=t.log_path if t.global_tokens is not None else None,
+                                 log_format=t.log_format, log_file=self.cfg.log_file)
+        if late:  # the filler could not start (auto: eager): hashed before the tree runs
+            self.checks.add("verify_background_pages", lambda: ckpt.verify_hashes(late))
+        self.checks.start()
+
+    def _apply_rootfs(self) -> None:
+        """The checkpoint's rootfs changes and /dev/shm, into the new container's."""
+        manifest = self.ckpt.manifest
+        if (manifest.get("rootfs") or {}).get("captured"):
             t0 = time.monotonic()
-            rootfs.apply_checkpoint(ckpt.path, ckpt.manifest, target.bundle.rootfs)
-            timings["rootfs_apply_s"] = round(time.monotonic() - t0, 3)
-        if ckpt.manifest.get("devshm"):
+            rootfs.apply_checkpoint(self.ckpt.path, manifest, self.target.bundle.rootfs)
+            self.timings["rootfs_apply_s"] = round(time.monotonic() - t0, 3)
+        if manifest.get("devshm"):
             from migrt.pods.engines import DEVSHM_TAR
 
-            rootfs.apply_devshm(os.path.join(ckpt.path, DEVSHM_TAR), target.bundle.mounts)
-        with store.restore_view(ckpt) as view, restore_privileges.shared_with_userns(view, security):
+            rootfs.apply_devshm(os.path.join(self.ckpt.path, DEVSHM_TAR), self.target.bundle.mounts)
+
+    def _restore(self, plan: pages.PagesPlan, options: CriuOptions,
+                 security: restore_privileges.Verdict) -> tuple[int, str | None]:
+        """runc restore in a view of the images, then the GPU and the memory. (pid, hostname)."""
+        t = self.target
+        with self.store.restore_view(self.ckpt) as view, restore_privileges.shared_with_userns(view, security):
             _mark("view")
-            hostname = namespaces.retarget_uts(view, target.bundle)
-            rootfs.align_root_mode(view, target.bundle.rootfs, recorded=ckpt.manifest.get("root_mode"))
+            hostname = namespaces.retarget_uts(view, t.bundle)
+            rootfs.align_root_mode(view, t.bundle.rootfs, recorded=self.ckpt.manifest.get("root_mode"))
             spec = RestoreSpec(
-                container_id=target.container_id, bundle=target.bundle.path, image_path=view,
-                work_path=work, pid_file=target.pid_file or os.path.join(work, "init.pid"), console_socket=target.console_socket,
-                no_pivot=target.no_pivot, options=options,
-                extra=target.extra + security.runc_args + (["--lazy-pages"] if fill else []),
-            )
-            if fill:
-                fill.link(work)
-            if target.before_restore:
-                target.before_restore(view, work)
-            env = None
-            if has_gpu:  # migrt drives the GPU: CRIU's GPU hook (hooks/cuda-criu-action) stands aside
-                from migrt.gpu.records import HANDLED_ENV
-
-                env = {**os.environ, HANDLED_ENV: "1"}
-            if checks.pending:
-                env = checks.gate_env(env)
-            entry.update("restoring", view=view)
-            progress("phase", name="restore", checkpoint=name)
-            timings["criu_call_after_start_s"] = _mark("criu")  # the shim's own start, for bench/
-            timings["start_marks"] = dict(_MARKS)
+                container_id=t.container_id, bundle=t.bundle.path, image_path=view, work_path=self.work,
+                pid_file=t.pid_file or os.path.join(self.work, "init.pid"), console_socket=t.console_socket,
+                no_pivot=t.no_pivot, options=options, extra=t.extra + security.runc_args + plan.runc_args())
+            plan.link(self.work)
+            if t.seams.before_restore:
+                t.seams.before_restore(view, self.work)
+            env = self._env()
+            self.entry.update("restoring", view=view)
+            self.progress("phase", name="restore", checkpoint=self.name)
+            self.timings["criu_call_after_start_s"] = _mark("criu")  # the shim's own start, for bench/
+            self.timings["start_marks"] = dict(_MARKS)
             t0 = time.monotonic()
-            checks.release()
+            self.checks.release()
             try:
-                pid = runtime.restore(spec, global_tokens=global_tokens, stdio=target.stdio, log_path=log_path,
-                                      env=env,
-                                      **({"supervise": target.supervise} if target.supervise else {}))
-                timings["restore_s"] = round(time.monotonic() - t0, 3)
-                checks.raise_failure()  # CRIU's gate already held the tree for it; this is the second lock
-                progress("done", name="restore", seconds=timings["restore_s"])
-                if fill:
-                    pages.after_restore(fill, pid, name)
-                if has_gpu:
-                    entry.update("gpu-restore", pid=pid)
-                    gpu = checks.value("gpu_preflight")
-                    gpu.backend = checks.value("gpu_driver")
-                    gpu.hook_timeout_s = _gpu_steps().hook_timeout_s(cfg)  # the application hook's post-restore
-                    # GPU restore (remap) + unlock. The driver reads each process's memory: with the filler,
-                    # a process's GPU restore starts once its own memory is in, the others' still arriving
-                    early = os.environ.get("MIGRT_GPU_RESTORE_EARLY") == "1"  # experiment seam (pages.py)
-                    timings.update(gpu.resume(pid, progress, pages.MemoryReady(fill, early) if fill else None))
-                if fill and target.wait_pages:
-                    pages.wait_all(fill, page_mode, timings, name)
+                return self._run(spec, env, plan, t0), hostname
             except (MigrtError, OSError) as exc:
-                if os.path.exists(state_dir):  # ours: it did not exist before
-                    from migrt.runtime.cleanup import unmount_under
-
-                    unmount_under(state_dir)  # a killed runc's criu-root bind mount: delete would walk into it
-                    runtime.delete_force(target.root, target.container_id)
-                cause = checks.failure()  # first: a check may still read the filler's status (PlanCheck)
-                if fill:
-                    cause = cause or pages.failed(fill, exc, name)  # a chunk that did not verify
+                cause = self._undo(plan, exc)
                 if cause is not None and cause is not exc:
                     raise cause from exc  # a failed check is the reason, whatever CRIU said
                 raise
-        write_marker(target.root, target.container_id,
-                     {"checkpoint": name, "restored_at": time.time(), "pid": pid, "pages": page_mode["mode"]})
-        entry.update("restored")
-    finally:
-        checks.failure()  # every check thread has ended before the lock goes
-        timings.update({f"{k}_s": v for k, v in checks.seconds().items()})
-        # whether CRIU ran the gate (held the tree until the checks passed); migrt checked them too
-        gate = ("held" if checks.gate_ran else "not run") if checks.pending else None
-        if fill and target.fill is None:  # (a caller's filler is the caller's to let go)
-            fill.detach()  # the filler carries on alone; its guard kills the container should it fail
-        shutil.rmtree(work, ignore_errors=True)
-    timings["total_s"] = round(time.monotonic() - t_all, 3)
-    return {"checkpoint": name, "container_id": target.container_id, "pid": pid, "hostname": hostname,
-            "timings": timings, "restore_gate": gate, "pages": page_mode, "security": security.notes}
+
+    def _env(self) -> dict | None:
+        """runc's environment: CRIU's GPU hook stands aside where migrt drives the GPU; the gate armed."""
+        env = None
+        if self.gpu_section:  # migrt drives the GPU: CRIU's GPU hook (hooks/cuda-criu-action) stands aside
+            from migrt.gpu.records import HANDLED_ENV
+
+            env = {**os.environ, HANDLED_ENV: "1"}
+        if self.checks.pending:
+            env = self.checks.gate_env(env)
+        return env
+
+    def _run(self, spec: RestoreSpec, env: dict | None, plan: pages.PagesPlan, t0: float) -> int:
+        """The lower runtime's restore; the checks' verdict; the filler told; the GPU; the memory."""
+        t = self.target
+        global_tokens, log_path = self._runc_globals()
+        pid = self.runtime.restore(spec, global_tokens=global_tokens, stdio=t.stdio, log_path=log_path, env=env,
+                                   **({"supervise": t.seams.supervise} if t.seams.supervise else {}))
+        self.timings["restore_s"] = round(time.monotonic() - t0, 3)
+        self.checks.raise_failure()  # CRIU's gate already held the tree for it; this is the second lock
+        self.progress("done", name="restore", seconds=self.timings["restore_s"])
+        plan.after_restore(pid)
+        if self.gpu_section:
+            self._gpu_resume(pid, plan)
+        if t.wait_pages:
+            plan.wait_all(self.timings)
+        return pid
+
+    def _runc_globals(self) -> tuple[list[str], str | None]:
+        """runc's global flags and its --log: a create's own, else migrt's (a log in the work directory)."""
+        t = self.target
+        if t.global_tokens is not None:
+            return t.global_tokens, t.log_path
+        log_path = os.path.join(self.work, "runc.log")
+        return ["--root", t.root, "--log", log_path, "--log-format", "json"], log_path
+
+    def _gpu_resume(self, pid: int, plan: pages.PagesPlan) -> None:
+        """GPU restore (remap) and unlock. The driver reads each process's memory: with the filler, a
+        process's GPU restore starts once its own memory is in, the others' still arriving."""
+        self.entry.update("gpu-restore", pid=pid)
+        gpu = self.checks.value("gpu_preflight")
+        gpu.backend = self.checks.value("gpu_driver")
+        gpu.hook_timeout_s = _gpu_steps().hook_timeout_s(self.cfg)  # the application hook's post-restore
+        early = os.environ.get("MIGRT_GPU_RESTORE_EARLY") == "1"  # experiment seam (pages.py)
+        self.timings.update(gpu.resume(pid, self.progress, plan.memory_ready(early)))
+
+    def _undo(self, plan: pages.PagesPlan, exc: BaseException) -> BaseException | None:
+        """The restore failed: the half-restored container goes; the reason to report, if not `exc`."""
+        if os.path.exists(self.state_dir):  # ours: it did not exist before
+            from migrt.runtime.cleanup import unmount_under
+
+            unmount_under(self.state_dir)  # a killed runc's criu-root bind mount: delete would walk into it
+            self.runtime.delete_force(self.target.root, self.target.container_id)
+        cause = self.checks.failure()  # first: a check may still read the filler's status (PlanCheck)
+        return cause or plan.failed(exc)  # a chunk that did not verify
+
+    def _end(self, plan: pages.PagesPlan | None) -> str | None:
+        """Every check thread ended before the lock goes; their times; whether CRIU ran the gate (held
+        the tree until the checks passed; migrt checked them too); our filler carries on alone."""
+        self.checks.failure()
+        self.timings.update({f"{k}_s": v for k, v in self.checks.seconds().items()})
+        gate = ("held" if self.checks.gate_ran else "not run") if self.checks.pending else None
+        if plan is not None:
+            plan.let_go()  # its guard kills the container should it fail
+        shutil.rmtree(self.work, ignore_errors=True)
+        return gate
 
 
 def _gpu_steps():
@@ -332,7 +376,8 @@ def check_namespace(src_ns: str | None, bundle: Bundle, name: str, *, allow_cros
     if src_ns and dst_ns != src_ns and not allow_cross_namespace:
         raise PreconditionFailed(
             f"checkpoint {name} was taken in Kubernetes namespace {src_ns!r} and may only be restored there "
-            f"(target: {dst_ns or 'not a pod'}); set 'allow_cross_namespace_restore: true' in the migrt config to allow it"
+            f"(target: {dst_ns or 'not a pod'}); set 'allow_cross_namespace_restore: true' in the migrt config to "
+            "allow it"
         )
     if dst_ns and not src_ns and not allow_unbound:
         raise PreconditionFailed(
@@ -428,7 +473,7 @@ def _restore_on_create(cfg: Config, log, call: Call, bundle: Bundle, request: Re
         log.debug("create_flag_dropped", flag=flag)
     cfg.runtime = call.lower  # the shim already resolved it (same rules)
     # every byte of a checkpoint pulled a moment ago was checked against its digest on arrival
-    target = RestoreTarget.for_create(flags, bundle, verified=just_pulled)
+    target = RestoreTarget.for_create(flags, bundle, RestoreSeams(verified=just_pulled))
     try:
         return restore_checkpoint(cfg, name, target)
     except MigrtError:

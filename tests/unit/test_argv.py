@@ -30,8 +30,8 @@ G = ["--root", ROOT, "--log", f"{B}/log.json", "--log-format", "json"]
 
 # (argv, command, root, log path, container id)
 CASES = [
-    pytest.param([*G, "create", "--bundle", B, "--pid-file", f"{B}/init.pid", CID], "create", ROOT, f"{B}/log.json", CID,
-                 id="create"),
+    pytest.param([*G, "create", "--bundle", B, "--pid-file", f"{B}/init.pid", CID], "create", ROOT, f"{B}/log.json",
+                 CID, id="create"),
     pytest.param([*G, "--systemd-cgroup", "create", "--bundle", B, "--pid-file", f"{B}/init.pid",
                   "--console-socket", "/tmp/pty123/pty.sock", "--no-pivot", "--no-new-keyring", CID],
                  "create", ROOT, f"{B}/log.json", CID, id="create-all-flags"),
@@ -95,7 +95,8 @@ def test_render_keeps_the_original_spelling_of_every_token():
             "--image-path=/i", "-d", CID]
     parsed = RuncArgv.parse(argv)
     assert parsed.render() == argv
-    assert [f.tokens for f in parsed.global_flags] == [("-root", "/r"), ("--log=/l",), ("-log-format=json",), ("-debug",)]
+    assert [f.tokens for f in parsed.global_flags] == [("-root", "/r"), ("--log=/l",), ("-log-format=json",),
+                                                        ("-debug",)]
     assert parsed.log_format == "json"
     assert parsed.rest == ["-no-subreaper", "-b", "/b", "--image-path=/i", "-d", CID]
 
@@ -287,7 +288,8 @@ def test_runc_is_installed_for_the_table_checks():
     assert RUNC, "runc must be on PATH (setup-host.sh installs it)"
 
 
-@pytest.mark.parametrize("command", ["create", "restore", "checkpoint", "exec", "ps", "update", "delete", "kill", "start"])
+@pytest.mark.parametrize("command", ["create", "restore", "checkpoint", "exec", "ps", "update", "delete", "kill",
+                                     "start"])
 def test_command_flag_tables_match_runc(command):
     values, bools = _runc_flags(command)
     assert values or bools or command in ("kill", "start")
@@ -359,14 +361,14 @@ def test_a_create_without_a_container_id_is_refused():
 
 def test_restore_target_for_a_create_takes_the_create_flags(tmp_path):
     from migrt.oci.bundle import Bundle
-    from migrt.ops.restore import RestoreTarget
+    from migrt.ops.restore import RestoreSeams, RestoreTarget
     from tests.unit.support import write_bundle
 
     bundle = Bundle.load(str(write_bundle(tmp_path / "b")))
     argv = [*G, "create", "--bundle", B, "--pid-file", "/p", "--console-socket", "/s", CID]
     target = RestoreTarget.for_create(Call(RuncArgv.parse(argv), "/usr/bin/runc").create_flags(), bundle,
-                                      verified=True)
+                                      RestoreSeams(verified=True))
     assert (target.container_id, target.root, target.global_tokens, target.pid_file, target.console_socket,
-            target.no_pivot, target.log_path, target.log_format, target.verified, target.bundle) == (
+            target.no_pivot, target.log_path, target.log_format, target.seams.verified, target.bundle) == (
         CID, ROOT, G, "/p", "/s", False, f"{B}/log.json", "json", True, bundle)
 
