@@ -10,7 +10,8 @@ The API spoken (OCI distribution spec v1.1):
   GET  /v2/                                   auth challenge (Basic, or Bearer with a token realm)
   HEAD /v2/<repo>/blobs/<digest>              present? (push skips what the registry has)
   POST /v2/<repo>/blobs/uploads/ + PUT <location>?digest=   one blob
-  GET  /v2/<repo>/blobs/<digest>              a blob (redirects followed, without credentials to another host)
+  GET  /v2/<repo>/blobs/<digest>              a blob (redirects followed, without credentials to another host),
+                                              or a byte range of it (Range: bytes=a-b, answered 206)
   GET|HEAD|PUT /v2/<repo>/manifests/<tag|digest>
 Every error becomes a RegistryError (or NotFound, CheckpointInvalid) here, at one boundary; text the
 registry controls (error bodies, reason phrases, headers) is printed through text.printable.
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from migrt import jsonsafe, trust
+from migrt import log as log_mod
 from migrt.errors import CheckpointInvalid, NotFound, RegistryError
 from migrt.registry.auth import Credentials
 from migrt.registry.reference import Reference
@@ -205,6 +207,12 @@ class _RangeReader:
         return buf
 
 
+def _content_range(resp: http.client.HTTPResponse) -> tuple[int, int, int] | None:
+    """(first, last, total) of a 206 answer's `Content-Range: bytes first-last/total` (None: another form)."""
+    m = re.fullmatch(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19})", (resp.getheader("Content-Range") or "").strip())
+    return (int(m[1]), int(m[2]), int(m[3])) if m else None
+
+
 def _challenge(header: str) -> tuple[str, dict[str, str]]:
     scheme, _, rest = header.strip().partition(" ")
     params = dict(re.findall(r'(\w+)="([^"]*)"', rest))
@@ -239,6 +247,7 @@ class Client:
         self._conns_lock = threading.Lock()  # guards _all only; never held across network I/O
         self._local = threading.local()
         self._all: list[http.client.HTTPSConnection] = []
+        self.ranges: bool | None = None  # serves byte ranges of blobs (serves_ranges; None: not asked yet)
 
     # -- connections and requests ----------------------------------------------------------------
     def _conn(self, host: str | None = None) -> _Connection:
@@ -311,12 +320,12 @@ class Client:
             self._fail(resp, method, what or path)
         raise AssertionError("unreachable")
 
-    def get(self, path: str, *, headers: dict | None = None, what: str, until: float | None = None
-            ) -> http.client.HTTPResponse:
+    def get(self, path: str, *, headers: dict | None = None, what: str, until: float | None = None,
+            ok: tuple[int, ...] = (200,)) -> http.client.HTTPResponse:
         """GET with redirects followed (at most MAX_REDIRECTS, https only, credentials only to the
-        registry's own host); returns a 200 response, anything else is an error."""
+        registry's own host); returns a response of a status in `ok`, anything else is an error."""
         until = self.until() if until is None else until
-        resp = self.request("GET", path, headers=headers, what=what, until=until, redirects=True)
+        resp = self.request("GET", path, headers=headers, what=what, until=until, redirects=True, ok=ok)
         host = self.host
         for hop in range(MAX_REDIRECTS + 1):
             if resp.status not in REDIRECTS:
@@ -334,7 +343,7 @@ class Client:
             if host == self.host and self._auth:
                 hdrs["Authorization"] = self._auth
             resp = self._send("GET", path, hdrs, host=host, until=until)
-        if resp.status != 200:
+        if resp.status not in ok:
             self._fail(resp, "GET", what)
         return resp
 
@@ -512,20 +521,7 @@ class Client:
                 raise CheckpointInvalid(f"{what} from {self.host}/{self.repo}: the registry sends {resp.length} "
                                         f"bytes, the image manifest says {size} (nothing was committed)")
             h = hashlib.sha256()
-            got = 0
-            buf = bytearray(min(BUF, max(size, 1)))
-            view = memoryview(buf)
-            while True:
-                n = resp.readinto(view)  # a connection cut short of Content-Length: IncompleteRead, tried again
-                if not n:
-                    break
-                got += n
-                if got > size:
-                    raise CheckpointInvalid(f"{what} from {self.host} is larger than the {size} bytes the "
-                                            "image manifest says")
-                h.update(view[:n])
-                sink(view[:n])
-            self.stats.add(received=got)
+            got = self._stream(resp, size, sink, what, h)
             if got < size:  # the body ended where the server said it ends: other content, not a cut
                 raise CheckpointInvalid(f"{what} from {self.host}/{self.repo}: the registry sent {got} bytes, the "
                                         f"image manifest says {size}; the registry holds other content under this "
@@ -535,6 +531,70 @@ class Client:
                                         f"{h.hexdigest()[:16]}...; it was altered in the registry or in transit "
                                         "(nothing was committed)")
         self._retry(go, f"downloading {what}")
+
+    def serves_ranges(self, digest: str, size: int) -> bool:
+        """Whether the registry (or the storage it redirects to) serves byte ranges of blobs: one
+        `Range: bytes=0-0` request, once per client. A whole 200 answer (its body not read: the
+        connection is dropped) means no; said once in the node's log."""
+        if self.ranges is None:
+            def go() -> bool:
+                resp = self.get(f"/v2/{self.repo}/blobs/{digest}", headers={"Range": "bytes=0-0"},
+                                what=f"blob {digest} (range probe)", ok=(200, 206))
+                yes = resp.status == 206 and _content_range(resp) == (0, 0, size)
+                self._drain(resp, limit=1 if yes else 0)
+                return yes
+            self.ranges = self._retry(go, f"probing byte ranges of blob {digest}")
+            if not self.ranges:
+                log_mod.get().info("registry_no_ranges", registry=self.host, repository=self.repo,
+                                   detail="the registry does not serve byte ranges: one stream per blob")
+        return bool(self.ranges)
+
+    def fetch_range(self, digest: str, size: int, start: int, length: int, sink: Callable[[memoryview], None]
+                    ) -> bool:
+        """Stream bytes [start, start+length) of a blob to sink (rewound with an empty view on each
+        try, as fetch_blob). False, with nothing given to sink, when the registry answers with the
+        whole blob instead (no ranges after all). The caller verifies the blob's digest once all its
+        ranges are in; here only the range's place and length are checked."""
+        what = f"blob {digest} bytes {start}-{start + length - 1}"
+
+        def go() -> bool:
+            sink(memoryview(b""))
+            resp = self.get(f"/v2/{self.repo}/blobs/{digest}", headers={"Range": f"bytes={start}-{start + length - 1}"},
+                            what=what, until=self.until(self.timeout + length / MIN_BLOB_RATE), ok=(200, 206))
+            if resp.status == 200:
+                self._drain(resp, limit=0)
+                return False
+            if _content_range(resp) != (start, start + length - 1, size) or \
+                    (resp.length is not None and resp.length != length):
+                self._drain(resp, limit=0)
+                raise CheckpointInvalid(f"{what} from {self.host}/{self.repo}: the registry answered range "
+                                        f"{printable(resp.getheader('Content-Range') or '', 80)!r} of "
+                                        f"{resp.length} bytes (nothing was committed)")
+            got = self._stream(resp, length, sink, what)
+            if got < length:
+                raise CheckpointInvalid(f"{what} from {self.host}/{self.repo}: the registry sent {got} bytes of "
+                                        f"{length} (nothing was committed)")
+            return True
+        return self._retry(go, f"downloading {what}")
+
+    def _stream(self, resp: http.client.HTTPResponse, limit: int, sink: Callable[[memoryview], None],
+                what: str, h=None) -> int:
+        """Read a body to sink (and hasher h), at most `limit` bytes; returns the bytes read."""
+        got = 0
+        view = memoryview(bytearray(min(BUF, max(limit, 1))))
+        while True:
+            n = resp.readinto(view)  # a connection cut short of Content-Length: IncompleteRead, tried again
+            if not n:
+                break
+            got += n
+            if got > limit:
+                raise CheckpointInvalid(f"{what} from {self.host} is larger than the {limit} bytes the "
+                                        "image manifest says")
+            if h is not None:
+                h.update(view[:n])
+            sink(view[:n])
+        self.stats.add(received=got)
+        return got
 
     def get_manifest(self, target: str | None = None) -> tuple[bytes, str, str]:
         """(raw bytes, media type, digest) of a manifest; the bytes are checked against the digest

@@ -37,14 +37,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from migrt import names
 from migrt.config import Config
 from migrt.errors import CheckpointInvalid, Conflict, MigrtError, PreconditionFailed
 from migrt.pagefill.images import record_beside
 from migrt.progress import Progress, null_progress
-from migrt.registry import image
+from migrt.registry import image, transfer
 from migrt.registry.client import Client, Deadline
 from migrt.registry.connect import client_for, deadline_for
 from migrt.registry.reference import Reference, parse, registry_allowed
@@ -235,45 +234,16 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
                     os.close(fd)
             imp.space.settle()  # the blocks are allocated: the free space shows them (or, without
             # fallocate, the reservation's margin covers what is left; ENOSPC then refuses, unretried)
-            jobs = [(rel, off, size, digest) for rel, chunks in plan.items() for off, size, digest in chunks
-                    if (digest, off, rel) not in have]
-            progress("phase", name="download", total_bytes=sum(j[2] for j in jobs))
+            jobs = [transfer.Blob(digest, size, os.path.join(partial, rel), off) for rel, chunks in plan.items()
+                    for off, size, digest in chunks if (digest, off, rel) not in have]
+            progress("phase", name="download", total_bytes=sum(j.size for j in jobs))
             t0 = time.monotonic()
-
-            def one(job: tuple[str, int, int, str]) -> int:
-                rel, off, size, digest = job
-                fd = os.open(os.path.join(partial, rel), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                pos = [off]
-                try:
-                    def sink(view: memoryview) -> None:
-                        if not len(view):
-                            pos[0] = off  # a new try starts the blob again
-                            return
-                        n = 0
-                        try:
-                            while n < len(view):
-                                n += os.pwrite(fd, view[n:], pos[0] + n)
-                        except OSError as exc:  # a full store is not a network error: never retried
-                            full = reserve.enospc(exc, f"pulling {client.ref}", store.root)
-                            if full is None:
-                                raise
-                            raise full from exc
-                        pos[0] += len(view)
-                    client.fetch_blob(digest, size, sink)
-                finally:
-                    os.close(fd)
-                journal.add(digest, off, rel)
-                return size
-
-            with ThreadPoolExecutor(max_workers=cfg.registry_parallel) as pool:
-                futures = [pool.submit(one, j) for j in jobs]
-                try:
-                    for fut in as_completed(futures):
-                        progress("bytes", name="download", bytes=fut.result())
-                except BaseException:
-                    for f in futures:  # the first failure stops the pull; what arrived is journaled
-                        f.cancel()
-                    raise
+            # what arrived and verified is journaled at once: the first failure stops the pull, and
+            # the next pull resumes from the journal
+            transfer.fetch(client, jobs, cfg.registry_parallel,
+                           on_blob=lambda b: journal.add(b.digest, b.offset, os.path.relpath(b.path, partial)),
+                           write_error=lambda exc: reserve.enospc(exc, f"pulling {client.ref}", store.root),
+                           on_bytes=lambda n: progress("bytes", name="download", bytes=n))
             progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
             for rel, chunks in plan.items():
                 digest = fold_chunks([bytes.fromhex(d.split(":", 1)[1]) for _o, _s, d in chunks])
@@ -310,7 +280,7 @@ def _allocate(fd: int, size: int) -> None:
 
 def _resume(partial: str, plan: dict, journal: _Journal) -> dict[tuple[str, int, str], int]:
     """Journaled chunks whose bytes on disk still hash to their digest (hashed again, not believed)."""
-    from migrt.store.fsutil import _hash_range
+    from migrt.store.fsutil import hash_range
 
     have: dict[tuple[str, int, str], int] = {}
     for rel, chunks in plan.items():
@@ -320,7 +290,7 @@ def _resume(partial: str, plan: dict, journal: _Journal) -> dict[tuple[str, int,
             full = os.path.join(partial, rel)
             try:
                 if os.path.getsize(full) >= off + size and \
-                        "sha256:" + _hash_range(full, off, size).hex() == digest:
+                        "sha256:" + hash_range(full, off, size).hex() == digest:
                     have[(digest, off, rel)] = size
             except OSError:
                 continue
@@ -353,27 +323,15 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
             client.deadline.allow(layer["size"])
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                def sink(view: memoryview) -> None:
-                    try:
-                        if not len(view):
-                            os.ftruncate(fd, 0)
-                            os.lseek(fd, 0, os.SEEK_SET)
-                            return
-                        n = 0
-                        while n < len(view):
-                            n += os.write(fd, view[n:])
-                    except OSError as exc:  # a full store is not a network error: never retried
-                        full = reserve.enospc(exc, what, store.root)
-                        if full is None:
-                            raise
-                        raise full from exc
-                progress("phase", name="download", total_bytes=layer["size"])
-                t0 = time.monotonic()
-                client.fetch_blob(layer["digest"], layer["size"], sink)
-                progress("bytes", name="download", bytes=layer["size"])
-                progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
+                _allocate(fd, layer["size"])
             finally:
                 os.close(fd)
+            progress("phase", name="download", total_bytes=layer["size"])
+            t0 = time.monotonic()
+            transfer.fetch(client, [transfer.Blob(layer["digest"], layer["size"], path)], cfg.registry_parallel,
+                           on_blob=lambda b: None, write_error=lambda exc: reserve.enospc(exc, what, store.root),
+                           on_bytes=lambda n: progress("bytes", name="download", bytes=n))
+            progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
         data = import_cri.import_archive(cfg, path, name=name, progress=progress)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)

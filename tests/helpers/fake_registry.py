@@ -1,7 +1,7 @@
 """Fake OCI registries for unit tests: TLS servers on loopback addresses (127.0.0.x), started and
 stopped by the test, whose answers the test chooses (hostile ones included: trickling bodies, odd
 redirects, escape sequences, short blobs). `Registry` serves images built here (`migrt_image`,
-`archive_image`) from memory and records every request.
+`archive_image`) from memory and records every request; with `ranges` set, byte ranges of blobs too.
 """
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ def send(h: http.server.BaseHTTPRequestHandler, code: int, body: bytes = b"", he
         h.wfile.write(body)
 
 
+def send_range(h: http.server.BaseHTTPRequestHandler, data: bytes) -> None:
+    """A 206 answer to `Range: bytes=a-b` (one range, as a registry serves a blob's)."""
+    first, _, last = h.headers["Range"].removeprefix("bytes=").partition("-")
+    a, b = int(first), min(int(last), len(data) - 1)
+    send(h, 206, data[a:b + 1], {"Content-Type": "application/octet-stream",
+                                 "Content-Range": f"bytes {a}-{b}/{len(data)}"})
+
+
 @contextlib.contextmanager
 def serve(app: Callable, cert: str | None, key: str | None, host: str = "127.0.0.1") -> Iterator[str]:
     """A server on host:<free port> calling app(handler) for each request (TLS unless cert is None);
@@ -79,6 +87,7 @@ class Registry:
         self.manifests: dict[str, bytes] = {}
         self.hooks: dict[str, Callable] = {}
         self.requests: list[tuple[str, str]] = []
+        self.ranges = False  # serve `Range: bytes=a-b` of blobs (206), as the distribution server does
         self.lock = threading.Lock()
 
     def add_blob(self, data: bytes) -> str:
@@ -110,6 +119,8 @@ class Registry:
                 return send(h, 200, raw, {"Content-Type": image.MANIFEST_TYPE, "Docker-Content-Digest": sha(raw)})
         if h.path.startswith(prefix + "blobs/"):
             data = self.blobs.get(h.path[len(prefix + "blobs/"):])
+            if data is not None and self.ranges and h.headers.get("Range"):
+                return send_range(h, data)
             if data is not None:
                 return send(h, 200, data, {"Content-Type": "application/octet-stream"})
         return send(h, 404, b'{"errors":[{"code":"NOT_FOUND","message":"unknown"}]}')

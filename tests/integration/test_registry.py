@@ -332,12 +332,17 @@ def big(registry, migrt_config):
 
 
 def _served(log: str, repo: str) -> dict[str, int]:
-    """Bytes of each blob the registry served (GET answered 200 or 206), from its access log."""
-    pattern = re.compile(rf'"GET /v2/{re.escape(repo)}/blobs/(sha256:[0-9a-f]{{64}}) HTTP/1\.1" (?:200|206) (\d+)')
-    served: dict[str, int] = {}
+    """Bytes of each blob the registry served (GET answered 200 or 206), from its access log, and
+    the number of 206 answers (ranges), probes of one byte (`Range: bytes=0-0`) apart."""
+    pattern = re.compile(rf'"GET /v2/{re.escape(repo)}/blobs/(sha256:[0-9a-f]{{64}}) HTTP/1\.1" (200|206) (\d+)')
+    served: dict[str, int] = {"ranges": 0, "probes": 0}
     with open(log, errors="replace") as fh:
         for m in pattern.finditer(fh.read()):
-            served[m[1]] = served.get(m[1], 0) + int(m[2])
+            if m[2] == "206" and m[3] == "1":
+                served["probes"] += 1
+                continue
+            served["ranges"] += m[2] == "206"
+            served[m[1]] = served.get(m[1], 0) + int(m[3])
     return served
 
 
@@ -363,7 +368,25 @@ def test_four_pulls_of_one_image_share_one_download(big, registry, migrt_config)
         after = _served(registry.log, "team/big")
         sizes = {d["digest"]: d["size"] for d in big["layers"]}
         assert {d: after.get(d, 0) - before.get(d, 0) for d in sizes} == sizes   # each blob once, whole
+        assert after["probes"] - before["probes"] <= 4                           # (one per pull at most)
         run_cli("inspect", puller[2]["name"], "--verify")
         assert os.listdir(os.path.join(store, ".pulls")) == []
     finally:
         run_cli("rm", outs[0][2]["name"], check=False)
+
+
+def test_a_small_image_is_pulled_in_parallel_ranges(big, registry, migrt_config):
+    """Five 64 MiB blobs for four connections: cut into 16 MiB ranges (the distribution server serves
+    them), every range verified as part of its blob's digest; each blob's bytes served once."""
+    before = _served(registry.log, "team/big")
+    out = json.loads(run_cli("pull", big["ref"], "--name", "big-ranges", "--json").stdout)
+    try:
+        after = _served(registry.log, "team/big")
+        sizes = {d["digest"]: d["size"] for d in big["layers"]}
+        assert {d: after.get(d, 0) - before.get(d, 0) for d in sizes} == sizes
+        big_blobs = sum(-(-s // (16 << 20)) for s in sizes.values() if s > 32 << 20)
+        assert after["ranges"] - before["ranges"] == big_blobs and after["probes"] - before["probes"] == 1
+        assert out["name"] == "big-ranges" and not out["already_present"]
+        run_cli("inspect", "big-ranges", "--verify")
+    finally:
+        run_cli("rm", "big-ranges", check=False)

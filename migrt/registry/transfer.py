@@ -1,0 +1,181 @@
+"""Blobs from a registry into file ranges: several blobs at once, and a blob cut into byte ranges
+fetched in parallel when there are too few blobs to keep every connection busy.
+
+The rule: a blob counts as arrived (the caller journals it) only once every byte of it on disk has
+been hashed and matched its digest. A blob fetched whole is hashed as it streams in. A blob fetched
+in ranges is hashed in order as its ranges land: whichever thread lands the range that extends the
+contiguous prefix hashes it from the file (the page cache), so every byte is hashed once and a
+mismatch shows as soon as the last range lands. Nothing of a blob that fails is journaled.
+
+When to cut: only when the blobs to fetch are fewer than twice the connections (a small image, or a
+CRI-O archive layer that is one blob), into PIECE-sized ranges; with more blobs, whole blobs keep the
+connections busy and need no second read. Whether the registry serves ranges is asked once
+(client.serves_ranges); one that does not gets one stream per blob, said once in the node's log. A
+registry that stops serving ranges midway (a 200 to a range request) has that blob fetched whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+from migrt.errors import CheckpointInvalid
+from migrt.registry.client import BUF, Client
+
+PIECE = 16 << 20
+
+
+@dataclass
+class Blob:
+    """One blob to land at `offset` in the file at `path` (which exists, at its final size)."""
+    digest: str
+    size: int
+    path: str
+    offset: int = 0
+
+
+WriteError = Callable[[OSError], BaseException | None]  # a write's OSError -> the error to raise (None: as is)
+
+
+@dataclass
+class _Assembly:
+    """A blob being fetched in ranges: which have landed, and the hash of the contiguous prefix."""
+    blob: Blob
+    pieces: list[tuple[int, int]]
+    landed: set[int] = field(default_factory=set)
+    hashed: int = 0  # pieces hashed so far, in order
+    hashing: bool = False
+    whole: bool = False  # fetched whole instead (the registry stopped serving ranges)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    h: hashlib._Hash = field(default_factory=hashlib.sha256)
+
+    def land(self, index: int, fd: int) -> bool:
+        """Piece `index` is on disk; hash what now extends the prefix. True once the whole blob is
+        hashed and matches (for exactly one caller); CheckpointInvalid if it does not."""
+        with self.lock:
+            self.landed.add(index)
+            if self.hashing or self.whole:
+                return False
+            self.hashing = True
+        while True:
+            with self.lock:  # (checked and released in one step: a piece landing now is seen or hashes itself)
+                if self.whole or self.hashed not in self.landed:
+                    self.hashing = False
+                    return False
+                start, length = self.pieces[self.hashed]
+            _hash_range(self.h, fd, self.blob.offset + start, length)
+            with self.lock:
+                self.hashed += 1
+                if self.hashed == len(self.pieces):
+                    self.hashing = False
+                    return _verified(self.blob, self.h.hexdigest())
+
+
+def _hash_range(h, fd: int, pos: int, length: int) -> None:
+    end = pos + length
+    while pos < end:
+        buf = os.pread(fd, min(BUF, end - pos), pos)
+        if not buf:
+            raise OSError(f"file shrank while its blob was verified (at {pos})")
+        h.update(buf)
+        pos += len(buf)
+
+
+def _verified(blob: Blob, hexd: str) -> bool:
+    if "sha256:" + hexd != blob.digest:
+        raise CheckpointInvalid(f"blob {blob.digest}: the data received has sha256 {hexd[:16]}...; it was altered "
+                                "in the registry or in transit (nothing was committed)")
+    return True
+
+
+def _writer(fd: int, pos: int, write_error: WriteError) -> Callable[[memoryview], None]:
+    """A sink writing a stream at pos onwards (an empty view rewinds it to pos: a retry)."""
+    at = [pos]
+
+    def sink(view: memoryview) -> None:
+        if not len(view):
+            at[0] = pos
+            return
+        n = 0
+        try:
+            while n < len(view):
+                n += os.pwrite(fd, view[n:], at[0] + n)
+        except OSError as exc:  # a full store is not a network error: never retried
+            err = write_error(exc)
+            if err is None:
+                raise
+            raise err from exc
+        at[0] += len(view)
+    return sink
+
+
+class _Units:
+    """The work: whole blobs, or (blob's assembly, piece index) when cut."""
+
+    def __init__(self, client: Client, blobs: list[Blob], parallel: int) -> None:
+        self.units: list[tuple[Blob, _Assembly | None, int]] = []
+        big = [b for b in blobs if b.size > 2 * PIECE]
+        cut = len(blobs) < 2 * parallel and big and client.serves_ranges(big[0].digest, big[0].size)
+        for b in blobs:
+            if not cut or b.size <= 2 * PIECE:
+                self.units.append((b, None, 0))
+                continue
+            asm = _Assembly(b, [(s, min(PIECE, b.size - s)) for s in range(0, b.size, PIECE)])
+            self.units.extend((b, asm, i) for i in range(len(asm.pieces)))
+
+    def __iter__(self) -> Iterator[tuple[Blob, _Assembly | None, int]]:
+        return iter(self.units)
+
+
+def _one(client: Client, unit: tuple[Blob, _Assembly | None, int], write_error: WriteError,
+         on_blob: Callable[[Blob], None]) -> None:
+    """Fetch a unit; on_blob(blob) once the blob is whole and verified."""
+    done = _fetch_unit(client, unit, write_error)
+    if done is not None:
+        on_blob(done)
+
+
+def _fetch_unit(client: Client, unit: tuple[Blob, _Assembly | None, int], write_error: WriteError) -> Blob | None:
+    """Fetch a unit; the blob once it is whole and verified (None: more of it to come)."""
+    blob, asm, index = unit
+    fd = os.open(blob.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if asm is None:
+            client.fetch_blob(blob.digest, blob.size, _writer(fd, blob.offset, write_error))
+            return blob
+        if asm.whole:
+            return None
+        start, length = asm.pieces[index]
+        if client.fetch_range(blob.digest, blob.size, start, length, _writer(fd, blob.offset + start, write_error)):
+            return blob if asm.land(index, fd) else None
+        with asm.lock:  # a 200 to a range: the first piece to see it fetches the blob whole
+            if asm.whole:
+                return None
+            asm.whole = True
+        client.fetch_blob(blob.digest, blob.size, _writer(fd, blob.offset, write_error))
+        return blob
+    finally:
+        os.close(fd)
+
+
+def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable[[Blob], None],
+          write_error: WriteError = lambda exc: None, on_bytes: Callable[[int], None] = lambda n: None) -> None:
+    """Every blob into its file range over `parallel` connections; on_blob(blob) once each is whole and
+    verified (from the worker thread that verified it, one call per blob). The first failure cancels
+    what has not started and is raised; blobs verified before it have had their on_blob."""
+    units = _Units(client, blobs, parallel)
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = {pool.submit(_one, client, u, write_error, on_blob): u for u in units}
+        try:
+            for fut in as_completed(futures):
+                fut.result()
+                blob, asm, index = futures[fut]
+                on_bytes(blob.size if asm is None else asm.pieces[index][1])
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
