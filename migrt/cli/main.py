@@ -6,7 +6,7 @@ imports run one way: main -> command modules -> group.
 
 from __future__ import annotations
 
-from migrt.cli import commands, gpu_cmd, import_cmd, install, migrate, registry_cmd  # noqa: F401 - register the commands
+from migrt.cli import commands, gpu_cmd, import_cmd, install, k8s_cmd, migrate, registry_cmd  # noqa: F401 - register the commands
 from migrt.cli.group import cli
 from migrt.criu.binary import use_migrt_criu
 from migrt.runtime.lower import configured_value

@@ -59,7 +59,7 @@ def _rows() -> list[tuple[tuple[str, ...], set[str]]]:
         usage = m.group(1)
         words = []
         for w in usage.split():
-            if not re.fullmatch(r"[a-z][a-z-]*(\\\|[a-z][a-z-]*)*", w):
+            if not re.fullmatch(r"[a-z][a-z0-9-]*(\\\|[a-z][a-z0-9-]*)*", w):
                 break
             words.append(w.split("\\|"))
         paths: list[tuple[str, ...]] = [()]
