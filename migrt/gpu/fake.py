@@ -165,7 +165,7 @@ class FileFakeGpuBackend(GpuBackend):
                     target = pairs.get((e.get("gpu") or "").lower(), uuid_text(remap[0][1]))
                 if target is not None and target.lower() not in [u.lower() for u in uuids]:
                     raise GpuError(f"restore (pid {pid}): unknown target GPU {target}", call=call, pid=pid, code=1)
-                free = _free_bytes(data, target)
+                free = free_bytes(data, target)
                 if free is not None and free < e.get("bytes", 0):
                     raise GpuError(f"restore (pid {pid}) failed: CUDA_ERROR_OUT_OF_MEMORY on {target} (fake)",
                                    call=call, pid=pid, code=2)
@@ -202,7 +202,7 @@ def _error(call: str, pid: int, message: str, code: int) -> GpuError:
     return cls(f"{call} (pid {pid}) failed: {message}", call=call, pid=pid, code=code)
 
 
-def _free_bytes(data: dict, uuid: str | None) -> int | None:
+def free_bytes(data: dict, uuid: str | None) -> int | None:
     """A fake GPU's free memory: its total less what the processes holding it use."""
     if not uuid:
         return None

@@ -173,7 +173,7 @@ def take(with_processes: bool = True, *, procfs_root: str = PROC_NVIDIA) -> Inve
 
 def _fake(path: str) -> Inventory:
     from migrt.gpu import fakenode
-    from migrt.gpu.fake import _free_bytes
+    from migrt.gpu.fake import free_bytes
 
     with fakenode.locked(path) as data:
         fakenode.discover(data)
@@ -181,7 +181,7 @@ def _fake(path: str) -> Inventory:
                         cuda_driver_version=data.get("cuda_driver_version", 13000), processes_seen=True)
         for i, g in enumerate(data.get("gpus") or []):
             total = g.get("memory_total")
-            free = _free_bytes(data, g["uuid"])
+            free = free_bytes(data, g["uuid"])
             inv.gpus.append(Gpu(index=i, uuid=g["uuid"], name=g.get("name", "Fake GPU"),
                                 pci_bus_id=g.get("pci_bus_id", f"00000000:{i + 0x10:02X}:00.0"),
                                 minor=g.get("minor", i), memory_total=total, memory_free=free,

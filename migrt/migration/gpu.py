@@ -47,7 +47,7 @@ class GpuSource:
         if paused:
             raise Conflict(f"container {self.cid} is paused and has CUDA processes: the GPU checkpoint needs "
                            "running tasks; resume it first")
-        gpu_steps._usable_backend(self.cfg, f"container {self.cid} has {len(self.pids)} CUDA process(es)")
+        gpu_steps.usable_backend(self.cfg, f"container {self.cid} has {len(self.pids)} CUDA process(es)")
         inv = inventory.take()
         try:
             config_gpus = visible.from_config(self.config, inv) if self.config else None

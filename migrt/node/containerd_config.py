@@ -39,7 +39,7 @@ def host_path(root: str, path: str) -> str:
     return path if root in ("", "/") else os.path.join(root, path.lstrip("/"))
 
 
-def _has_glob(path: str) -> bool:
+def has_glob(path: str) -> bool:
     return any(c in path for c in "*?[")
 
 
@@ -91,7 +91,7 @@ def resolve_imports(root: str, importer: str, imports: list,
         if not isinstance(imp, str):
             continue
         path = imp if os.path.isabs(imp) else os.path.join(os.path.dirname(importer), imp)
-        if _has_glob(path):
+        if has_glob(path):
             hits = {"/" + os.path.relpath(h, host_path(root, "/")) for h in glob.glob(host_path(root, path))}
             found += sorted(hits | {p for p in extra if fnmatch.fnmatchcase(p, path)})
         elif os.path.exists(host_path(root, path)) or path in extra:
@@ -205,10 +205,10 @@ _BARE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 def _key(k: str) -> str:
-    return k if _BARE.match(k) else _string(k)
+    return k if _BARE.match(k) else toml_string(k)
 
 
-def _string(s: str) -> str:
+def toml_string(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid TOML basic string
 
 
@@ -218,7 +218,7 @@ def _value(v) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        return _string(v)
+        return toml_string(v)
     if isinstance(v, list):
         return "[" + ", ".join(_value(x) for x in v) + "]"
     if isinstance(v, dict):

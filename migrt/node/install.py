@@ -86,10 +86,10 @@ def _choose_dropin(cfg: cc.LoadedConfig) -> tuple[str, bool]:
     imports = [i if os.path.isabs(i) else os.path.join(main_dir, i)
                for i in cfg.main_data.get("imports", []) if isinstance(i, str)]
     for imp in imports:  # an explicit import of our file (from an earlier run)
-        if not cc._has_glob(imp) and os.path.basename(imp) == DROPIN_NAME:
+        if not cc.has_glob(imp) and os.path.basename(imp) == DROPIN_NAME:
             return imp, False
     for imp in imports:  # a drop-in directory the main config already imports
-        if cc._has_glob(imp):
+        if cc.has_glob(imp):
             candidate = os.path.join(os.path.dirname(imp), DROPIN_NAME)
             if fnmatch.fnmatchcase(candidate, imp):
                 return candidate, False
@@ -170,7 +170,7 @@ def _imports_span(head: str) -> tuple[int, int] | None:
 def set_imports(text: str, imports: list[str]) -> str:
     """`text` with its top-level `imports` set to `imports` (inserted after `version` if absent).
     The result is checked: everything else must parse to the same values."""
-    line = "imports = [" + ", ".join(cc._string(i) for i in imports) + "]"
+    line = "imports = [" + ", ".join(cc.toml_string(i) for i in imports) + "]"
     first_table = re.search(r"(?m)^[ \t]*\[", text)
     head_end = first_table.start() if first_table else len(text)
     head, tail = text[:head_end], text[head_end:]
@@ -219,7 +219,7 @@ def plan_containerd(config: str = cc.DEFAULT_CONFIG, root: str = "/", binary: st
     before_main = _read(cc.host_path(root, config))
     if before_main is None:
         after_main = (f"# containerd configuration; created by `migrt install containerd` (everything else default).\n"
-                      f"version = {cfg.version}\n") + "imports = [" + cc._string(dropin) + "]\n"
+                      f"version = {cfg.version}\n") + "imports = [" + cc.toml_string(dropin) + "]\n"
     elif needs_import:
         imports = [i for i in cfg.main_data.get("imports", []) if isinstance(i, str)]
         after_main = set_imports(before_main, imports + [dropin])

@@ -67,7 +67,9 @@ def open_gate(cfg, what: str, pids: list[int], inv: inventory.Inventory, config:
                             contexts=inv.contexts())
 
 
-def _usable_backend(cfg, what: str) -> GpuBackend:
+def usable_backend(cfg, what: str) -> GpuBackend:
+    """The configured GPU backend; PreconditionFailed naming `what` needs it when the CUDA checkpoint
+    API is not usable on this node."""
     backend = select.get_backend(backend_choice(cfg))
     if not backend.available():
         raise PreconditionFailed(f"{what}, but the CUDA checkpoint API is not usable here: "
@@ -131,7 +133,7 @@ def suspend(cfg, container_id: str, init_pid: int | None, config: dict | None,
     if not pids:
         return None
     what = f"container {container_id} has {len(pids)} CUDA process(es) (pids {', '.join(map(str, pids))})"
-    backend = _usable_backend(cfg, what)
+    backend = usable_backend(cfg, what)
     inv = inventory.take()
     vis = records.visible_at_checkpoint(_config_gpus(config, inv, container_id),
                                         visible.from_devnodes(init_pid, inv) if init_pid else None, pids, inv)

@@ -133,7 +133,8 @@ class TreeHasher:
         return hashlib.sha256(b"".join(chunks)).hexdigest()
 
 
-def _hash_range(path: str, offset: int, length: int) -> bytes:
+def hash_range(path: str, offset: int, length: int) -> bytes:
+    """The sha256 of `length` bytes of the file at `path` from `offset` (one chunk of a tree digest)."""
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -164,7 +165,7 @@ def hash_chunks(top: str, rel_paths: list[str], *, fsync: bool = False, workers:
 
     def one(task: tuple[str, int, int]) -> tuple[str, int, bytes, int]:
         rel, off, length = task
-        digest = _hash_range(os.path.join(top, rel), off, length)
+        digest = hash_range(os.path.join(top, rel), off, length)
         return rel, off, digest, length
 
     parts: dict[str, dict[int, tuple[int, bytes]]] = {rel: {} for rel in rel_paths}

@@ -174,3 +174,30 @@ def test_libc_is_loaded_in_the_kernel_room_only():
     assert not bad, "libc loaded outside migrt/kernel/libc.py:\n" + "\n".join(bad)
     assert libc_loaders("import ctypes, ctypes.util\na = ctypes.CDLL(None, use_errno=True)\n"
                         "b = ctypes.CDLL(ctypes.util.find_library('c'))\nc = ctypes.CDLL('libcuda.so.1')\n") == [2, 3]
+
+
+def private_imports(source: str) -> list[str]:
+    """`from migrt.x import _name` and `module._name` of a migrt module imported by name: another module's
+    private names, which it may rename or drop without looking here."""
+    tree = ast.parse(source)
+    modules: set[str] = set()
+    hits = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "migrt":
+            modules |= {a.asname or a.name for a in n.names}
+            hits += [f"{n.lineno}: {n.module}.{a.name}" for a in n.names if re.match(r"_[^_]", a.name)]
+        elif isinstance(n, ast.Import):
+            modules |= {a.asname or a.name for a in n.names if a.name.split(".")[0] == "migrt"}
+    hits += [f"{n.lineno}: {ast.unparse(n)}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+             and re.match(r"_[^_]", n.attr) and isinstance(n.value, ast.Name) and n.value.id in modules]
+    return hits
+
+
+def test_no_module_uses_another_modules_private_names():
+    bad = [f"{path.relative_to(PKG)}:{hit}" for path in sorted(PKG.rglob("*.py"))
+           for hit in private_imports(path.read_text())]
+    assert not bad, "private names used across modules (make them public or move them):\n" + "\n".join(bad)
+    assert private_imports("from migrt.store.fsutil import _hash_range, chunk_record\n"
+                           "from migrt.node import containerd_config as cc\nfrom migrt import __version__\n"
+                           "cc._has_glob('x'); cc.has_glob('y'); self._x\n") == [
+        "1: migrt.store.fsutil._hash_range", "4: cc._has_glob"]

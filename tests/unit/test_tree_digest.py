@@ -90,14 +90,13 @@ def test_commit_takes_the_digests_its_writer_computed(tmp_path, monkeypatch):
     """Staging.commit(known=...): a pages file hashed as it was written is not read again (the commit of a
     32 GiB checkpoint was a second pass over all its memory); a known entry whose size is not the file's
     is ignored and the file hashed; the manifest verifies either way."""
-    from migrt.store import Store
-    from migrt.store import fsutil
+    from migrt.store import Store, fsutil
 
     store = Store(str(tmp_path / "store"))
     store.ensure()
     read = []
-    real = fsutil._hash_range
-    monkeypatch.setattr(fsutil, "_hash_range", lambda path, off, n: read.append(os.path.basename(path)) or
+    real = fsutil.hash_range
+    monkeypatch.setattr(fsutil, "hash_range", lambda path, off, n: read.append(os.path.basename(path)) or
                         real(path, off, n))
     with store.writer("ck") as staging:
         _write(os.path.join(staging.images, "pages-1.img"), 3 * 1024 * 1024, seed=1)
