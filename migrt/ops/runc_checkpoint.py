@@ -59,6 +59,7 @@ def _frozen(state: dict | None) -> bool:
 def checkpoint(call: Call, run: Callable[[], int]) -> int:
     """`run()` runs the lower runtime's checkpoint (as a child) and returns its exit status."""
     cmd, cid, root = call.cmd, call.container_id, call.root
+    work = cmd.value("work-path")
     entry = None
     try:
         state = procs.runc_state(root, cid)
@@ -71,7 +72,7 @@ def checkpoint(call: Call, run: Callable[[], int]) -> int:
                 was_paused=paused and not pod, paused_by_containerd=paused and pod,
                 leave_running=cmd.has("leave-running"),
                 image_dir=os.path.abspath(call.image_path),
-                work=os.path.abspath(cmd.value("work-path")) if cmd.value("work-path") else None)
+                work=os.path.abspath(work) if work else None)
     except (MigrtError, OSError, ValueError):
         entry = None  # recording is a safety net, never a reason to refuse a checkpoint
     watching = entry is not None and _spawn_watchdog(entry)
