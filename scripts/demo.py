@@ -100,6 +100,7 @@ def main() -> int:
                                          text=True, check=True).stdout)["manifest"].get("versions") or {}
         print(f"made with runc {made.get('runtime')} ({made.get('runtime_path')}), CRIU {made.get('criu')}")
         print(f"counter-1 stopped at tick {stopped_at[0]}")
+        sys.stdout.flush()  # (before the child writes to the same stdout)
         subprocess.run([MIGRT, "ls"])
 
         say("remove counter-1")
