@@ -20,13 +20,18 @@ from migrt.gpu import procs, records
 from migrt.gpu.backend import GpuError
 from migrt.oci.bundle import Bundle
 from migrt.ops import dump, gpu_steps, recover, space
+from migrt.ops.space import Estimate
 from migrt.pagefill.images import record_beside
 from migrt.pods import rootfs
 from migrt.progress import Progress, null_progress
 from migrt.runtime import lazy_memory, markers
+from migrt.runtime.messages import ContainerState
 from migrt.runtime.runc import LowerRuntime, find_root
 from migrt.store import Store
 from migrt.store import manifest as mf
+from migrt.store.journal import Entry
+from migrt.store.reserve import Reservation
+from migrt.store.store import Staging
 
 
 @dataclass
@@ -83,22 +88,82 @@ def checkpoint(cfg: Config, req: CheckpointRequest, progress: Progress = null_pr
                          "running (or as it was)") from exc
 
 
+@dataclass
+class _Job:
+    """One checkpoint's inputs, read before anything is frozen, and the timings it collects."""
+    cfg: Config
+    req: CheckpointRequest
+    progress: Progress
+    runtime: LowerRuntime
+    root: str
+    store: Store
+    name: str
+    state: ContainerState
+    bundle: Bundle
+    opts: CriuOptions
+    est: Estimate
+    dump_mode: dict
+    created: float
+    timings: dict[str, float]
+    upper: str | None  # the writable layer, found while the rootfs is still mounted
+    root_mode: int | None  # what CRIU records for "/"
+    work: str = ""
+
+    @property
+    def cid(self) -> str:
+        return self.req.container_id
+
+
 def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, runtime: LowerRuntime, root: str,
                        store: Store, t_start: float) -> dict:
+    job = _prepare(cfg, req, progress, runtime, root, store)
+    # held until the end (imports, pulls and other checkpoints see it); the config may turn the check off
+    res = space.reserve(store.root, job.est, f"checkpoint of container {job.cid}", check=cfg.store_space_check)
+    job.work = _work_dir()
+    kept = []  # the journal entry, when it must outlive us (then recovery removes `work`)
+    try:
+        with store.writer(job.name, op="checkpoint", container=job.cid, root=root,
+                          was_paused=job.state.status == "paused", leave_running=req.leave_running, work=job.work,
+                          estimate=job.est.to_dict()) as staging:
+            journal = staging.journal
+            assert journal is not None  # a writer's staging has its journal entry
+            kept.append(journal)
+            with _Undo(cfg, runtime, root, job.cid, journal) as undo:
+                dumped, gpu, stuck = _freeze_and_dump(job, staging, journal, undo, res)
+                data = _commit(job, staging, journal, dumped, gpu)
+                undo.committed = True
+            if not req.leave_running:
+                _stop(job, journal)
+            job.timings["total_s"] = round(time.monotonic() - t_start, 3)
+            # The last timings are known only after commit: record them (atomic rewrite, lock still held).
+            data["timings"] = {**data.get("timings", {}), **job.timings}
+            mf.write(store.get(job.name).path, data)
+    finally:
+        res.release()
+        if not (kept and kept[0].keep):
+            shutil.rmtree(job.work, ignore_errors=True)
+    if req.leave_running and stuck:
+        raise RuntimeFailed(f"checkpoint {job.name} is committed, but the CUDA processes of container {job.cid} "
+                            f"could not be resumed after the dump: {stuck}; or restore {job.name} into a new container")
+    return data
+
+
+def _prepare(cfg: Config, req: CheckpointRequest, progress: Progress, runtime: LowerRuntime, root: str,
+             store: Store) -> _Job:
+    """Everything read before the freeze: the container's state and bundle, CRIU's options, the estimate
+    and the dump's mode; waits first for memory a lazy restore is still filling (it would be missing from
+    the dump and from the estimate)."""
     state = runtime.state(root, req.container_id)
     if state.status not in ("running", "paused"):
         raise Conflict(f"container {req.container_id} is {state.status}; only a running container can be "
                        "checkpointed")
-    was_paused = state.status == "paused"
     name = names.validate(req.name) if req.name else default_name(req.container_id)
-    # memory a lazy restore is still filling would be missing from the dump (and from the estimate)
     waited = lazy_memory.wait_filled(lambda: procs.runc_container_pids(root, req.container_id),
                                      f"checkpoint of container {req.container_id}")
-    bundle_dir = state.bundle
     try:
-        bundle = Bundle.load(bundle_dir)
+        bundle = Bundle.load(state.bundle)
     except MigrtError:
-        bundle = Bundle(bundle_dir, {})
+        bundle = Bundle(state.bundle, {})
     opts = CriuOptions.from_dict(cfg.criu_options).merged(
         tcp_established=req.tcp_established, ext_unix_sk=req.ext_unix_sk, file_locks=req.file_locks,
         shell_job=bundle.terminal,
@@ -107,96 +172,89 @@ def _checkpoint_locked(cfg: Config, req: CheckpointRequest, progress: Progress, 
     dump_mode = dump.decide(cfg, est.memory + est.gpu)
     store.gc()
     created = time.time()
-    timings: dict[str, float] = {"memory_wait_s": waited} if waited else {}
-    upper = rootfs.overlay_upperdir(bundle.rootfs) if bundle_dir else None  # while still mounted
-    root_mode = rootfs.root_mode(bundle.rootfs) if bundle_dir else None  # what CRIU records for "/"
-    # held until the end (imports, pulls and other checkpoints see it); the config may turn the check off
-    res = space.reserve(store.root, est, f"checkpoint of container {req.container_id}", check=cfg.store_space_check)
-    work = _work_dir()
-    stuck = None  # --leave-running: why the GPU processes stayed suspended after the dump
-    kept = []  # the journal entry, when it must outlive us (then recovery removes `work`)
-    try:
-        with store.writer(name, op="checkpoint", container=req.container_id, root=root, was_paused=was_paused,
-                          leave_running=req.leave_running, work=work, estimate=est.to_dict()) as staging:
-            journal = staging.journal
-            assert journal is not None  # a writer's staging has its journal entry
-            kept.append(journal)
-            with _Undo(cfg, runtime, root, req.container_id, journal) as undo:
-                # GPU first: the driver's lock needs the processes running (it works through a thread of
-                # theirs); then freeze, so that nothing changes between the dump and the stop.
-                gpu = undo.gpu = gpu_steps.suspend(
-                    cfg, req.container_id, state.pid, bundle.config, progress,
-                    before_lock=lambda pids: journal.update("gpu-locking", gpu_pids=pids))
-                if gpu:
-                    records.write_image_file(staging.images, gpu.section)
-                if not was_paused:
-                    journal.update("freezing")
-                    undo.frozen = True
-                    runtime.pause(root, req.container_id)
-                progress("phase", name="dump", container=req.container_id)
-                t0 = time.monotonic()
-                dumped = dump.dump(cfg, runtime, root, req.container_id, images=staging.images, work=work,
-                                   options=opts, env=gpu_steps.runtime_env(gpu), journal=journal,
-                                   decision=dump_mode, progress=progress)
-                timings["dump_s"] = round(time.monotonic() - t0, 3)
-                for key in ("lazy_dump_s", "pages_s"):
-                    if key in dumped:
-                        timings[key] = dumped.pop(key)
-                known = dumped.pop("digests", None)  # the pages files, hashed as they were written
-                known_chunks = dumped.pop("chunk_digests", None)  # their 64 MiB chunks' digests (manifest `chunks`)
-                journal.update("dumped")
-                res.settle()  # the images are on disk now
-                record_beside(staging)  # the images' survey for the restore's choice, taken while the commit hashes
-                progress("done", name="dump", seconds=timings["dump_s"])
-                if req.leave_running:  # back to work at once; the commit does not need the container
-                    stuck = _resume_after_dump(undo, req.container_id, root)
-                    journal.update("resumed")
-                dump_log = os.path.join(work, "dump.log")
-                if os.path.isfile(dump_log):
-                    os.makedirs(os.path.join(staging.path, "logs"), mode=0o700, exist_ok=True)
-                    shutil.copyfile(dump_log, os.path.join(staging.path, "logs", "dump.log"))
-                t0 = time.monotonic()
-                layer = rootfs.capture(upper, staging.path, [m.get("destination", "") for m in bundle.mounts])
-                timings["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
-                total = staging.payload_bytes()  # images, logs and the writable layer: what commit hashes
-                fields = _fields(req, root, state, bundle, bundle_dir, opts, layer, timings, created, runtime, est)
-                fields["op_id"] = journal.id  # recovery's proof that this commit is the interrupted one
-                fields["root_mode"] = root_mode
-                fields["dump_pages"] = dumped
-                if gpu:
-                    fields["gpu"] = gpu.section
-                    timings.update(gpu.timings)
-                journal.update("committing")
-                progress("phase", name="commit", total_bytes=total)
-                t0 = time.monotonic()
-                data = staging.commit(fields, progress=lambda n: progress("bytes", name="commit", bytes=n),
-                                      known=known, known_chunks=known_chunks)
-                timings["commit_s"] = round(time.monotonic() - t0, 3)
-                journal.update("committed")
-                progress("done", name="commit", seconds=timings["commit_s"])
-                undo.committed = True
-            if not req.leave_running:
-                journal.update("stopping")
-                t0 = time.monotonic()
-                try:  # killed while still frozen: nothing runs after the dump (runtime/stop.py)
-                    runtime.stop(root, req.container_id)
-                except RuntimeFailed as exc:
-                    journal.keep = True
-                    raise RuntimeFailed(f"checkpoint {name} is committed, but container {req.container_id} could not "
-                                        f"be stopped: {exc.message}", details=exc.details) from exc
-                timings["stop_s"] = round(time.monotonic() - t0, 3)  # the kill, the tasks' exit, runc delete
-            timings["total_s"] = round(time.monotonic() - t_start, 3)
-            # The last timings are known only after commit: record them (atomic rewrite, lock still held).
-            data["timings"] = {**data.get("timings", {}), **timings}
-            mf.write(store.get(name).path, data)
-    finally:
-        res.release()
-        if not (kept and kept[0].keep):
-            shutil.rmtree(work, ignore_errors=True)
-    if req.leave_running and stuck:
-        raise RuntimeFailed(f"checkpoint {name} is committed, but the CUDA processes of container {req.container_id} "
-                            f"could not be resumed after the dump: {stuck}; or restore {name} into a new container")
+    return _Job(cfg, req, progress, runtime, root, store, name, state, bundle, opts, est, dump_mode, created,
+                {"memory_wait_s": waited} if waited else {},
+                rootfs.overlay_upperdir(bundle.rootfs) if state.bundle else None,
+                rootfs.root_mode(bundle.rootfs) if state.bundle else None)
+
+
+def _freeze_and_dump(job: _Job, staging: Staging, journal: Entry, undo: _Undo,
+                     res: Reservation) -> tuple[dict, gpu_steps.GpuSuspension | None, str | None]:
+    """GPU first: the driver's lock needs the processes running (it works through a thread of theirs);
+    then freeze, so that nothing changes between the dump and the stop; then the dump. Returns what the
+    dump reported, the GPU suspension (None: no CUDA process) and, under --leave-running, why the GPU
+    processes stayed suspended."""
+    gpu = undo.gpu = gpu_steps.suspend(
+        job.cfg, job.cid, job.state.pid, job.bundle.config, job.progress,
+        before_lock=lambda pids: journal.update("gpu-locking", gpu_pids=pids))
+    if gpu:
+        records.write_image_file(staging.images, gpu.section)
+    if job.state.status != "paused":
+        journal.update("freezing")
+        undo.frozen = True
+        job.runtime.pause(job.root, job.cid)
+    job.progress("phase", name="dump", container=job.cid)
+    t0 = time.monotonic()
+    dumped = dump.dump(job.cfg, job.runtime, job.root, job.cid, images=staging.images, work=job.work,
+                       options=job.opts, env=gpu_steps.runtime_env(gpu), journal=journal,
+                       decision=job.dump_mode, progress=job.progress)
+    job.timings["dump_s"] = round(time.monotonic() - t0, 3)
+    for key in ("lazy_dump_s", "pages_s"):
+        if key in dumped:
+            job.timings[key] = dumped.pop(key)
+    journal.update("dumped")
+    res.settle()  # the images are on disk now
+    record_beside(staging)  # the images' survey for the restore's choice, taken while the commit hashes
+    job.progress("done", name="dump", seconds=job.timings["dump_s"])
+    stuck = None
+    if job.req.leave_running:  # back to work at once; the commit does not need the container
+        stuck = _resume_after_dump(undo, job.cid, job.root)
+        journal.update("resumed")
+    return dumped, gpu, stuck
+
+
+def _commit(job: _Job, staging: Staging, journal: Entry, dumped: dict, gpu: gpu_steps.GpuSuspension | None) -> dict:
+    """CRIU's log and the writable layer into the staging directory, then the atomic commit with the
+    manifest's fields; the pages files hashed as they were written are not read again."""
+    known = dumped.pop("digests", None)  # the pages files, hashed as they were written
+    known_chunks = dumped.pop("chunk_digests", None)  # their 64 MiB chunks' digests (manifest `chunks`)
+    dump_log = os.path.join(job.work, "dump.log")
+    if os.path.isfile(dump_log):
+        os.makedirs(os.path.join(staging.path, "logs"), mode=0o700, exist_ok=True)
+        shutil.copyfile(dump_log, os.path.join(staging.path, "logs", "dump.log"))
+    t0 = time.monotonic()
+    layer = rootfs.capture(job.upper, staging.path, [m.get("destination", "") for m in job.bundle.mounts])
+    job.timings["rootfs_diff_s"] = round(time.monotonic() - t0, 3)
+    total = staging.payload_bytes()  # images, logs and the writable layer: what commit hashes
+    fields = _fields(job, layer)
+    fields["op_id"] = journal.id  # recovery's proof that this commit is the interrupted one
+    fields["root_mode"] = job.root_mode
+    fields["dump_pages"] = dumped
+    if gpu:
+        fields["gpu"] = gpu.section
+        job.timings.update(gpu.timings)
+    journal.update("committing")
+    job.progress("phase", name="commit", total_bytes=total)
+    t0 = time.monotonic()
+    data = staging.commit(fields, progress=lambda n: job.progress("bytes", name="commit", bytes=n),
+                          known=known, known_chunks=known_chunks)
+    job.timings["commit_s"] = round(time.monotonic() - t0, 3)
+    journal.update("committed")
+    job.progress("done", name="commit", seconds=job.timings["commit_s"])
     return data
+
+
+def _stop(job: _Job, journal: Entry) -> None:
+    """The container killed while still frozen: nothing runs after the dump (runtime/stop.py)."""
+    journal.update("stopping")
+    t0 = time.monotonic()
+    try:
+        job.runtime.stop(job.root, job.cid)
+    except RuntimeFailed as exc:
+        journal.keep = True
+        raise RuntimeFailed(f"checkpoint {job.name} is committed, but container {job.cid} could not "
+                            f"be stopped: {exc.message}", details=exc.details) from exc
+    job.timings["stop_s"] = round(time.monotonic() - t0, 3)  # the kill, the tasks' exit, runc delete
 
 
 def _resume_after_dump(undo: _Undo, cid: str, root: str) -> str | None:
@@ -259,23 +317,23 @@ class _Undo:
                 exc.details.append(f"the container could not be brought back ({problems[0]}); run 'migrt recover'")
 
 
-def _fields(req, root, state, bundle, bundle_dir, opts, layer, timings, created, runtime, est) -> dict:
+def _fields(job: _Job, layer: dict) -> dict:
     return {
-        "created": _utc(created),
+        "created": _utc(job.created),
         "source": {
-            "container_id": req.container_id,
-            "runtime_root": root,
-            "bundle": bundle_dir,
-            "pid": state.pid,
-            "status": state.status,
-            "cri": bundle.cri_metadata(),
-            "annotations": bundle.annotations,
+            "container_id": job.cid,
+            "runtime_root": job.root,
+            "bundle": job.state.bundle,
+            "pid": job.state.pid,
+            "status": job.state.status,
+            "cri": job.bundle.cri_metadata(),
+            "annotations": job.bundle.annotations,
         },
-        "versions": versions(runtime.path),
-        "options": {**opts.to_dict(), "leave_running": req.leave_running},
+        "versions": versions(job.runtime.path),
+        "options": {**job.opts.to_dict(), "leave_running": job.req.leave_running},
         "mounts": [{"destination": m.get("destination"), "type": m.get("type"), "source": m.get("source")}
-                   for m in bundle.mounts],
+                   for m in job.bundle.mounts],
         "rootfs": layer,
-        "timings": timings,
-        "estimate": est.to_dict(),
+        "timings": job.timings,
+        "estimate": job.est.to_dict(),
     }
