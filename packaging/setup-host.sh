@@ -38,16 +38,20 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/migrt-setup.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
 # 1. What the node needs from its release (and, where the payload is built here, what the build needs).
+# (Whether a tool is there, not a package: a node's runc may come from elsewhere.)
 if [ "${MIGRT_SKIP_APT:-0}" != 1 ]; then
-    want=iptables
+    want=
+    command -v iptables-restore >/dev/null 2>&1 || want="$want iptables"
     command -v runc >/dev/null 2>&1 || want="$want runc"
     command -v containerd >/dev/null 2>&1 || want="$want containerd"
     [ -n "${MIGRT_PAYLOAD:-}" ] || command -v mmdebstrap >/dev/null 2>&1 || want="$want mmdebstrap"
-    [ "$dev" != 1 ] || want="$want python3-pip-whl"
-    missing=$(apt_absent $want)
-    if [ -n "$missing" ]; then
-        log "installing from the node's release:$missing"
-        apt_release_install node $missing
+    [ "$dev" != 1 ] || ls /usr/share/python-wheels/pip-*.whl >/dev/null 2>&1 || want="$want python3-pip-whl"
+    if [ -n "$want" ]; then
+        command -v apt-get >/dev/null 2>&1 ||
+            die "this node lacks$want and has no apt-get: install them with its package manager (or use the" \
+                "DaemonSet, packaging/daemonset.yaml), then run this again"
+        log "installing from the node's release:$want"
+        apt_release_install node $want
     fi
 fi
 
