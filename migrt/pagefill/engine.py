@@ -712,6 +712,28 @@ class Filler:
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self) -> int:
+        """The event thread: serve the faults, close finished tasks, retry what waited, watch the guard
+        and CRIU's post-restore gate, until every task is done or the fill stops; 1 on a failure."""
+        workers = self._start_workers()
+        self._connect()  # this (event) thread's stream serves the faults
+        guard_ok = True
+        self.write_status("filling")
+        while True:
+            news = self._take_news()
+            if news is None:
+                break
+            retry, all_done = news
+            if all_done:
+                self.t_done = time.monotonic()
+                break
+            jobs = self._redecide(retry) if retry else []
+            guard_ok = self._poll_once(jobs, guard_ok)
+            if time.monotonic() - self._last_status > STATUS_EVERY_S:
+                self.write_status("filling")
+        return self._wind_down(workers)
+
+    def _start_workers(self) -> list[threading.Thread]:
+        """The copying threads, and with a verifier its sweepers (the pages images mapped first)."""
         workers = [threading.Thread(target=self._worker, name=f"fill-{i}", daemon=True) for i in range(self.nthreads)]
         if self.verifier is not None:
             try:
@@ -725,82 +747,94 @@ class Filler:
                         for i in range(self.nthreads)]
         for w in workers:
             w.start()
-        self._connect()  # this (event) thread's stream serves the faults
-        guard_ok = True
-        self.write_status("filling")
-        while True:
+        return workers
+
+    def _take_news(self) -> tuple[list, bool] | None:
+        """What the workers left for this thread, taken under the state lock: the tasks to close (closed
+        here), the faults to decide again, whether everything is done; None once the fill stops."""
+        with self.state:
+            if self.stop:
+                return None
+            closing, self.to_close = self.to_close, []
+            retry, self.retry = self.retry, []
+            all_done = self.finished and all(t.done for t in self.tasks.values())
+            first_news, self.first_news = self.first_news, False
+            first_news, self.verify_news = first_news or self.verify_news, False
+        for t in closing:
+            self._close(t)
+        if first_news:  # a GPU restore waits for this (ops/pages.py MemoryReady), the gate for verify
+            self.write_status("filling")
+        return retry, all_done
+
+    def _redecide(self, retry: list) -> list[tuple]:
+        time.sleep(0.0005)
+        self.rw.acquire_exclusive()
+        try:
             with self.state:
-                if self.stop:
-                    break
-                closing, self.to_close = self.to_close, []
-                retry, self.retry = self.retry, []
-                all_done = self.finished and all(t.done for t in self.tasks.values())
-                first_news, self.first_news = self.first_news, False
-                first_news, self.verify_news = first_news or self.verify_news, False
-            for t in closing:
-                self._close(t)
-            if first_news:  # a GPU restore waits for this (ops/pages.py MemoryReady), the gate for verify
-                self.write_status("filling")
-            if all_done:
-                self.t_done = time.monotonic()
-                break
-            jobs: list[tuple] = []
-            if retry:
-                time.sleep(0.0005)
+                return [self._decide(t, addr) for t, addr in retry if not t.closed]
+        finally:
+            self.rw.release_exclusive()
+
+    def _poll_once(self, jobs: list[tuple], guard_ok: bool) -> bool:
+        """One wait on the tasks' userfaultfds, the guard and the wake pipe, then the faults served;
+        whether the guard is still there."""
+        poller = select.poll()
+        by_fd = {}
+        for t in list(self.tasks.values()):
+            if not t.closed:
+                poller.register(t.fd, select.POLLIN)
+                by_fd[t.fd] = t
+        if guard_ok:
+            poller.register(self.guard.fileno(), select.POLLIN)
+        poller.register(self.wake_r, select.POLLIN)
+        waiting_gate = not self.copying and self.post_restore
+        # copying at a held gate (before CRIU's end of restore): say so at once when all is in, the
+        # restore waits for it (a direct migration: ops/pages.py FilledFirst)
+        held = self.copying and not self.finished
+        if held and not self.told_all_in and self._all_copied():
+            self.told_all_in = True
+            self.write_status("filling")
+        ready = poller.poll(0 if jobs else 10 if waiting_gate or held else 200)
+        t_ready = time.monotonic()
+        if waiting_gate and self.post_restore and os.path.exists(self.post_restore):
+            # CRIU's post-restore: every task restored, every lazy VMA registered, none resumed
+            with self.state:
+                self.copying, self.t_finished = True, time.monotonic()
+                self.counts["early_start"] = 1
+                self.work.notify_all()
+        guard_ok = self._read_ready(ready, by_fd, jobs, guard_ok)
+        if jobs:
+            self._serve(jobs)
+            took = round((time.monotonic() - t_ready) * 1000, 1)  # reading the faults + serving them
+            with self.state:
+                self.counts["fault_max_ms"] = max(self.counts.get("fault_max_ms", 0), took)
+        return guard_ok
+
+    def _read_ready(self, ready: list[tuple[int, int]], by_fd: dict[int, Task], jobs: list[tuple],
+                    guard_ok: bool) -> bool:
+        """The descriptors poll found ready: the wake pipe drained, the guard's messages, the tasks'
+        faults (added to `jobs`); whether the guard is still there."""
+        for fd, _ev in ready:
+            if fd == self.wake_r:
+                try:
+                    os.read(self.wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            elif guard_ok and fd == self.guard.fileno():
+                guard_ok = self._from_guard()
+                if not guard_ok and not self.finished:
+                    with self.state:
+                        self._fail("the guard went away before the restore finished")
+            elif fd in by_fd:
                 self.rw.acquire_exclusive()
                 try:
-                    with self.state:
-                        jobs += [self._decide(t, addr) for t, addr in retry if not t.closed]
+                    jobs += self._read_events(by_fd[fd])
                 finally:
                     self.rw.release_exclusive()
-            poller = select.poll()
-            by_fd = {}
-            for t in list(self.tasks.values()):
-                if not t.closed:
-                    poller.register(t.fd, select.POLLIN)
-                    by_fd[t.fd] = t
-            if guard_ok:
-                poller.register(self.guard.fileno(), select.POLLIN)
-            poller.register(self.wake_r, select.POLLIN)
-            waiting_gate = not self.copying and self.post_restore
-            # copying at a held gate (before CRIU's end of restore): say so at once when all is in, the
-            # restore waits for it (a direct migration: ops/pages.py FilledFirst)
-            held = self.copying and not self.finished
-            if held and not self.told_all_in and self._all_copied():
-                self.told_all_in = True
-                self.write_status("filling")
-            ready = poller.poll(0 if jobs else 10 if waiting_gate or held else 200)
-            t_ready = time.monotonic()
-            if waiting_gate and self.post_restore and os.path.exists(self.post_restore):
-                # CRIU's post-restore: every task restored, every lazy VMA registered, none resumed
-                with self.state:
-                    self.copying, self.t_finished = True, time.monotonic()
-                    self.counts["early_start"] = 1
-                    self.work.notify_all()
-            for fd, _ev in ready:
-                if fd == self.wake_r:
-                    try:
-                        os.read(self.wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                elif guard_ok and fd == self.guard.fileno():
-                    guard_ok = self._from_guard()
-                    if not guard_ok and not self.finished:
-                        with self.state:
-                            self._fail("the guard went away before the restore finished")
-                elif fd in by_fd:
-                    self.rw.acquire_exclusive()
-                    try:
-                        jobs += self._read_events(by_fd[fd])
-                    finally:
-                        self.rw.release_exclusive()
-            if jobs:
-                self._serve(jobs)
-                took = round((time.monotonic() - t_ready) * 1000, 1)  # reading the faults + serving them
-                with self.state:
-                    self.counts["fault_max_ms"] = max(self.counts.get("fault_max_ms", 0), took)
-            if time.monotonic() - self._last_status > STATUS_EVERY_S:
-                self.write_status("filling")
+        return guard_ok
+
+    def _wind_down(self, workers: list[threading.Thread]) -> int:
+        """Workers stopped, descriptors closed, the outcome written and told to the guard."""
         with self.state:
             self.stop = True
             self.work.notify_all()
