@@ -271,56 +271,73 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
                     count += 1
                     if count > MAX_MEMBERS:
                         raise CheckpointInvalid(f"{archive}: more than {MAX_MEMBERS} members; not a checkpoint archive")
-                    parts = member_parts(member.name)
-                    if member.issym() or member.islnk():
-                        raise CheckpointInvalid(f"archive member {member.name!r}: links are refused (a checkpoint "
-                                                f"archive holds plain files and directories; it points at "
-                                                f"{member.linkname!r})")
-                    if member.isdir():
-                        continue
-                    if not member.isreg():
-                        raise CheckpointInvalid(f"archive member {member.name!r}: devices, fifos and other special "
-                                                "files are refused")
-                    if member.issparse():
-                        raise CheckpointInvalid(f"archive member {member.name!r}: sparse members are not supported")
-                    if not parts:
-                        raise CheckpointInvalid(f"archive member {member.name!r}: a file without a name")
-                    top = parts[0]
-                    if top == CHECKPOINT_DIR and len(parts) > 1:
-                        space.take_file(member.size, f"member {member.name!r}", len(parts) - 2)
-                        n = _write_member(tar, member, os.path.join(images_dir, *parts[1:]), raw_fd)
-                        out.images += 1
-                        out.image_bytes += n
-                        out.written += n
-                    elif len(parts) != 1:
-                        out.ignored.append("/".join(parts))
-                    elif top in META:
-                        if top in out.meta:
-                            raise CheckpointInvalid(f"archive member {member.name!r} appears twice")
-                        out.meta[top] = _read_small(tar, member, MAX_META_BYTES)
-                    elif top in (DIFF, engines.DEVSHM_SRC):
-                        space.take_file(member.size, f"member {member.name!r}")  # the conversion takes its own
-                        dest = os.path.join(work_dir, "src-" + top)
-                        if top == DIFF:
-                            out.diff = dest
-                        else:
-                            out.devshm = dest
-                        n = _write_member(tar, member, dest, raw_fd)
-                        out.written += n
-                    elif top in (DUMP_LOG, STATS):
-                        if member.size > MAX_LOG_BYTES:
-                            out.ignored.append(top)
-                            continue
-                        space.take_file(member.size, f"member {member.name!r}")
-                        dest = os.path.join(work_dir, DUMP_LOG) if top == DUMP_LOG else os.path.join(images_dir, STATS)
-                        out.written += _write_member(tar, member, dest, raw_fd)
-                        if top == DUMP_LOG:
-                            out.dump_log = dest
-                    else:
-                        out.ignored.append(top)
+                    parts = _plain_file(member)
+                    if parts:
+                        _extract_member(tar, member, parts, raw_fd, out, images_dir, work_dir, space)
             advance(os.fstat(raw.fileno()).st_size)
     except _stream_errors() as exc:
         raise CheckpointInvalid(f"{archive}: unreadable, truncated or corrupted tar archive ({exc})") from exc
+    _check_extracted(archive, images_dir, out)
+    return out
+
+
+def _plain_file(member: tarfile.TarInfo) -> tuple[str, ...]:
+    """The path parts of a regular file of the archive; () for a directory (skipped); CheckpointInvalid
+    for a link, a special or sparse file, or a file without a name."""
+    parts = member_parts(member.name)
+    if member.issym() or member.islnk():
+        raise CheckpointInvalid(f"archive member {member.name!r}: links are refused (a checkpoint "
+                                f"archive holds plain files and directories; it points at "
+                                f"{member.linkname!r})")
+    if member.isdir():
+        return ()
+    if not member.isreg():
+        raise CheckpointInvalid(f"archive member {member.name!r}: devices, fifos and other special "
+                                "files are refused")
+    if member.issparse():
+        raise CheckpointInvalid(f"archive member {member.name!r}: sparse members are not supported")
+    if not parts:
+        raise CheckpointInvalid(f"archive member {member.name!r}: a file without a name")
+    return parts
+
+
+def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, parts: tuple[str, ...], raw_fd: int | None,
+                    out: Extracted, images_dir: str, work_dir: str, space: _Space) -> None:
+    """One file where it belongs: a CRIU image, the writable layer or /dev/shm (to convert), the dump's
+    log or stats, a metadata file into memory; anything else is noted as ignored."""
+    top = parts[0]
+    if top == CHECKPOINT_DIR and len(parts) > 1:
+        space.take_file(member.size, f"member {member.name!r}", len(parts) - 2)
+        n = _write_member(tar, member, os.path.join(images_dir, *parts[1:]), raw_fd)
+        out.images += 1
+        out.image_bytes += n
+        out.written += n
+    elif len(parts) != 1:
+        out.ignored.append("/".join(parts))
+    elif top in META:
+        if top in out.meta:
+            raise CheckpointInvalid(f"archive member {member.name!r} appears twice")
+        out.meta[top] = _read_small(tar, member, MAX_META_BYTES)
+    elif top in (DIFF, engines.DEVSHM_SRC):
+        space.take_file(member.size, f"member {member.name!r}")  # the conversion takes its own
+        dest = os.path.join(work_dir, "src-" + top)
+        if top == DIFF:
+            out.diff = dest
+        else:
+            out.devshm = dest
+        out.written += _write_member(tar, member, dest, raw_fd)
+    elif top in (DUMP_LOG, STATS) and member.size <= MAX_LOG_BYTES:
+        space.take_file(member.size, f"member {member.name!r}")
+        dest = os.path.join(work_dir, DUMP_LOG) if top == DUMP_LOG else os.path.join(images_dir, STATS)
+        out.written += _write_member(tar, member, dest, raw_fd)
+        if top == DUMP_LOG:
+            out.dump_log = dest
+    else:
+        out.ignored.append(top)
+
+
+def _check_extracted(archive: str, images_dir: str, out: Extracted) -> None:
+    """A checkpoint archive after all: CRIU images with their inventory, and the metadata kubelet writes."""
     if out.images == 0:
         raise CheckpointInvalid(f"{archive} has no {CHECKPOINT_DIR}/ directory with CRIU images: not a checkpoint "
                                 "archive (kubelet checkpoint API / CRI CheckpointContainer, "
@@ -331,7 +348,6 @@ def read_archive(archive: str, images_dir: str, work_dir: str, space: _Space,
     if missing:
         raise CheckpointInvalid(f"{archive} lacks {', '.join(missing)}: not a Kubernetes checkpoint archive "
                                 "(kubelet checkpoint API / CRI CheckpointContainer)")
-    return out
 
 
 def _json(out: Extracted, key: str, kind: type, archive: str, *, strict: bool = True):
@@ -612,17 +628,7 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
     check_mounts(spec_data, archive)
     spec = Bundle("", spec_data)
 
-    cri_dir = os.path.join(staging.path, "cri")
-    space.take(sum(on_disk(len(raw), alloc=space.res.alloc) for raw in ext.meta.values()), "the metadata files (cri/)")
-    os.makedirs(cri_dir, mode=0o700, exist_ok=True)
-    for key, raw in sorted(ext.meta.items()):
-        with open(os.path.join(cri_dir, key), "wb") as fh:
-            fh.write(raw)
-    if ext.dump_log:
-        os.makedirs(os.path.join(staging.path, "logs"), mode=0o700, exist_ok=True)
-        os.replace(ext.dump_log, os.path.join(staging.path, "logs", DUMP_LOG))
-        ext.dump_log = os.path.join(staging.path, "logs", DUMP_LOG)
-
+    _keep_metadata(staging, ext, space)
     t0 = time.monotonic()
     layer = convert_rootfs_diff(ext.diff, deleted_files, staging.path, [m.get("destination", "") for m in spec.mounts],
                                 take=space.take)
@@ -642,39 +648,16 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
         gpu = records.read_image_file(staging.images)
     except ValueError as exc:
         raise CheckpointInvalid(f"{archive}: {exc}") from exc
-    cid = config_dump.get("id") if isinstance(config_dump.get("id"), str) else None
     created = _iso(config_dump.get("checkpointedTime")) or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     fields: dict[str, object] = {
         "created": created,
-        "source": {
-            "container_id": cid,
-            "container_name": config_dump.get("name") if isinstance(config_dump.get("name"), str) else None,
-            "runtime_root": None,
-            "bundle": None,
-            "pid": status.get("Pid") if isinstance(status.get("Pid"), int) else None,
-            "status": None,
-            "image": config_dump.get("rootfsImageName") or config_dump.get("rootfsImage"),
-            "image_ref": config_dump.get("rootfsImageRef"),
-            "runtime": config_dump.get("runtime"),
-            "cri": cri_metadata(spec),
-            "annotations": spec.annotations,
-        },
+        "source": _source(config_dump, status, spec),
         "versions": log_versions(ext.dump_log),
         "options": {**options, "leave_running": None},
         "mounts": [{"destination": m.get("destination"), "type": m.get("type"), "source": m.get("source")}
                    for m in spec.mounts if m.get("destination") not in dropped],
         "rootfs": layer,
-        "imported": {
-            "format": FORMAT,
-            "producer": engine,
-            **({"engine_mounts_dropped": dropped} if dropped else {}),
-            **({"engine_mounts_kept": kept} if kept else {}),
-            "archive": archive,
-            "archive_bytes": size,
-            "imported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "ignored": sorted(set(ext.ignored))[:50],
-            **({"note": note} if note else {}),
-        },
+        "imported": _imported(engine, dropped, kept, archive, size, ext, note),
         "timings": timings,
     }
     if gpu:
@@ -684,6 +667,60 @@ def _import_into(store: Store, staging, archive: str, size: int, progress: Progr
     root_mode = recorded_root_mode(staging.images)
     if root_mode is not None:
         fields["root_mode"] = root_mode
+    return _commit(store, staging, fields, timings, progress, t_start)
+
+
+def _keep_metadata(staging, ext: Extracted, space: _Space) -> None:
+    """The archive's metadata files under cri/ (as they came), CRIU's dump log under logs/."""
+    cri_dir = os.path.join(staging.path, "cri")
+    space.take(sum(on_disk(len(raw), alloc=space.res.alloc) for raw in ext.meta.values()), "the metadata files (cri/)")
+    os.makedirs(cri_dir, mode=0o700, exist_ok=True)
+    for key, raw in sorted(ext.meta.items()):
+        with open(os.path.join(cri_dir, key), "wb") as fh:
+            fh.write(raw)
+    if ext.dump_log:
+        os.makedirs(os.path.join(staging.path, "logs"), mode=0o700, exist_ok=True)
+        os.replace(ext.dump_log, os.path.join(staging.path, "logs", DUMP_LOG))
+        ext.dump_log = os.path.join(staging.path, "logs", DUMP_LOG)
+
+
+def _source(config_dump: dict, status: dict, spec: Bundle) -> dict:
+    """The manifest's `source`: the container as the archive's metadata describes it (no runtime root,
+    bundle or state: it ran on another node)."""
+    return {
+        "container_id": config_dump.get("id") if isinstance(config_dump.get("id"), str) else None,
+        "container_name": config_dump.get("name") if isinstance(config_dump.get("name"), str) else None,
+        "runtime_root": None,
+        "bundle": None,
+        "pid": status.get("Pid") if isinstance(status.get("Pid"), int) else None,
+        "status": None,
+        "image": config_dump.get("rootfsImageName") or config_dump.get("rootfsImage"),
+        "image_ref": config_dump.get("rootfsImageRef"),
+        "runtime": config_dump.get("runtime"),
+        "cri": cri_metadata(spec),
+        "annotations": spec.annotations,
+    }
+
+
+def _imported(engine: str, dropped: list, kept: list, archive: str, size: int, ext: Extracted,
+              note: str | None) -> dict:
+    """The manifest's `imported`: where the checkpoint came from and what the import left out."""
+    return {
+        "format": FORMAT,
+        "producer": engine,
+        **({"engine_mounts_dropped": dropped} if dropped else {}),
+        **({"engine_mounts_kept": kept} if kept else {}),
+        "archive": archive,
+        "archive_bytes": size,
+        "imported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ignored": sorted(set(ext.ignored))[:50],
+        **({"note": note} if note else {}),
+    }
+
+
+def _commit(store: Store, staging, fields: dict, timings: dict[str, float], progress: Progress,
+            t_start: float) -> dict:
+    """The images' survey beside the hashing, the atomic commit, then the last timings written in."""
     record_beside(staging)  # the images' survey for the restore's eager/lazy choice, beside the hashing
     total = staging.payload_bytes()
     progress("phase", name="commit", total_bytes=total)
