@@ -7,6 +7,7 @@ import re
 import shutil
 import stat
 import subprocess
+from typing import TYPE_CHECKING
 
 from migrt import trust
 from migrt.criu.binary import chosen as criu_choice
@@ -26,6 +27,9 @@ from migrt.node.doctor_gpu import gpu_checks
 from migrt.node.doctor_install import install_checks
 from migrt.runtime.lower import configured_value
 from migrt.trust import Untrusted
+
+if TYPE_CHECKING:
+    from migrt.config import Config
 
 
 def _check(name: str, status: str, detail: str, fix: str = "") -> dict:
@@ -56,80 +60,12 @@ def _page_filler_check(cfg, criu_uffd: bool) -> dict:
 
 
 def run_checks() -> list[dict]:
-    from migrt import config
-
-    out: list[dict] = []
-    cfg = None
-    try:
-        cfg = config.load()
-        out.append(_check("config", "ok", f"{cfg.path}" + ("" if cfg.loaded else " (absent: defaults in use)")))
-    except Untrusted as exc:
-        out.append(_check("config", "fail", str(exc), "every migrt command and migrt-runc refuse it until it is fixed"))
-    except MigrtError as exc:
-        out.append(_check("config", "fail", str(exc), "fix the file or point MIGRT_CONFIG at a valid one"))
-    if cfg:
-        out.append(trusted_files_check(cfg))
-    setup = "run packaging/setup-host.sh (builds migrt's own CRIU 4.2 into /opt/migrt/criu)"
-    crit, why = criu_choice(configured_value("criu", cfg.path if cfg else None))
-    if not crit:
-        out.append(_check("criu", "fail", why, setup))
-    else:
-        v = criu_version()
-        ok = parse_version(v) >= MIN_CRIU
-        out.append(_check("criu", "ok" if ok else "fail", f"{crit} version {v} ({why})",
-                          "" if ok else f"CRIU >= {'.'.join(map(str, MIN_CRIU))} is needed on kernel "
-                                        f"{kernel_version()}; {setup}"))
-        try:
-            res = run_query([crit, "check"], 60)  # from a private directory: a relative log-file in CRIU's config
-            text = (res.stdout + res.stderr).strip().splitlines()
-            out.append(_check("criu check", "ok" if res.returncode == 0 else "fail",
-                              text[-1] if text else f"exit {res.returncode}",
-                              "see 'criu check' output; usually a kernel config or missing capability"))
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            out.append(_check("criu check", "fail", str(exc), "run 'criu check' by hand"))
-        uffd = _criu_feature(crit, "uffd-noncoop")
-        out.append(_check("lazy pages (userfaultfd)", "ok" if uffd else "warn",
-                          "available" if uffd else "not available",
-                          "" if uffd else "kernel needs CONFIG_USERFAULTFD; lazy migration is disabled"))
-        from migrt.criu.lazy import lazy_problem
-
-        problem = lazy_problem("source")
-        out.append(_check("lazy migration page server", "warn" if problem else "ok",
-                          problem or "can serve pages (migrt's page server)",
-                          "see docs/migration.md, 'Lazy migration: how the pages travel'" if problem else ""))
-        out.append(_page_filler_check(cfg, uffd))
-        sd = _criu_feature(crit, "mem_dirty_track")
-        out.append(_check("pre-dump (soft-dirty)", "ok" if sd else "warn",
-                          "available" if sd else "not available (CONFIG_MEM_SOFT_DIRTY unset)",
-                          "" if sd else "pre-dump rounds cannot be incremental here; migrations use stop-and-copy "
-                                        "or lazy pages"))
-    runtime = None
-    try:
-        runtime = cfg.runtime_path() if cfg else None
-    except Untrusted as exc:
-        out.append(_check("lower runtime", "fail", str(exc), "migrt-runc refuses to run it until it is fixed"))
-    except MigrtError as exc:
-        out.append(_check("lower runtime", "fail", str(exc), "install runc or set 'runtime:' in the config"))
-    if runtime:
-        rv = runtime_version(runtime)
-        old = os.path.basename(runtime).startswith("runc") and parse_version(rv) < MIN_RUNC
-        out.append(_check("lower runtime", "fail" if old else "ok", f"{runtime} version {rv}",
-                          f"migrt needs runc >= {'.'.join(map(str, MIN_RUNC))}: upgrade the node's runc"
-                          if old else ""))
+    cfg, out = _config_checks()
+    out += _criu_checks(cfg)
+    runtime, runtime_checks = _runtime_checks(cfg)
+    out += runtime_checks
     out += install_checks()
-    ctrd = shutil.which("containerd")
-    if ctrd:
-        try:
-            v = subprocess.run([ctrd, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            v = "?"
-        m = re.search(r"\s(v?\d+\.\d+[.\d]*)", v)
-        old = m is not None and parse_version(m.group(1).lstrip("v")) < MIN_CONTAINERD
-        out.append(_check("containerd", "fail" if old else "ok", v,
-                          f"migrt needs containerd >= {'.'.join(map(str, MIN_CONTAINERD))}" if old else ""))
-        out.append(containerd_handler_check())
-    else:
-        out.append(_check("containerd", "warn", "not found", "needed only for Kubernetes/containerd use"))
+    out += _containerd_checks()
     out.append(_check("iptables", "ok" if shutil.which("iptables") else "warn",
                       shutil.which("iptables") or "not found",
                       "CRIU needs iptables to lock the network of containers with their own netns"))
@@ -140,6 +76,94 @@ def run_checks() -> list[dict]:
         out.append(_store_pages_check(cfg.store))
         out.append(_recovery_check(cfg.store))
     return out
+
+
+def _config_checks() -> tuple[Config | None, list[dict]]:
+    """The node's config (None when it is refused or malformed) and the checks of it and of the files it
+    trusts."""
+    from migrt import config
+
+    try:
+        cfg = config.load()
+    except Untrusted as exc:
+        return None, [_check("config", "fail", str(exc), "every migrt command and migrt-runc refuse it until it is "
+                             "fixed")]
+    except MigrtError as exc:
+        return None, [_check("config", "fail", str(exc), "fix the file or point MIGRT_CONFIG at a valid one")]
+    return cfg, [_check("config", "ok", f"{cfg.path}" + ("" if cfg.loaded else " (absent: defaults in use)")),
+                 trusted_files_check(cfg)]
+
+
+def _criu_checks(cfg: Config | None) -> list[dict]:
+    """Which CRIU, its version and `criu check`, then the kernel features the lazy paths need."""
+    setup = "run packaging/setup-host.sh (builds migrt's own CRIU 4.2 into /opt/migrt/criu)"
+    crit, why = criu_choice(configured_value("criu", cfg.path if cfg else None))
+    if not crit:
+        return [_check("criu", "fail", why, setup)]
+    v = criu_version()
+    ok = parse_version(v) >= MIN_CRIU
+    out = [_check("criu", "ok" if ok else "fail", f"{crit} version {v} ({why})",
+                  "" if ok else f"CRIU >= {'.'.join(map(str, MIN_CRIU))} is needed on kernel "
+                                f"{kernel_version()}; {setup}")]
+    try:
+        res = run_query([crit, "check"], 60)  # from a private directory: a relative log-file in CRIU's config
+        text = (res.stdout + res.stderr).strip().splitlines()
+        out.append(_check("criu check", "ok" if res.returncode == 0 else "fail",
+                          text[-1] if text else f"exit {res.returncode}",
+                          "see 'criu check' output; usually a kernel config or missing capability"))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        out.append(_check("criu check", "fail", str(exc), "run 'criu check' by hand"))
+    uffd = _criu_feature(crit, "uffd-noncoop")
+    out.append(_check("lazy pages (userfaultfd)", "ok" if uffd else "warn",
+                      "available" if uffd else "not available",
+                      "" if uffd else "kernel needs CONFIG_USERFAULTFD; lazy migration is disabled"))
+    from migrt.criu.lazy import lazy_problem
+
+    problem = lazy_problem("source")
+    out.append(_check("lazy migration page server", "warn" if problem else "ok",
+                      problem or "can serve pages (migrt's page server)",
+                      "see docs/migration.md, 'Lazy migration: how the pages travel'" if problem else ""))
+    out.append(_page_filler_check(cfg, uffd))
+    sd = _criu_feature(crit, "mem_dirty_track")
+    out.append(_check("pre-dump (soft-dirty)", "ok" if sd else "warn",
+                      "available" if sd else "not available (CONFIG_MEM_SOFT_DIRTY unset)",
+                      "" if sd else "pre-dump rounds cannot be incremental here; migrations use stop-and-copy "
+                                    "or lazy pages"))
+    return out
+
+
+def _runtime_checks(cfg: Config | None) -> tuple[str | None, list[dict]]:
+    """The lower runtime the config names (None when none is usable) and its check."""
+    try:
+        runtime = cfg.runtime_path() if cfg else None
+    except Untrusted as exc:
+        return None, [_check("lower runtime", "fail", str(exc), "migrt-runc refuses to run it until it is fixed")]
+    except MigrtError as exc:
+        return None, [_check("lower runtime", "fail", str(exc), "install runc or set 'runtime:' in the config")]
+    if not runtime:
+        return None, []
+    rv = runtime_version(runtime)
+    old = os.path.basename(runtime).startswith("runc") and parse_version(rv) < MIN_RUNC
+    return runtime, [_check("lower runtime", "fail" if old else "ok", f"{runtime} version {rv}",
+                            f"migrt needs runc >= {'.'.join(map(str, MIN_RUNC))}: upgrade the node's runc"
+                            if old else "")]
+
+
+def _containerd_checks() -> list[dict]:
+    """containerd's version and migrt's handler in its config (a warning when it is not installed: needed
+    only for Kubernetes)."""
+    ctrd = shutil.which("containerd")
+    if not ctrd:
+        return [_check("containerd", "warn", "not found", "needed only for Kubernetes/containerd use")]
+    try:
+        v = subprocess.run([ctrd, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        v = "?"
+    m = re.search(r"\s(v?\d+\.\d+[.\d]*)", v)
+    old = m is not None and parse_version(m.group(1).lstrip("v")) < MIN_CONTAINERD
+    return [_check("containerd", "fail" if old else "ok", v,
+                   f"migrt needs containerd >= {'.'.join(map(str, MIN_CONTAINERD))}" if old else ""),
+            containerd_handler_check()]
 
 
 def trusted_files_check(cfg) -> dict:
