@@ -87,22 +87,17 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
         _mark("recovered")
         with store.reading(name) as ckpt, journal.recording(store.root, "restore", name=name,
                                                             container=target.container_id, root=target.root) as entry:
-            return _restore_read(cfg, store, ckpt, target, entry, progress)
+            return _Restore(cfg, store, ckpt, target, entry, progress).run()
     except OSError as exc:
         raise MigrtError(f"restore of checkpoint {name} failed: {exc} (the checkpoint is unchanged)") from exc
 
 
-def _restore_read(cfg: Config, store: Store, ckpt, target: RestoreTarget, entry, progress: Progress) -> dict:
-    """A checkpoint read under the store's lock, restored step by step (_Restore)."""
-    return _Restore(cfg, store, ckpt, target, entry, progress).run()
-
-
 class _Restore:
-    """One restore, its steps in the order they run: verify the checkpoint (its large files left to
-    the background), refuse a target it cannot go into, decide how its memory comes in (PagesPlan),
-    prepare the work directory and the checks the gate waits for, apply the rootfs layer, restore
-    through the lower runtime in a view of the images, then the GPU and the memory. Whatever happens,
-    the checks end, a filler of ours is let go and the work directory goes.
+    """One restore of a checkpoint read under the store's lock, its steps in the order they run: verify
+    the checkpoint (its large files left to the background), refuse a target it cannot go into, decide
+    how its memory comes in (PagesPlan), prepare the work directory and the checks the gate waits for,
+    apply the rootfs layer, restore through the lower runtime in a view of the images, then the GPU and
+    the memory. Whatever happens, the checks end, a filler of ours is let go and the work directory goes.
 
     The checks run while the restore prepares and CRIU restores; the restored tree waits at CRIU's
     post-restore for their verdict, and migrt checks it again before anything runs on a GPU
