@@ -697,89 +697,108 @@ def receive(chs: list[Channel], files: dict[str, int], create: Callable[[str, in
     CheckpointInvalid at the first mismatch, TransferError when a stream breaks."""
     dests: dict[str, _Dest] = {}
     mapped = _mapped(len(chs))
-    overlap = _overlap(len(chs))
     try:
         for rel, size in files.items():
             dests[rel] = _Dest(rel, size, create(rel, size), mapped)
         failure = _Failure(chs, receiving=True)
-        got = [0]
-        lock = threading.Lock()
-
-        def verify(dest: _Dest, off: int) -> None:
-            """Called under `lock` once both the computed and the claimed digest may be there."""
-            have, want = dest.computed.get(off), dest.claimed.get(off)
-            if have is not None and want is not None and have != want:
-                raise CheckpointInvalid(f"received file {dest.rel}: sha256 mismatch in the chunk at {off} "
-                                        "(corrupted in transit)")
-
-        def stream(_i: int, ch: Channel) -> None:
-            hasher = _Hasher(overlap, failure)  # pieces that cannot land in a mapping land in its buffers
-            try:
-                _kernel_stall(ch)
-                while True:
-                    msg = ch.recv("chunk", "sum", "end")
-                    if msg["type"] == "end":
-                        return
-                    dest, off = _chunk_of(dests, msg)
-                    if msg["type"] == "sum":
-                        d = _digest(msg, dest.rel)
-                        with lock:
-                            if off in dest.claimed:
-                                raise CheckpointInvalid(f"received file {dest.rel}: two sums for the chunk at {off}")
-                            dest.claimed[off] = d
-                            verify(dest, off)
-                        continue
-                    n = msg.get("size")
-                    with lock:
-                        if off in dest.arrived or not isinstance(n, int) or dest.chunks.get(off) != n:
-                            raise CheckpointInvalid(f"received file {dest.rel}: unexpected chunk at {off} "
-                                                    f"({n!r} bytes)")
-                        dest.arrived.add(off)
-                    h = hashlib.sha256()
-                    done = 0
-                    while done < n:
-                        k = min(PIECE, n - done)
-                        hasher.wait_room()
-                        with io_errors(f"writing {dest.rel}"):
-                            view = mapped_view = dest.view(off + done, k)
-                        if view is None:
-                            view = hasher.buffer()[:k]
-                        with io_errors(f"receiving {dest.rel} from {ch.peer}"):
-                            if _recv_full(ch, view) != k:
-                                raise TransferError(f"{ch.peer} closed a stream in the middle of {dest.rel} "
-                                                    f"(chunk at {off})")
-                        hasher.update(h, view)  # what landed: read back from the mapping, or the bytes written
-                        if mapped_view is None:
-                            with io_errors(f"writing {dest.rel}"):
-                                dest.pwrite(view, off + done)
-                        done += k
-                        with lock:
-                            got[0] += k
-                    d = hasher.digest(h)
-                    with lock:
-                        dest.computed[off] = d
-                        verify(dest, off)
-                    faults.point("receive:file")  # test seam: a receiver killed mid-transfer
-            except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
-                failure.set(exc)
-            finally:
-                hasher.close()  # no hash reads a mapping once the stream is gone
-
-        _run_threads(stream, chs, failure, got, progress, "bulk-recv")
+        receiving = _Receiving(dests, failure, _overlap(len(chs)))
+        _run_threads(receiving.stream, chs, failure, receiving.got, progress, "bulk-recv")
         if failure.error is not None:
             raise failure.error
-        out = {}
-        for rel, dest in dests.items():
-            offs = sorted(dest.chunks)
-            missing = [o for o in offs if o not in dest.computed or o not in dest.claimed]
-            if missing:
-                raise CheckpointInvalid(f"received file {rel}: the chunk at {missing[0]} never arrived "
-                                        "(or without its sum)")
-            out[rel] = fold_chunks([dest.computed[o] for o in offs])
-        return out
+        return _file_digests(dests)
     finally:
         for dest in dests.values():
             dest.close()
+
+
+class _Receiving:
+    """The streams' shared side of one receive: which chunks arrived, their computed and claimed
+    digests (under `lock`), the bytes received so far (`got[0]`, for progress)."""
+
+    def __init__(self, dests: dict[str, _Dest], failure: _Failure, overlap: bool) -> None:
+        self.dests, self.failure, self.overlap = dests, failure, overlap
+        self.got = [0]
+        self.lock = threading.Lock()
+
+    def verify(self, dest: _Dest, off: int) -> None:
+        """Called under `lock` once both the computed and the claimed digest may be there."""
+        have, want = dest.computed.get(off), dest.claimed.get(off)
+        if have is not None and want is not None and have != want:
+            raise CheckpointInvalid(f"received file {dest.rel}: sha256 mismatch in the chunk at {off} "
+                                    "(corrupted in transit)")
+
+    def stream(self, _i: int, ch: Channel) -> None:
+        """One stream's thread: chunks and sums until "end"; its failure set for the calling thread."""
+        hasher = _Hasher(self.overlap, self.failure)  # pieces that cannot land in a mapping land in its buffers
+        try:
+            _kernel_stall(ch)
+            while True:
+                msg = ch.recv("chunk", "sum", "end")
+                if msg["type"] == "end":
+                    return
+                dest, off = _chunk_of(self.dests, msg)
+                if msg["type"] == "sum":
+                    self.claimed(dest, off, _digest(msg, dest.rel))
+                else:
+                    self.chunk(ch, hasher, dest, off, msg.get("size"))
+                    faults.point("receive:file")  # test seam: a receiver killed mid-transfer
+        except BaseException as exc:  # noqa: BLE001 - raised in the calling thread
+            self.failure.set(exc)
+        finally:
+            hasher.close()  # no hash reads a mapping once the stream is gone
+
+    def claimed(self, dest: _Dest, off: int, digest: bytes) -> None:
+        with self.lock:
+            if off in dest.claimed:
+                raise CheckpointInvalid(f"received file {dest.rel}: two sums for the chunk at {off}")
+            dest.claimed[off] = digest
+            self.verify(dest, off)
+
+    def chunk(self, ch: Channel, hasher: _Hasher, dest: _Dest, off: int, n: object) -> None:
+        """A chunk's bytes, piece by piece, where they land (the file's mapping or a buffer written out),
+        each piece hashed from there."""
+        with self.lock:
+            if off in dest.arrived or not isinstance(n, int) or dest.chunks.get(off) != n:
+                raise CheckpointInvalid(f"received file {dest.rel}: unexpected chunk at {off} "
+                                        f"({n!r} bytes)")
+            dest.arrived.add(off)
+        h = hashlib.sha256()
+        done = 0
+        while done < n:
+            k = min(PIECE, n - done)
+            hasher.wait_room()
+            with io_errors(f"writing {dest.rel}"):
+                view = mapped_view = dest.view(off + done, k)
+            if view is None:
+                view = hasher.buffer()[:k]
+            with io_errors(f"receiving {dest.rel} from {ch.peer}"):
+                if _recv_full(ch, view) != k:
+                    raise TransferError(f"{ch.peer} closed a stream in the middle of {dest.rel} "
+                                        f"(chunk at {off})")
+            hasher.update(h, view)  # what landed: read back from the mapping, or the bytes written
+            if mapped_view is None:
+                with io_errors(f"writing {dest.rel}"):
+                    dest.pwrite(view, off + done)
+            done += k
+            with self.lock:
+                self.got[0] += k
+        d = hasher.digest(h)
+        with self.lock:
+            dest.computed[off] = d
+            self.verify(dest, off)
+
+
+def _file_digests(dests: dict[str, _Dest]) -> dict[str, str]:
+    """{rel: manifest digest} folded from each file's chunks, once every chunk came with its sum."""
+    out = {}
+    for rel, dest in dests.items():
+        offs = sorted(dest.chunks)
+        missing = [o for o in offs if o not in dest.computed or o not in dest.claimed]
+        if missing:
+            raise CheckpointInvalid(f"received file {rel}: the chunk at {missing[0]} never arrived "
+                                    "(or without its sum)")
+        out[rel] = fold_chunks([dest.computed[o] for o in offs])
+    return out
 
 
 def _chunk_of(dests: dict[str, _Dest], msg: dict) -> tuple[_Dest, int]:
