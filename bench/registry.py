@@ -29,27 +29,34 @@ or MIGRT_BINDIR). Everything it starts is removed.
 from __future__ import annotations
 
 import argparse
+import base64
+import http.client
 import json
 import os
 import shutil
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.parse
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.common import log, machine, meminfo  # noqa: E402
 from bench.restore_size import Lab, Reader, restored_timings, runc, wait_line  # noqa: E402
-from tests.helpers.registry import local_registry, missing  # noqa: E402
+from tests.helpers.registry import PASSWORD, USER, local_registry, missing  # noqa: E402
 
 BINDIR = os.environ.get("MIGRT_BINDIR", "/usr/local/bin")
 CLI, SHIM = f"{BINDIR}/migrt", f"{BINDIR}/migrt-runc"
 GIB = 1 << 30
+PARALLEL = 4  # registry_parallel's default: the pump gets as many connections as migrt
 DEFAULT_JSON = os.path.join(REPO, "bench", "results", "registry.json")
 
 
@@ -62,6 +69,146 @@ def cli(lab: Lab, *args: str) -> dict:
     if res.returncode != 0:
         raise RuntimeError(f"migrt {' '.join(args)} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
     return json.loads(res.stdout)
+
+
+class Pump:
+    """The raw HTTP pump: plain http.client over TLS, one keep-alive connection per thread, the Basic
+    credentials sent up front, 4 MiB reads and 1 MiB writes (as migrt's client); no digest check, no
+    retries, no deadline: what the registry and the wire give."""
+
+    def __init__(self, reg) -> None:
+        self.host = reg.host
+        self.ctx = ssl.create_default_context(cafile=reg.ca_file)
+        self.auth = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+        self.local = threading.local()
+
+    def request(self, method: str, path: str, body=None, headers: dict | None = None):
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = self.local.conn = http.client.HTTPSConnection(self.host, context=self.ctx, blocksize=1 << 20)
+        conn.request(method, path, body=body, headers={"Authorization": self.auth, **(headers or {})})
+        resp = conn.getresponse()
+        if resp.status >= 300:
+            raise RuntimeError(f"pump: {method} {path} answered {resp.status}")
+        return resp
+
+    def get(self, path: str, dest: str) -> None:
+        resp = self.request("GET", path)
+        view = memoryview(bytearray(4 << 20))
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            while n := resp.readinto(view):
+                os.write(fd, view[:n])
+        finally:
+            os.close(fd)
+
+    def put(self, repo: str, digest: str, src: str) -> None:
+        resp = self.request("POST", f"/v2/{repo}/blobs/uploads/", headers={"Content-Length": "0"})
+        resp.read()
+        loc = urllib.parse.urlsplit(resp.getheader("Location") or "")
+        path = f"{loc.path}?{loc.query + '&' if loc.query else ''}{urllib.parse.urlencode({'digest': digest})}"
+        with open(src, "rb") as fh:
+            self.request("PUT", path, body=fh, headers={"Content-Type": "application/octet-stream",
+                                                        "Content-Length": str(os.path.getsize(src))}).read()
+
+
+def _each(layers: list[dict], parallel: int, fn) -> float:
+    """fn(descriptor) for every layer, `parallel` threads; seconds."""
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        for fut in [pool.submit(fn, d) for d in layers]:
+            fut.result()
+    return time.monotonic() - t0
+
+
+def layers_of(reg, ref: str) -> list[dict]:
+    """The layer descriptors of a pushed image (distinct blobs)."""
+    repo, tag = ref.split("/", 1)[1].rsplit(":", 1)
+    resp = Pump(reg).request("GET", f"/v2/{repo}/manifests/{tag}",
+                             headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    return list({d["digest"]: d for d in json.loads(resp.read())["layers"]}.values())
+
+
+def get_pump(reg, ref: str, layers: list[dict], into: str, parallel: int) -> float:
+    """The raw GET pump: every blob of the image, `parallel` at a time, into files on the store's
+    file system; seconds."""
+    repo = ref.split("/", 1)[1].rsplit(":", 1)[0]
+    os.makedirs(into, exist_ok=True)
+    pump = Pump(reg)
+    return _each(layers, parallel, lambda d: pump.get(f"/v2/{repo}/blobs/{d['digest']}",
+                                                     os.path.join(into, d["digest"].split(":")[1])))
+
+
+def put_pump(reg, repo: str, layers: list[dict], blobs_dir: str, parallel: int) -> float:
+    """The raw PUT pump: every blob's bytes (the files get_pump wrote) uploaded monolithically (POST,
+    then PUT ?digest=), `parallel` at a time, to a repository of their own; seconds."""
+    pump = Pump(reg)
+    return _each(layers, parallel, lambda d: pump.put(repo, d["digest"],
+                                                     os.path.join(blobs_dir, d["digest"].split(":")[1])))
+
+
+def concurrent_pulls(lab: Lab, ref: str, n: int) -> list[float]:
+    """n `migrt pull REF` processes on one store at once (the default name: one download, the
+    others wait for it); the wall time of each."""
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([CLI, "pull", ref, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=lab.env) for _ in range(n)]
+    ends = []
+    for p in procs:
+        out, err = p.communicate(timeout=3600)
+        if p.returncode:
+            raise RuntimeError(f"concurrent pull failed ({p.returncode}): {err.decode()[-1000:]}")
+        ends.append(time.monotonic() - t0)
+        name = json.loads(out)["name"]
+    subprocess.run([CLI, "rm", name], capture_output=True, env=lab.env, timeout=600)
+    return ends
+
+
+def timed_pull(lab: Lab, ref: str, name: str) -> tuple[float, dict]:
+    """One `migrt pull` process, wall time (as concurrent_pulls measures it) and its JSON."""
+    t0 = time.monotonic()
+    out = cli(lab, "pull", ref, "--name", name)
+    return time.monotonic() - t0, out
+
+
+def wire(lab: Lab, reg, name: str, tag: str, scratch: str, parallel: int) -> dict:
+    """push and pull by migrt beside the raw pump (curl GET/PUT of the same blobs, same registry,
+    same parallelism), and four pulls of one image at once against one alone."""
+    ref = reg.ref(f"wire/{tag}", "a")
+    os.sync()  # the checkpoint's pages written back first: the push must not race the kernel's writeback
+    p1 = cli(lab, "push", name, ref)
+    layers = layers_of(reg, ref)
+    raw = sum(d["size"] for d in layers)
+    blobs = os.path.join(scratch, f"pump-{tag}")
+    try:
+        get_s = get_pump(reg, ref, layers, blobs, parallel)
+        put_s = put_pump(reg, f"wire/{tag}-raw", layers, blobs, parallel)
+    finally:
+        shutil.rmtree(blobs, ignore_errors=True)
+    single_s, pl = timed_pull(lab, ref, f"rg-w-{tag}")
+    subprocess.run([CLI, "rm", pl["name"]], capture_output=True, env=lab.env, timeout=600)
+    four = concurrent_pulls(lab, ref, 4)
+    return {"bytes": raw, "blobs": len(layers),
+            "push_mbps": round(raw / 1e6 / p1["seconds"], 1), "pull_mbps": round(raw / 1e6 / pl["seconds"], 1),
+            "get_pump_mbps": round(raw / 1e6 / get_s, 1), "put_pump_mbps": round(raw / 1e6 / put_s, 1),
+            "pull_vs_get_pump": round(get_s / pl["seconds"], 3), "push_vs_put_pump": round(put_s / p1["seconds"], 3),
+            "single_pull_s": round(single_s, 3), "four_pulls_max_s": round(max(four), 3),
+            "four_pulls_ratio": round(max(four) / single_s, 3)}
+
+
+def synthetic(lab: Lab, size_gib: float, tag: str) -> str:
+    """A checkpoint of random pages (no CRIU: what push and pull move is all that is measured)."""
+    from migrt.store import Store
+
+    name = f"rg-syn-{tag}"
+    with Store(lab.store).writer(name) as w:
+        with open(os.path.join(w.images, "inventory.img"), "wb") as fh:
+            fh.write(b"inventory")
+        with open(os.path.join(w.images, "pages-1.img"), "wb") as fh:
+            for _ in range(int(size_gib * 1024)):
+                fh.write(os.urandom(1 << 20))
+        w.commit({"created": "2026-11-27T00:00:00Z"})
+    return name
 
 
 def restore(lab: Lab, request: str, ready: bytes, tag: str) -> tuple[float, dict]:
@@ -77,7 +224,8 @@ def restore(lab: Lab, request: str, ready: bytes, tag: str) -> tuple[float, dict
                                 stdout=out, stderr=out, env=lab.env, timeout=3600).returncode
             seconds = time.monotonic() - t0
         if rc != 0:
-            raise RuntimeError(f"restore of {request} failed ({rc}): {open(out_file, 'rb').read()[-2000:]!r}")
+            with open(out_file, "rb") as fh:
+                raise RuntimeError(f"restore of {request} failed ({rc}): {fh.read()[-2000:]!r}")
         subprocess.run([SHIM, "--root", lab.root, "start", dst], env=lab.env, check=True, timeout=60)
         parts = restored_timings(lab.log_file, dst)
         pid = json.loads(runc(lab, "state", dst).stdout)["pid"]
@@ -141,7 +289,8 @@ def one_run(lab: Lab, reg, size_gib: float, scratch: str) -> dict:
         names = [n for n in names if n not in pulled]
         pl = cli(lab, "pull", ref_a, "--name", f"rg-p-{tag}")
         names.append(pl["name"])
-        return {
+        wired = {f"wire_{k}": v for k, v in wire(lab, reg, a, tag, scratch, PARALLEL).items()}
+        return {**wired,
             "size_gib": size_gib, "checkpoint_bytes": size, "cp_s": round(cp_s, 3),
             "cp_mbps": round(size / 1e6 / cp_s, 1),
             "push_s": p1["seconds"], "push_mbps": round(size / 1e6 / p1["seconds"], 1), "push_sent": p1["bytes_sent"],
@@ -164,11 +313,39 @@ def one_run(lab: Lab, reg, size_gib: float, scratch: str) -> dict:
         shutil.rmtree(bundle, ignore_errors=True)
 
 
+def synthetic_run(lab: Lab, reg, size_gib: float, scratch: str) -> dict:
+    tag = uuid.uuid4().hex[:6]
+    name = synthetic(lab, size_gib, tag)
+    try:
+        size = du(os.path.join(lab.store, name))
+        return {"size_gib": size_gib, "checkpoint_bytes": size,
+                **{f"wire_{k}": v for k, v in wire(lab, reg, name, tag, scratch, PARALLEL).items()}}
+    finally:
+        subprocess.run([CLI, "rm", name], capture_output=True, env=lab.env, timeout=600)
+
+
+def print_wire(rows: list[dict]) -> None:
+    print(f"{'GiB':>4} {'push MB/s':>9} {'PUT pump':>8} {'ratio':>5} {'pull MB/s':>9} {'GET pump':>8} {'ratio':>5} "
+          f"{'1 pull s':>8} {'4 pulls s':>9} {'ratio':>5}")
+    for r in rows:
+        if "skipped" in r or "wire_push_mbps" not in r:
+            continue
+        print(f"{r['size_gib']:>4g} {r['wire_push_mbps']:>9.0f} {r['wire_put_pump_mbps']:>8.0f} "
+              f"{r['wire_push_vs_put_pump']:>5.2f} {r['wire_pull_mbps']:>9.0f} {r['wire_get_pump_mbps']:>8.0f} "
+              f"{r['wire_pull_vs_get_pump']:>5.2f} {r['wire_single_pull_s']:>8.2f} {r['wire_four_pulls_max_s']:>9.2f} "
+              f"{r['wire_four_pulls_ratio']:>5.2f}")
+    print("raw pump: plain http.client GET/PUT of the same blobs, same registry, same connections (4); "
+          "ratio = migrt / pump; "
+          "4 pulls: the slowest of four `migrt pull` processes of one image on one store / one alone")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1,4,8", help="comma-separated GiB (default 1,4,8)")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--shm", action="store_true", help="store on /dev/shm (needs ~4x the size in memory)")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="random checkpoints, no CRIU: push/pull beside the raw pump and 4 concurrent pulls only")
     ap.add_argument("--json-out", default=DEFAULT_JSON)
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -202,7 +379,7 @@ def main() -> int:
                 samples = []
                 for i in range(args.runs):
                     log(f"{size:g} GiB run {i + 1}/{args.runs} ...")
-                    r = one_run(lab, reg, size, base)
+                    r = synthetic_run(lab, reg, size, base) if args.synthetic else one_run(lab, reg, size, base)
                     log("  " + json.dumps(r))
                     samples.append(r)
                 row = {"size_gib": size, "runs": samples}
@@ -215,6 +392,22 @@ def main() -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     info["loadavg_end"] = os.getloadavg()[0]
+    print_wire(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+    with open(args.json_out, "w") as fh:
+        json.dump({"machine": info, "runs": args.runs, "rows": rows}, fh, indent=2)
+    done = [r for r in rows if "skipped" not in r]
+    if done:
+        big = done[-1]
+        print(f"registry_wire gb={big['size_gib']:g} push_vs_put_pump={big['wire_push_vs_put_pump']:.2f} "
+              f"pull_vs_get_pump={big['wire_pull_vs_get_pump']:.2f} "
+              f"four_pulls_ratio={big['wire_four_pulls_ratio']:.2f}")
+    if not args.synthetic:
+        print_restores(rows, args.runs)
+    return 0
+
+
+def print_restores(rows: list[dict], runs: int) -> None:
     print(f"{'GiB':>4} {'ckpt GB':>8} {'cp MB/s':>8} {'push MB/s':>9} {'pull MB/s':>9} {'2nd push %':>10} "
           f"{'changed %':>9} {'local restore s':>15} {'pull+restore s':>14} {'ratio':>6}")
     for r in rows:
@@ -224,10 +417,7 @@ def main() -> int:
         print(f"{r['size_gib']:>4g} {r['checkpoint_bytes'] / 1e9:>8.3f} {r['cp_mbps']:>8.0f} {r['push_mbps']:>9.0f} "
               f"{r['pull_mbps']:>9.0f} {r['push_unchanged_pct']:>10.3f} {r['push_changed_pct']:>9.2f} "
               f"{r['restore_local_s']:>15.2f} {r['pull_restore_s']:>14.2f} {r['pull_restore_ratio']:>6.2f}")
-    print(f"medians of {args.runs} run(s); every restore re-hashed the process memory to memhog's checksum")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-    with open(args.json_out, "w") as fh:
-        json.dump({"machine": info, "runs": args.runs, "rows": rows}, fh, indent=2)
+    print(f"medians of {runs} run(s); every restore re-hashed the process memory to memhog's checksum")
     done = [r for r in rows if "skipped" not in r]
     if done:
         big = done[-1]
