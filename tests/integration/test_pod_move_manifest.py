@@ -27,15 +27,25 @@ def nodes(cri_stack, cri_stubs, tmp_path_factory):
         yield n
 
 
-def _run(node, pod: dict, workload: str) -> tuple[str, str]:
-    """The pod of a manifest on `node`, as kubelet makes it: (pod id, id of its started container app)."""
+def _run_all(node, pod: dict, workload: str) -> tuple[str, dict[str, str]]:
+    """The pod of a manifest on `node`, as kubelet makes it, each container a hashticker started in turn:
+    (pod id, {container name: container id})."""
     meta, spec = pod["metadata"], pod["spec"]
     pid = node.cri.run_pod(meta["name"], meta["namespace"], hostname=spec.get("hostname"),
                            annotations=meta.get("annotations"), labels=meta.get("labels"))
-    cid = node.cri.create_container(pid, "app", node.ctd.image, [f"{BIN_DEST}/hashticker", str(DATA_MIB)],
-                                    mounts=[(workload, BIN_DEST)])
-    node.cri.start(cid)
-    return pid, cid
+    cids = {}
+    for c in spec["containers"]:
+        cids[c["name"]] = node.cri.create_container(pid, c["name"], node.ctd.image,
+                                                    [f"{BIN_DEST}/hashticker", str(DATA_MIB)],
+                                                    mounts=[(workload, BIN_DEST)])
+        node.cri.start(cids[c["name"]])
+    return pid, cids
+
+
+def _run(node, pod: dict, workload: str) -> tuple[str, str]:
+    """(pod id, id of its container app)."""
+    pid, cids = _run_all(node, pod, workload)
+    return pid, cids["app"]
 
 
 def _as_listed(pod: dict, host_ip: str, owner: dict | None = None) -> dict:
@@ -115,3 +125,42 @@ def test_statefulset_second_pull_on_the_same_node(clean, bin_dir):  # noqa: F811
     assert _hostname(b, fcid) == "web-0"
     b.cri.delete_pod(mpod)
     assert b.cri.state_name(fcid) == "CONTAINER_RUNNING"
+
+
+def _duo(name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "team-a", "annotations": {"migrt.io/migratable": "true"}},
+            "spec": {"nodeName": "node-a", "runtimeClassName": "migrt",
+                     "containers": [{"name": "app", "image": "hashticker"}, {"name": "side", "image": "hashticker"}]}}
+
+
+def test_two_containers_separate_cuts_each_pulls_its_namesake(clean, bin_dir):  # noqa: F811
+    """--separate-cuts writes <agent>/<ns>/<pod>: every container of the copy pulls its namesake (each
+    frozen on its own), and both go on with their next tick."""
+    a, b = clean["a"], clean["b"]
+    src = _duo("duo-cuts")
+    _, scids = _run_all(a, src, bin_dir)
+    for cid in scids.values():
+        _wait_ticks(a, cid, 3)
+    moved = mm.move(_as_listed(src, ADDR_A), mm.MoveOptions(to_node="node-b", separate_cuts=True))
+    assert moved.migrate_from == f"{ADDR_A}/team-a/duo-cuts" and moved.containers == ["app", "side"]
+    _, tcids = _run_all(b, moved.pod, bin_dir)
+    for name, cid in scids.items():
+        a.cri.wait_state(cid, "CONTAINER_EXITED", timeout=60)
+        assert_continues(_ticks(a, cid), _wait_ticks(b, tcids[name], 2))
+
+
+def test_two_containers_one_named_pulls_and_the_other_starts_fresh(clean, bin_dir):  # noqa: F811
+    """--container app writes <agent>/<ns>/<pod>/app: app pulls, side starts fresh on the target and its
+    namesake on the source runs on (the operator deletes the source pod afterwards)."""
+    a, b = clean["a"], clean["b"]
+    src = _duo("duo-one")
+    _, scids = _run_all(a, src, bin_dir)
+    _wait_ticks(a, scids["app"], 3)
+    moved = mm.move(_as_listed(src, ADDR_A), mm.MoveOptions(to_node="node-b", container="app"))
+    assert moved.migrate_from == f"{ADDR_A}/team-a/duo-one/app"
+    _, tcids = _run_all(b, moved.pod, bin_dir)
+    a.cri.wait_state(scids["app"], "CONTAINER_EXITED", timeout=60)
+    assert_continues(_ticks(a, scids["app"]), _wait_ticks(b, tcids["app"], 2))
+    assert _wait_ticks(b, tcids["side"], 1)[0][0] == 1  # a fresh start
+    assert a.cri.state_name(scids["side"]) == "CONTAINER_RUNNING"
