@@ -505,15 +505,25 @@ class _Run:
         """Post-copy: CRIU dumps everything but the memory (its lazy dump), which stays in the frozen
         source; migrt's page server (pageserve.py) then serves it to the target's page filler over
         several streams while the target already runs."""
-        req, ch, source = self.req, self.ch, self.source
         mode = self.result["mode"]  # lazy, or direct: the target runs only once every page is in
-        failed = f"{mode} migration of {req.container_id} to {req.to} failed"
+        failed = f"{mode} migration of {self.req.container_id} to {self.req.to} failed"
+        self._check_lazy_target(mode)
+        files, server = self._lazy_dump(failed)
+        self._lazy_restore(mode, failed, files, server)
+
+    def _check_lazy_target(self, mode: str) -> None:
+        """The target restores at once and fetches pages from migrt's page server."""
         if not self.ready.get("restore"):
             raise UsageError(f"{mode} migration needs a target that restores at once; start 'migrt receive' on "
-                             f"{req.to} with --restore BUNDLE")
+                             f"{self.req.to} with --restore BUNDLE")
         if "migrt-pages/1" not in (self.ready.get("pages") or []):
-            raise UsageError(f"the receiver on {req.to} fetches lazy pages with CRIU's daemon (an older migrt): "
+            raise UsageError(f"the receiver on {self.req.to} fetches lazy pages with CRIU's daemon (an older migrt): "
                              "upgrade migrt there, or migrate without --lazy")
+
+    def _lazy_dump(self, failed: str) -> tuple[dict, pageserve.Handle]:
+        """The page server started, the GPU suspended, the container frozen, CRIU's lazy dump, the
+        images (all but the memory) sent; on a failure the target is told and the source rolled back."""
+        req, ch, source = self.req, self.ch, self.source
         self.progress("phase", name="dump", container=req.container_id)
         self.t_freeze = time.monotonic()
         dump = server = None
@@ -532,20 +542,7 @@ class _Run:
                 dump = control.LazyCheckpoint(source.runtime, source.root, req.container_id,
                                               image_path=self.staging.images, work_path=self.staging.work,
                                               options=self.opts, page_server=crit, env=source.gpu.env())
-                dump.wait_ready(LAZY_READY_TIMEOUT)
-                marks["criu_dump_s"] = time.monotonic()
-                dump.finish(LAZY_READY_TIMEOUT)
-                marks["criu_end_s"] = time.monotonic()
-                source.serving(None)
-                self._serve_pages(server)
-                marks["page_server_s"] = time.monotonic()
-                self._timed("dump", self.t_freeze)
-                prev, detail = self.t_freeze, {}
-                for k, t in marks.items():  # where the dump's downtime goes, step by step
-                    detail[k], prev = round(t - prev, 3), t
-                self.result["lazy_dump"] = detail
-                source.gpu.write(self.staging.images, self.fields, self.phases)
-                self._dump_extras()
+                self._lazy_dump_done(dump, server, marks)
             files = self._send_all(release=False, streams=1)  # a few hundred KB: no more connections
         except MigrtError as exc:
             ch.error(f"source aborted: {exc}", exc.exit_code)
@@ -556,6 +553,31 @@ class _Run:
             _stop(dump, server)
             source.rollback()
             raise
+        return files, server
+
+    def _lazy_dump_done(self, dump: control.LazyCheckpoint, server: pageserve.Handle,
+                        marks: dict[str, float]) -> None:
+        """CRIU's lazy dump to its end, the memory then served by migrt's page server; where the downtime
+        went, step by step; the GPU record and the dump's extras into the staging directory."""
+        dump.wait_ready(LAZY_READY_TIMEOUT)
+        marks["criu_dump_s"] = time.monotonic()
+        dump.finish(LAZY_READY_TIMEOUT)
+        marks["criu_end_s"] = time.monotonic()
+        self.source.serving(None)
+        self._serve_pages(server)
+        marks["page_server_s"] = time.monotonic()
+        self._timed("dump", self.t_freeze)
+        prev, detail = self.t_freeze, {}
+        for k, t in marks.items():  # where the dump's downtime goes, step by step
+            detail[k], prev = round(t - prev, 3), t
+        self.result["lazy_dump"] = detail
+        self.source.gpu.write(self.staging.images, self.fields, self.phases)
+        self._dump_extras()
+
+    def _lazy_restore(self, mode: str, failed: str, files: dict, server: pageserve.Handle) -> None:
+        """The commit sent with the page server's port; the target restores and runs (direct: once every
+        page is in), its pages keep coming until it says done; then the source is destroyed."""
+        req, ch, source = self.req, self.ch, self.source
         self.progress("phase", name="restore", target=self.ready.get("container_id"))
         t0 = time.monotonic()
         self._hand_over()
