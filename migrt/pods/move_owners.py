@@ -140,7 +140,17 @@ def _job(ref: dict, labels: dict, name: str, drop: tuple[str, ...]) -> Plan:
 
 
 def steps(p: Plan, n: Names, labels: dict, job_uid: str | None) -> list[str]:
-    """The operator's steps, commands included, for the plan `p` of a move named by `n`."""
+    """The operator's steps, commands included, for the plan `p` of a move named by `n`; once the copy
+    runs, its pull request goes (a restart of its container would pull again from a source that is gone)."""
+    out = _owner_steps(p, n, labels, job_uid)
+    at = next(i for i, s in enumerate(out) if f" create -f {n.file};" in s)
+    out.insert(at + 1, f"kubectl -n {n.ns} annotate pod {n.target} migrt.io/migrate-from-   (once it runs: a "
+                       "restart of its container would pull again, from a source that is gone, and fail; kubelet "
+                       "sends the pod's current annotations with each CreateContainer)")
+    return out
+
+
+def _owner_steps(p: Plan, n: Names, labels: dict, job_uid: str | None) -> list[str]:
     k = f"kubectl -n {n.ns}"
     create = (f"{k} create -f {n.file}; {k} wait --for=condition=Ready pod/{n.target} --timeout=5m   "
               f"(the pull: the source freezes once, the copy runs on {n.to_node}; the source's container ends, "

@@ -164,3 +164,32 @@ def test_two_containers_one_named_pulls_and_the_other_starts_fresh(clean, bin_di
     assert_continues(_ticks(a, scids["app"]), _wait_ticks(b, tcids["app"], 2))
     assert _wait_ticks(b, tcids["side"], 1)[0][0] == 1  # a fresh start
     assert a.cri.state_name(scids["side"]) == "CONTAINER_RUNNING"
+
+
+def test_a_restart_of_the_copy_pulls_again_unless_the_annotation_is_gone(clean, bin_dir):  # noqa: F811
+    """After the move the copy keeps migrt.io/migrate-from: a restart of its container (kubelet's
+    RemoveContainer + CreateContainer in the same sandbox) pulls again, from a source that is gone, and
+    fails. With the annotation removed from the sandbox config the CreateContainer request carries (what
+    kubelet sends once `kubectl annotate pod COPY migrt.io/migrate-from-` is done: on paper, no kubelet
+    here), containerd passes none to the bundle and the container starts fresh."""
+    a, b = clean["a"], clean["b"]
+    src = {**SOURCE, "metadata": {**SOURCE["metadata"], "name": "solo"}, "spec": {**SOURCE["spec"], "hostname": None}}
+    spod, scid = _run(a, src, bin_dir)
+    _wait_ticks(a, scid, 3)
+    moved = mm.move(_as_listed(src, ADDR_A), mm.MoveOptions(to_node="node-b"))
+    tpod, tcid = _run(b, moved.pod, bin_dir)
+    a.cri.wait_state(scid, "CONTAINER_EXITED", timeout=60)
+    a.cri.delete_pod(spod)
+    b.cri.stop(tcid, timeout=0)
+    b.cri.remove(tcid)
+    again = b.cri.create_container(tpod, "app", b.ctd.image, [f"{BIN_DEST}/hashticker", str(DATA_MIB)],
+                                   mounts=[(bin_dir, BIN_DEST)], log_path="app/1.log")  # kubelet: attempt 1
+    with pytest.raises(CriError) as info:
+        b.cri.start(again)
+    assert f"pull of container app of pod team-a/solo from {ADDR_A}:7070 failed" in info.value.details
+    b.cri.remove(again)
+    del b.cri.pods[tpod].config.annotations["migrt.io/migrate-from"]
+    fresh = b.cri.create_container(tpod, "app", b.ctd.image, [f"{BIN_DEST}/hashticker", str(DATA_MIB)],
+                                   mounts=[(bin_dir, BIN_DEST)], log_path="app/2.log")
+    b.cri.start(fresh)
+    assert _wait_ticks(b, fresh, 1)[0][0] == 1  # a fresh start

@@ -75,6 +75,7 @@ def test_deployment_copy_leaves_the_replicaset_selector_and_is_pinned_and_pulls(
     steps = "\n".join(m.plan.steps)
     assert "scale deployment web" in steps and "pod-deletion-cost=-2147483648" in steps
     assert "label pod web-7d9f8b6c5-abcde-moved pod-template-hash=7d9f8b6c5" in steps  # the hand-back
+    assert m.plan.steps[1].startswith("kubectl -n team-a annotate pod web-7d9f8b6c5-abcde-moved migrt.io/migrate-from-")
 
 
 def test_server_and_controller_fields_are_stripped():
@@ -154,7 +155,7 @@ def test_bare_replicaset_needs_a_selector_label_and_drops_it():
     with pytest.raises(MoveRefused, match="--drop-label"):
         _move(pod)
     m = _move(pod, drop_labels=("tier",))
-    assert m.pod["metadata"]["labels"] == {"app": "cache"} and "scale rs cache" in m.plan.steps[1]
+    assert m.pod["metadata"]["labels"] == {"app": "cache"} and "scale rs cache" in m.plan.steps[2]
 
 
 @pytest.mark.parametrize("kind,words", [("DaemonSet", "every node"), ("Node", "static pod")])
@@ -300,7 +301,7 @@ def test_cli_json_report_for_scripts():
     assert data["pod"]["metadata"]["name"] == "web-0-moving" and data["owner"] == {"kind": "StatefulSet", "name": "web"}
     assert data["source"] == "team-a/web-0" and data["target"] == "team-a/web-0-moving"
     assert data["migrate_from"] == "10.0.0.5/team-a/web-0/app" and data["containers"] == ["app"]
-    assert len(data["steps"]) == 4 and data["warnings"]
+    assert len(data["steps"]) == 5 and data["warnings"]
 
 
 def test_cli_errors_are_one_line_with_exit_code_and_json():
