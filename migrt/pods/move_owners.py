@@ -221,12 +221,12 @@ def _job_steps(p: Plan, n: Names, k: str, create: str, job_uid: str | None) -> l
         "and nothing counts it failed; suspend a CronJob that owns the Job first)",
         create + "; no Job selects the copy (its controller-uid labels and tracking finalizer dropped)",
         f"{k} delete pod {n.source}",
-        f"the copy runs to its end as a pod of its own: {k} wait --for=jsonpath='{{.status.phase}}'=Succeeded "
-        f"pod/{n.target}",
-        f"optional, for a Job of one pod (completions 1): {k} label pod {n.target} "
+        f"optional, while the copy runs, for a Job of one pod (completions 1): {k} label pod {n.target} "
         + " ".join(f"{lb}={uid}" for lb in JOB_UID_LABELS)
         + f"; recreate the Job from {p.owner}.yaml without status, uid, resourceVersion, creationTimestamp and "
         f"with spec.manualSelector: true (its selector and template keep controller-uid {uid}): it adopts the "
         "running copy (ownerReference, tracking finalizer), counts one active pod, creates none, and completes "
         "when the copy succeeds; with more completions it starts counting from 0 and redoes finished work",
+        f"the copy runs to its end (as the recreated Job's pod, or as a pod of its own): {k} wait "
+        f"--for=jsonpath='{{.status.phase}}'=Succeeded pod/{n.target}",
     ]
