@@ -51,7 +51,7 @@ from migrt.runtime.markers import marker_path
 from migrt.runtime.runc import LowerRuntime, candidate_roots
 from migrt.store import Store
 from migrt.store import manifest as mf
-from migrt.store.importer import check_relpath, importing
+from migrt.store.importer import Import, check_relpath, importing
 
 PAGES_PROTOCOL = "migrt-pages/1"  # lazy pages from migrt's page server (pageserve.py, pagefill/remote.py)
 
@@ -272,46 +272,9 @@ class Receiver:
             ch.send({"type": "ready", "restore": bool(self.opts.restore_bundle), "container_id": restore_id,
                      "pages": [PAGES_PROTOCOL], "bulk": streams.offer(),
                      **({"gpu": out["gpu"]} if out.get("gpu") is not None else {})})
-            while True:
-                msg = ch.recv("file", "commit", "bulk")
-                if msg["type"] == "commit":
-                    break
-                if msg["type"] == "bulk":  # every file at once, over several streams (migration/bulk.py)
-                    out["bytes"] += bulk.receive_import(ch, msg, imp, streams)
-                    out["streams"] = msg.get("streams")
-                    continue
-                rel, size = msg.get("path"), msg.get("size")
-                if not isinstance(size, int) or size < 0:
-                    raise UsageError(f"file {rel!r} announced with an invalid size")
-                rel = check_relpath(rel)
-                with imp.open(rel) as fd:
-                    digest = ch.recv_file(fd, size)
-                imp.record(rel, size, digest)
-                out["bytes"] += size
-                faults.point("receive:file")  # test seam: a receiver killed mid-transfer
+            msg = self._take_files(ch, imp, streams, out)
             out["timings"]["receive_s"] = round(time.monotonic() - t0, 3)
-            manifest = msg.get("manifest") or {}
-            fields = dict(manifest)
-            fields["migration"] = {"from": ch.peer, "mode": mode, "received_at": _utc(time.time()),
-                                   "source_container": offer.get("container_id")}
-            fill = None
-            if mode in PAGE_MODES:
-                assert restore_id is not None  # the page modes need --restore (checked at the offer)
-                spec = self._page_source(msg, ch)
-                fields["lazy"] = {"pages": "on the source's page server", "address": spec["address"],
-                                  "port": spec["port"]}
-                imp.verify(manifest.get("files"))  # CRIU never reads an unverified image
-                fill = self._start_filler(imp.images, spec, restore_id, first=mode == "direct")
-                guard.arm({"do": "remove", "remove": [imp.path], "pids": [fill.proc.pid]})
-            t1 = time.monotonic()
-            try:
-                with ch.busy("commit"):
-                    imp.commit(fields, manifest.get("files"), durable=mode not in PAGE_MODES)
-            except BaseException:
-                if fill:
-                    _stop_fill(fill)
-                raise
-            out["timings"]["commit_s"] = round(time.monotonic() - t1, 3)
+            fill = self._commit(ch, imp, msg, offer, mode, restore_id, guard, out)
         out["committed"] = True
         if fill:
             assert restore_id is not None  # a filler runs in the page modes, which need --restore
@@ -333,6 +296,61 @@ class Receiver:
             return
         if not self.opts.restore_bundle or restore_id is None:  # (an id is checked with --restore)
             raise UsageError("this receiver was not started with --restore")
+        self._restore_committed(ch, name, restore_id, guard, decided, out)
+
+    def _take_files(self, ch: Channel, imp: Import, streams: bulk.Listener, out: dict) -> dict:
+        """The files, one by one on the connection or all at once over the bulk streams, until the
+        sender's commit (returned)."""
+        while True:
+            msg = ch.recv("file", "commit", "bulk")
+            if msg["type"] == "commit":
+                return msg
+            if msg["type"] == "bulk":  # every file at once, over several streams (migration/bulk.py)
+                out["bytes"] += bulk.receive_import(ch, msg, imp, streams)
+                out["streams"] = msg.get("streams")
+                continue
+            rel, size = msg.get("path"), msg.get("size")
+            if not isinstance(size, int) or size < 0:
+                raise UsageError(f"file {rel!r} announced with an invalid size")
+            rel = check_relpath(rel)
+            with imp.open(rel) as fd:
+                digest = ch.recv_file(fd, size)
+            imp.record(rel, size, digest)
+            out["bytes"] += size
+            faults.point("receive:file")  # test seam: a receiver killed mid-transfer
+
+    def _commit(self, ch: Channel, imp: Import, msg: dict, offer: dict, mode: str, restore_id: str | None,
+                guard: Guard, out: dict) -> PageFill | None:
+        """The sender's manifest with where the checkpoint came from, committed; in the page modes the
+        images verified first and the page filler started (returned; None otherwise)."""
+        manifest = msg.get("manifest") or {}
+        fields = dict(manifest)
+        fields["migration"] = {"from": ch.peer, "mode": mode, "received_at": _utc(time.time()),
+                               "source_container": offer.get("container_id")}
+        fill = None
+        if mode in PAGE_MODES:
+            assert restore_id is not None  # the page modes need --restore (checked at the offer)
+            spec = self._page_source(msg, ch)
+            fields["lazy"] = {"pages": "on the source's page server", "address": spec["address"],
+                              "port": spec["port"]}
+            imp.verify(manifest.get("files"))  # CRIU never reads an unverified image
+            fill = self._start_filler(imp.images, spec, restore_id, first=mode == "direct")
+            guard.arm({"do": "remove", "remove": [imp.path], "pids": [fill.proc.pid]})
+        t1 = time.monotonic()
+        try:
+            with ch.busy("commit"):
+                imp.commit(fields, manifest.get("files"), durable=mode not in PAGE_MODES)
+        except BaseException:
+            if fill:
+                _stop_fill(fill)
+            raise
+        out["timings"]["commit_s"] = round(time.monotonic() - t1, 3)
+        return fill
+
+    def _restore_committed(self, ch: Channel, name: str, restore_id: str, guard: Guard, decided: threading.Event,
+                           out: dict) -> None:
+        """The sender's `restore` of the committed checkpoint; a failed restore of a GPU container removes
+        it (the source resumes on its own GPU); once it runs, the sender told and its bye awaited."""
         with ch.busy("restore"):
             try:
                 res = self._restore(name, restore_id, guard)

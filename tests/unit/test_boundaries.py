@@ -201,3 +201,25 @@ def test_no_module_uses_another_modules_private_names():
                            "from migrt.node import containerd_config as cc\nfrom migrt import __version__\n"
                            "cc._has_glob('x'); cc.has_glob('y'); self._x\n") == [
         "1: migrt.store.fsutil._hash_range", "4: cc._has_glob"]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`name:line (n lines)` of every function or method longer than `limit` lines, from its `def` to
+    its last line (docstring and comments included)."""
+    return [f"{n.name}:{n.lineno} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno is not None
+            and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_no_function_in_migrt_is_over_80_lines():
+    """Issue 28's target: a function reads in one sitting; a longer one becomes named steps."""
+    bad = [f"{path.relative_to(PKG)}:{hit}" for path in sorted(PKG.rglob("*.py"))
+           for hit in long_functions(path.read_text())]
+    assert not bad, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n" + "\n".join(bad)
+    body = "".join(f"    x{i} = {i}\n" for i in range(79))  # with its def: 80 lines, the most allowed
+    method = "".join("    " + line + "\n" for line in body.splitlines())
+    assert long_functions(f"def ok():\n{body}class C:\n    def long(self):\n{method}        pass\n") == [
+        "long:82 (81 lines)"]
