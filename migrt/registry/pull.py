@@ -142,7 +142,7 @@ def _layer_bytes(manifest: dict) -> int:
 def _present(store: Store, name: str, manifest_digest: str) -> str | None:
     """name, if the store holds it as pulled from that manifest digest."""
     try:
-        pulled = store.get(name).manifest.get("pulled") or {}
+        pulled = store.get(name).manifest.pulled or {}
     except MigrtError:
         return None
     return name if pulled.get("manifest_digest") == manifest_digest else None
@@ -323,7 +323,7 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
             client.deadline.allow(layer["size"])
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                _allocate(fd, layer["size"])
+                os.ftruncate(fd, layer["size"])  # (sparse: ranges land anywhere; a full store fails a write)
             finally:
                 os.close(fd)
             progress("phase", name="download", total_bytes=layer["size"])

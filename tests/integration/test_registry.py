@@ -313,7 +313,8 @@ def test_push_resumes_after_a_cut(pushed, registry, migrt_config, monkeypatch):
 
 @pytest.fixture(scope="module")
 def big(registry, migrt_config):
-    """A 320 MiB checkpoint (random pages: five 64 MiB blobs) pushed to a repository of its own."""
+    """A 212 MiB checkpoint (random pages: three 64 MiB blobs and one of 20 MiB) pushed to a
+    repository of its own."""
     from migrt.store import Store
 
     name = "big-random"
@@ -321,7 +322,7 @@ def big(registry, migrt_config):
         with open(os.path.join(w.images, "inventory.img"), "wb") as fh:
             fh.write(b"inventory")
         with open(os.path.join(w.images, "pages-1.img"), "wb") as fh:
-            for _ in range(320):
+            for _ in range(212):
                 fh.write(os.urandom(1 << 20))
         w.commit({"created": "2026-11-27T00:00:00Z"})
     ref = registry.ref("team/big", "v1")
@@ -376,7 +377,7 @@ def test_four_pulls_of_one_image_share_one_download(big, registry, migrt_config)
 
 
 def test_a_small_image_is_pulled_in_parallel_ranges(big, registry, migrt_config):
-    """Five 64 MiB blobs for four connections: cut into 16 MiB ranges (the distribution server serves
+    """Three 64 MiB blobs for four connections: cut into 16 MiB ranges (the distribution server serves
     them), every range verified as part of its blob's digest; each blob's bytes served once."""
     before = _served(registry.log, "team/big")
     out = json.loads(run_cli("pull", big["ref"], "--name", "big-ranges", "--json").stdout)
