@@ -54,10 +54,9 @@ def _summary(ckpt) -> dict:
         m = ckpt.manifest
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint is still listed, with its problem
         return {"name": ckpt.name, "error": str(exc)}
-    src = m.get("source", {})
     return {
-        "name": ckpt.name, "created": m.get("created"), "container_id": src.get("container_id"),
-        "cri": src.get("cri", {}), "size_bytes": m.get("size_bytes"), "gpu": bool(m.get("gpu")),
+        "name": ckpt.name, "created": m.created, "container_id": m.source.container_id,
+        "cri": m.source.cri_fields, "size_bytes": m.size_bytes, "gpu": m.gpu is not None,
     }
 
 
@@ -105,30 +104,30 @@ def inspect(name, verify, as_json):
     with Store(cfg.store).reading(name) as ckpt:  # shared: restores and other readers go on
         m = ckpt.manifest
         img = inspect_images(ckpt.images)
-        result: dict[str, object] = {"manifest": m, "images": img, "verified": None}
+        result: dict[str, object] = {"manifest": m.raw, "images": img, "verified": None}
         if verify:
             ckpt.verify()
             result["verified"] = True
     if as_json:
         emit_json(result)
         return
-    src = m.get("source", {})
-    click.echo(f"name:       {m['name']}")
-    click.echo(f"created:    {m.get('created')}")
-    root = f" (root {src['runtime_root']})" if src.get("runtime_root") else ""
-    click.echo(f"container:  {src.get('container_id') or '-'}{root}")
-    if src.get("cri"):
-        click.echo("pod:        " + ", ".join(f"{k}={v}" for k, v in sorted(src["cri"].items())))
-    imported, pulled = m.get("imported") or {}, m.get("pulled") or {}
+    src = m.source
+    click.echo(f"name:       {m.name}")
+    click.echo(f"created:    {m.created}")
+    root = f" (root {src.runtime_root})" if src.runtime_root else ""
+    click.echo(f"container:  {src.container_id or '-'}{root}")
+    if src.cri_fields:
+        click.echo("pod:        " + ", ".join(f"{k}={v}" for k, v in sorted(src.cri_fields.items())))
+    imported, pulled = m.imported or {}, m.pulled or {}
     if imported:  # an archive's or a registry's checkpoint: no migrt versions of its own
         click.echo(f"imported:   {imported.get('archive')} (written by {imported.get('producer') or 'unknown'})")
     if pulled:
         click.echo(f"pulled:     {pulled.get('reference') or ''}@{pulled.get('manifest_digest')}")
-    versions = [f"{k} {v}" for k, v in sorted((m.get("versions") or {}).items()) if k != "runtime_path" and v]
+    versions = [f"{k} {v}" for k, v in sorted(m.versions.items()) if k != "runtime_path" and v]
     click.echo("versions:   " + (", ".join(versions) or "unknown"))
-    click.echo("options:    " + (", ".join(k for k, v in sorted(m.get("options", {}).items()) if v) or "none"))
-    click.echo(f"size:       {human_size(m.get('size_bytes'))} in {len(m.get('files', {}))} files")
-    click.echo("timings:    " + ", ".join(f"{k} {v}" for k, v in sorted(m.get("timings", {}).items())))
+    click.echo("options:    " + (", ".join(k for k, v in sorted(m.options.items()) if v) or "none"))
+    click.echo(f"size:       {human_size(m.size_bytes)} in {len(m.files)} files")
+    click.echo("timings:    " + ", ".join(f"{k} {v}" for k, v in sorted(m.timings.items())))
     if img.get("error"):
         click.echo(f"images:     unreadable: {img['error']}")
     else:
@@ -138,10 +137,10 @@ def inspect(name, verify, as_json):
                        f"mem {human_size(p.get('dumped_bytes'))} dumped / {human_size(p.get('vma_bytes'))} mapped")
             for f in p.get("files", [])[:20]:
                 click.echo(f"      fd {f['fd']:>3} {f['type']:<8} {f.get('path', '')}")
-    if m.get("gpu"):
+    if m.gpu:
         from migrt.cli.gpu_render import render_gpu  # GPU issue
 
-        render_gpu(m["gpu"])
+        render_gpu(m.gpu)
     if verify:
         click.echo("verify:     ok (every file matches its sha256)")
 

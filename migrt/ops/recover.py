@@ -142,7 +142,7 @@ def _committed(store: Store, name: str | None, entry_id: str) -> bool:
     if not name or not store.exists(name):
         return False
     try:
-        return mf.load(os.path.join(store.root, name), name).get("op_id") == entry_id
+        return mf.load(os.path.join(store.root, name), name).op_id == entry_id
     except MigrtError:
         return False
 

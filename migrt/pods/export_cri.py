@@ -32,6 +32,7 @@ from migrt.gpu import records
 from migrt.pods import rootfs
 from migrt.progress import Progress, null_progress
 from migrt.store.fsutil import TreeHasher, atomic_file, digest_of
+from migrt.store.manifest import Manifest
 
 MIGRT_MANIFEST = "migrt-manifest.json"
 
@@ -92,7 +93,7 @@ class _VerifyingReader:
 
 def _add_file(tar: tarfile.TarFile, ckpt, rel: str, arcname: str, verify: bool) -> None:
     path = os.path.join(ckpt.path, rel)
-    entry = ckpt.manifest["files"][rel]
+    entry = ckpt.manifest.files[rel]
     size = os.path.getsize(path)
     if size != entry.get("size"):
         raise CheckpointInvalid(f"checkpoint {ckpt.name}: size mismatch in {rel}")
@@ -105,36 +106,34 @@ def _add_file(tar: tarfile.TarFile, ckpt, rel: str, arcname: str, verify: bool) 
         reader.check()
 
 
-def config_dump(manifest: dict) -> dict:
-    src = manifest.get("source") or {}
-    cri = src.get("cri") or {}
-    created = manifest.get("created") or "1970-01-01T00:00:00Z"
-    return {"id": src.get("container_id") or manifest.get("name"),
-            "name": cri.get("container_name") or src.get("container_id") or manifest.get("name"),
-            "rootfsImage": src.get("image_ref") or "", "rootfsImageRef": src.get("image_ref") or "",
-            "rootfsImageName": src.get("image") or cri.get("image_name") or "", "runtime": "migrt-runc",
+def config_dump(manifest: Manifest) -> dict:
+    src, cri = manifest.source, manifest.source.cri
+    created = manifest.created or "1970-01-01T00:00:00Z"
+    return {"id": src.container_id or manifest.name,
+            "name": cri.container_name or src.container_id or manifest.name,
+            "rootfsImage": src.image_ref or "", "rootfsImageRef": src.image_ref or "",
+            "rootfsImageName": src.image or cri.image_name or "", "runtime": "migrt-runc",
             "createdTime": created, "checkpointedTime": created}
 
 
-def spec_dump(manifest: dict) -> dict:
-    src = manifest.get("source") or {}
-    ann = dict(src.get("annotations") or {})
-    cri = src.get("cri") or {}
+def spec_dump(manifest: Manifest) -> dict:
+    ann = dict(manifest.source.annotations)
+    cri = manifest.source.cri
     # the CRI-O/Podman form of the Kubernetes labels, which checkpointctl shows
-    for key, a in (("pod_name", "io.kubernetes.pod.name"), ("pod_namespace", "io.kubernetes.pod.namespace"),
-                   ("container_name", "io.kubernetes.container.name")):
-        if cri.get(key) and a not in ann:
-            ann[a] = cri[key]
-    mounts = [{"destination": m.get("destination"), "type": m.get("type") or "bind", "source": m.get("source") or "",
-               "options": ["rbind"] if (m.get("type") or "bind") == "bind" else []}
-              for m in manifest.get("mounts") or [] if isinstance(m, dict) and m.get("destination")]
+    for value, a in ((cri.pod_name, "io.kubernetes.pod.name"), (cri.pod_namespace, "io.kubernetes.pod.namespace"),
+                     (cri.container_name, "io.kubernetes.container.name")):
+        if value and a not in ann:
+            ann[a] = value
+    mounts = [{"destination": m.destination, "type": m.type or "bind", "source": m.source or "",
+               "options": ["rbind"] if (m.type or "bind") == "bind" else []}
+              for m in manifest.mounts if m.destination]
     return {"ociVersion": "1.0.2", "annotations": ann, "mounts": mounts,
-            "process": {"terminal": bool((manifest.get("options") or {}).get("shell_job")), "cwd": "/"},
+            "process": {"terminal": bool(manifest.options.get("shell_job")), "cwd": "/"},
             "root": {"path": "rootfs"}}
 
 
 def _rootfs(tar: tarfile.TarFile, ckpt, verify: bool) -> None:
-    files = ckpt.manifest["files"]
+    files = ckpt.manifest.files
     if rootfs.DIFF_TAR not in files:
         return
     meta = {}
@@ -162,7 +161,7 @@ def export(ckpt, out_path: str, *, verify: bool = True, progress: Progress = nul
     """Write the archive; returns {"path", "size", "sha256" ("sha256:..."), "members"}. Progress: one
     phase `export` (total_bytes: the checkpoint's size, about the archive's), bytes as they are written."""
     manifest = ckpt.manifest
-    files = manifest["files"]
+    files = manifest.files
     images = sorted(rel for rel in files if rel.startswith("images/"))
     if not any(rel == "images/inventory.img" for rel in images):
         raise CheckpointInvalid(f"checkpoint {ckpt.name}: images/inventory.img is missing; nothing to export")
@@ -171,7 +170,7 @@ def export(ckpt, out_path: str, *, verify: bool = True, progress: Progress = nul
         raise UsageError(f"-o {out_path}: directory {out_dir} does not exist")
     members = 0
     t0 = time.monotonic()
-    progress("phase", name="export", total_bytes=manifest.get("size_bytes") or 0)
+    progress("phase", name="export", total_bytes=manifest.size_bytes or 0)
     # 0600 like the store's files and podman's exports: the archive holds the processes' memory
     with atomic_file(out_path, 0o600) as fh:
         w = _HashingWriter(fh, progress)
@@ -186,8 +185,8 @@ def export(ckpt, out_path: str, *, verify: bool = True, progress: Progress = nul
                     continue
                 _add_file(tar, ckpt, rel, "checkpoint/" + rel[len("images/"):], verify)
                 members += 1
-            if manifest.get("gpu") and not have_gpu_record:
-                _add_bytes(tar, "checkpoint/" + records.IMAGE_FILE, json.dumps(manifest["gpu"]).encode())
+            if manifest.gpu and not have_gpu_record:
+                _add_bytes(tar, "checkpoint/" + records.IMAGE_FILE, json.dumps(manifest.gpu).encode())
             _add_bytes(tar, "config.dump", _cri_file(ckpt, "config.dump") or _json(config_dump(manifest)))
             _add_bytes(tar, "spec.dump", _cri_file(ckpt, "spec.dump") or _json(spec_dump(manifest)))
             _rootfs(tar, ckpt, verify)
@@ -195,7 +194,7 @@ def export(ckpt, out_path: str, *, verify: bool = True, progress: Progress = nul
                 _add_file(tar, ckpt, "images/stats-dump", "stats-dump", verify)
             if "logs/dump.log" in files:
                 _add_file(tar, ckpt, "logs/dump.log", "dump.log", verify)
-            _add_bytes(tar, MIGRT_MANIFEST, _json(manifest))
+            _add_bytes(tar, MIGRT_MANIFEST, _json(manifest.raw))
             members += 4
         w.flush_progress()
     progress("done", name="export", seconds=round(time.monotonic() - t0, 3))
@@ -216,7 +215,7 @@ def _json(data: object) -> bytes:
 def _cri_file(ckpt, key: str) -> bytes | None:
     """An imported checkpoint keeps the archive's metadata under cri/: exported as it was."""
     rel = f"cri/{key}"
-    if rel not in ckpt.manifest["files"]:
+    if rel not in ckpt.manifest.files:
         return None
     with open(os.path.join(ckpt.path, rel), "rb") as fh:
         return fh.read()

@@ -21,6 +21,7 @@ import tarfile
 from migrt import jsonsafe
 from migrt.kernel.files import atomic_file
 from migrt.pods.forked import run_forked
+from migrt.store.manifest import Manifest
 
 DIFF_TAR = "rootfs-diff.tar"
 DIFF_META = "rootfs-diff.json"
@@ -177,10 +178,10 @@ def apply(diff_dir: str, rootfs: str, *, strip_setid: bool = False) -> int:
                       strip_setid) + len(meta.get("deleted", []))
 
 
-def apply_checkpoint(ckpt_path: str, manifest: dict, rootfs: str) -> int:
+def apply_checkpoint(ckpt_path: str, manifest: Manifest, rootfs: str) -> int:
     """A checkpoint's captured diff into rootfs, as its origin allows: from a registry (`pulled` in
     its manifest), without setuid/setgid bits."""
-    return apply(ckpt_path, rootfs, strip_setid=bool(manifest.get("pulled")))
+    return apply(ckpt_path, rootfs, strip_setid=manifest.from_registry)
 
 
 def _apply_tar(tar_path: str, meta: dict, root: str, what: str, strip_setid: bool = False) -> int:

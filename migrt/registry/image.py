@@ -24,6 +24,7 @@ import re
 from migrt import jsonsafe
 from migrt.errors import CheckpointInvalid
 from migrt.store.fsutil import TREE_CHUNK
+from migrt.store.manifest import Manifest
 from migrt.text import printable
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
@@ -76,31 +77,29 @@ def migrt_manifest(config: dict, layers: list[dict], name: str, created: str) ->
     }
 
 
-def cri_annotations(manifest: dict) -> dict:
+def cri_annotations(manifest: Manifest) -> dict:
     """The CRI-O checkpoint annotations from a migrt manifest (what `checkpointctl build` sets)."""
-    src = manifest.get("source") or {}
-    cri = src.get("cri") or {}
-    versions = manifest.get("versions") or {}
+    src, cri = manifest.source, manifest.source.cri
     out = {
-        CRIO_NAME: cri.get("container_name") or src.get("container_id") or manifest.get("name", ""),
-        "io.kubernetes.cri-o.annotations.checkpoint.rootfsImageName": src.get("image") or cri.get("image_name") or "",
-        "io.kubernetes.cri-o.annotations.checkpoint.criu.version": str(versions.get("criu") or ""),
+        CRIO_NAME: cri.container_name or src.container_id or manifest.name,
+        "io.kubernetes.cri-o.annotations.checkpoint.rootfsImageName": src.image or cri.image_name or "",
+        "io.kubernetes.cri-o.annotations.checkpoint.criu.version": str(manifest.versions.get("criu") or ""),
         "io.kubernetes.cri-o.annotations.checkpoint.runtime.name": "migrt-runc",
-        A_NAME: manifest.get("name", ""),
+        A_NAME: manifest.name,
     }
     # Podman reads its own keys (podman container restore IMAGE)
     out["io.podman.annotations.checkpoint.name"] = out[CRIO_NAME]
     crio = out["io.kubernetes.cri-o.annotations.checkpoint.rootfsImageName"]
     out["io.podman.annotations.checkpoint.rootfsImageName"] = crio
     out["io.podman.annotations.checkpoint.runtime.name"] = "runc"
-    if cri.get("pod_name"):
-        out["io.kubernetes.cri-o.annotations.checkpoint.pod"] = cri["pod_name"]
-    if cri.get("pod_namespace"):
-        out["io.kubernetes.cri-o.annotations.checkpoint.namespace"] = cri["pod_namespace"]
+    if cri.pod_name:
+        out["io.kubernetes.cri-o.annotations.checkpoint.pod"] = cri.pod_name
+    if cri.pod_namespace:
+        out["io.kubernetes.cri-o.annotations.checkpoint.namespace"] = cri.pod_namespace
     return {k: v for k, v in out.items() if isinstance(v, str)}
 
 
-def cri_manifest(config: dict, layer: dict, manifest: dict) -> dict:
+def cri_manifest(config: dict, layer: dict, manifest: Manifest) -> dict:
     return {"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "config": config, "layers": [layer],
             "annotations": cri_annotations(manifest)}
 

@@ -40,7 +40,7 @@ def push(cfg: Config, name: str, reference: str, *, fmt: str = "migrt", progress
     store = Store(cfg.store)
     t_start = time.monotonic()
     with store.reading(name) as ckpt:
-        deadline.allow(int(ckpt.manifest.get("size_bytes") or 0))  # our own checkpoint: its size is known
+        deadline.allow(ckpt.manifest.size_bytes or 0)  # our own checkpoint: its size is known
         client = client_for(cfg, ref, push=True, deadline=deadline)
         try:
             if fmt == "migrt":
@@ -91,8 +91,8 @@ def _upload(cfg: Config, client: Client, blobs: dict[str, tuple[str, int, int]],
 
 def _push_chunked(cfg: Config, client: Client, ckpt, ref: Reference, progress: Progress) -> dict:
     manifest = ckpt.manifest
-    files = manifest["files"]
-    progress("phase", name="hash", total_bytes=manifest.get("size_bytes") or 0)
+    files = manifest.files
+    progress("phase", name="hash", total_bytes=manifest.size_bytes or 0)
     t0 = time.monotonic()
     chunks = hash_chunks(ckpt.path, sorted(files), progress=lambda n: progress("bytes", name="hash", bytes=n))
     progress("done", name="hash", seconds=round(time.monotonic() - t0, 3))
@@ -108,11 +108,11 @@ def _push_chunked(cfg: Config, client: Client, ckpt, ref: Reference, progress: P
                                            {image.A_PATH: rel, image.A_OFFSET: str(off)}))
             blobs.setdefault(digest, (os.path.join(ckpt.path, rel), off, length))
     _upload(cfg, client, blobs, progress)
-    config_bytes = image.dumps(manifest)
+    config_bytes = image.dumps(manifest.raw)
     config = image.descriptor(image.CONFIG_TYPE, client.put_blob_bytes(config_bytes), len(config_bytes))
-    raw = image.dumps(image.migrt_manifest(config, layers, ckpt.name, str(manifest.get("created") or "")))
+    raw = image.dumps(image.migrt_manifest(config, layers, ckpt.name, manifest.created or ""))
     digest = client.put_manifest(raw, image.MANIFEST_TYPE, ref.tag or "")  # (push() refused a reference without)
-    return {"digest": digest, "size_bytes": manifest.get("size_bytes"), "layers": len(layers), "blobs": len(blobs)}
+    return {"digest": digest, "size_bytes": manifest.size_bytes, "layers": len(layers), "blobs": len(blobs)}
 
 
 def _push_archive(cfg: Config, client: Client, store: Store, ckpt, ref: Reference, progress: Progress) -> dict:
@@ -121,7 +121,7 @@ def _push_archive(cfg: Config, client: Client, store: Store, ckpt, ref: Referenc
     store.ensure()
     with tempfile.TemporaryDirectory(dir=os.path.join(store.root, ".tmp"), prefix=f"push.{os.getpid()}.") as tmp:
         tar = os.path.join(tmp, "checkpoint.tar")
-        progress("phase", name="archive", total_bytes=ckpt.manifest.get("size_bytes") or 0)
+        progress("phase", name="archive", total_bytes=ckpt.manifest.size_bytes or 0)
         t0 = time.monotonic()
         info = export(ckpt, tar, verify=True,  # its bytes are this phase's; its own phase events are not
                       progress=lambda event, **f: progress("bytes", name="archive", bytes=f["bytes"])
@@ -130,7 +130,7 @@ def _push_archive(cfg: Config, client: Client, store: Store, ckpt, ref: Referenc
         digest, size = info["sha256"], info["size"]
         _upload(cfg, client, {digest: (tar, 0, size)}, progress)
     layer = image.descriptor(image.TAR_TYPES[0], digest, size)
-    created = ckpt.manifest.get("created") or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    created = ckpt.manifest.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     config_bytes = image.dumps(image.cri_config(digest, created))
     config = image.descriptor(image.OCI_CONFIG_TYPE, client.put_blob_bytes(config_bytes), len(config_bytes))
     raw = image.dumps(image.cri_manifest(config, layer, ckpt.manifest))

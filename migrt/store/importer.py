@@ -31,7 +31,7 @@ MAX_DEPTH = 5
 MAX_FILES = 100_000
 _PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")
 # Manifest fields the importer writes itself; every other field comes from the sender's manifest.
-OWN_FIELDS = ("schema", "name", "files", "size_bytes")
+OWN_FIELDS = mf.OWN_FIELDS
 SPACE_MARGIN = 64 << 20
 
 
@@ -134,9 +134,7 @@ class Import:
             with ThreadPoolExecutor(max_workers=8) as pool:
                 list(pool.map(fsync_path, [os.path.join(self.path, rel) for rel in self.received]))
         secure_tree(self.path)
-        data = {k: v for k, v in fields.items() if k not in OWN_FIELDS}
-        data.update(schema=mf.SCHEMA, name=self.name, files=dict(sorted(self.received.items())),
-                    size_bytes=sum(f["size"] for f in self.received.values()))
+        data = mf.assemble(fields, self.name, dict(sorted(self.received.items())))
         self._beside.record(data)
         mf.write(self.path, data)
         if durable:

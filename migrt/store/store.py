@@ -170,10 +170,10 @@ class Checkpoint:
         self.name = name
         self.path = os.path.join(store.root, name)
         self.images = os.path.join(self.path, "images")
-        self._manifest: dict | None = None
+        self._manifest: mf.Manifest | None = None
 
     @property
-    def manifest(self) -> dict:
+    def manifest(self) -> mf.Manifest:
         if self._manifest is None:
             self._manifest = mf.load(self.path, self.name)
         return self._manifest
@@ -237,9 +237,7 @@ class Staging:
                 progress(e["size"])
         files = {rel: taken.get(rel) or hashed[rel] for rel in rels}
         step("hashed")
-        data = dict(fields)
-        data.update(schema=mf.SCHEMA, name=self.name, files=files,
-                    size_bytes=sum(f["size"] for f in files.values()))
+        data = mf.assemble(fields, self.name, files)
         data.setdefault("timings", {})["checksum_s"] = round(time.monotonic() - t0, 3)
         record = mf.chunk_records(files, chunks)
         if record:
@@ -506,7 +504,7 @@ class Store:
         view = os.path.join(self.root, ".tmp", f"view.{os.getpid()}.{time.monotonic_ns()}")
         private_dir(view)
         try:
-            for rel in sorted(ckpt.manifest["files"]):
+            for rel in sorted(ckpt.manifest.files):
                 if not rel.startswith("images/"):
                     continue
                 src = os.path.join(ckpt.path, rel)

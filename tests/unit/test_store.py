@@ -110,7 +110,7 @@ def test_exception_in_writer_discards_staging(store):
 def test_manifest_contents(store):
     data = make(store, "ck", {"source": {"container_id": "abc"}, "name": "evil", "schema": 99})
     ckpt = store.get("ck")
-    assert ckpt.manifest == data
+    assert ckpt.manifest.raw == data and ckpt.manifest.source.container_id == "abc"
     assert data["name"] == "ck" and data["schema"] == mf.SCHEMA  # fields cannot override these
     assert data["source"] == {"container_id": "abc"}
     assert data["size_bytes"] == sum(len(v) for v in PAYLOAD.values())
