@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from migrt.errors import CheckpointInvalid, Conflict
 from migrt.kernel.files import fsync_path
-from migrt.store import manifest as mf
 from migrt.store import journal, reserve
+from migrt.store import manifest as mf
 from migrt.store.beside import Beside
 from migrt.store.fsutil import digest_of, fsync_dir, make_entry
 from migrt.store.store import Store, fsync_tree_dirs, publish, secure_tree

@@ -199,7 +199,9 @@ def file_chunks(data: Manifest | dict[str, Any], rel: str) -> list[bytes] | None
     or None when they are not known."""
     entry = (data.get("files") or {}).get(rel)
     record = data.get(CHUNKS)
-    return chunk_digests(entry, record.get(rel) if isinstance(record, dict) else None) if isinstance(entry, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    return chunk_digests(entry, record.get(rel) if isinstance(record, dict) else None)
 
 
 def load(path: str, name: str) -> Manifest:
@@ -235,7 +237,8 @@ def load(path: str, name: str) -> Manifest:
     if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:  # JSON true is not 1
         raise CheckpointInvalid(f"checkpoint {name}: manifest schema {schema!r} is invalid")
     if data.get("name") != name:
-        raise CheckpointInvalid(f"checkpoint {name}: manifest names {data.get('name')!r}; it was renamed or tampered with")
+        raise CheckpointInvalid(f"checkpoint {name}: manifest names {data.get('name')!r}; it was renamed or tampered "
+                                "with")
     if not isinstance(data["files"], dict):
         raise CheckpointInvalid(f"checkpoint {name}: manifest 'files' is not an object")
     return Manifest.from_dict(data)

@@ -35,8 +35,15 @@ from migrt.errors import CheckpointInvalid, Conflict, MigrtError, NotFound
 from migrt.store import journal
 from migrt.store import manifest as mf
 from migrt.store.beside import Beside
-from migrt.store.fsutil import (StoreError, fsync_dir, fsync_files, hash_tree, lock_is_free, open_nofollow,
-                                write_json_atomic)
+from migrt.store.fsutil import (
+    StoreError,
+    fsync_dir,
+    fsync_files,
+    hash_tree,
+    lock_is_free,
+    open_nofollow,
+    write_json_atomic,
+)
 
 HIDDEN = (".staging", ".locks", ".tmp", journal.DIR, ".incomplete")
 READ_WAIT_S = 10.0    # a reader waits this long for a writer or remover of the same name
@@ -165,7 +172,7 @@ def publish(staging: str, root: str, name: str) -> None:
 
 
 class Checkpoint:
-    def __init__(self, store: "Store", name: str) -> None:
+    def __init__(self, store: Store, name: str) -> None:
         self.store = store
         self.name = name
         self.path = os.path.join(store.root, name)
@@ -191,7 +198,7 @@ class Checkpoint:
 class Staging:
     """A checkpoint being written. Nothing here is visible to readers until commit()."""
 
-    def __init__(self, store: "Store", name: str, path: str) -> None:
+    def __init__(self, store: Store, name: str, path: str) -> None:
         self.store = store
         self.name = name
         self.path = path
@@ -446,9 +453,10 @@ class Store:
 
     def gc(self) -> list[str]:
         """Clear what crashed processes left (returns what it moved or removed, relative to the root):
-        restore views and temporary files whose process is gone. Staging directories are NOT deleted here: those named by the journal are recovery's
-        (ops/recover.py); one that nothing names and no live writer holds is moved to .incomplete/
-        (it may hold the only copy of a workload), never deleted."""
+        restore views and temporary files whose process is gone. Staging directories are NOT deleted
+        here: those named by the journal are recovery's (ops/recover.py); one that nothing names and no
+        live writer holds is moved to .incomplete/ (it may hold the only copy of a workload), never
+        deleted."""
         moved = []
         journaled = journal.staging_paths(self.root)
         top = os.path.join(self.root, ".staging")
@@ -577,7 +585,8 @@ def check_secure(path: str, what: str) -> None:
                                         "refusing to read through it (remove the checkpoint)")
             if st.st_uid != me:
                 raise CheckpointInvalid(f"{what}: {full} is owned by uid {st.st_uid}, not {me}; refusing to use a "
-                                        f"checkpoint another user could have changed (chown -R {me} it if you trust it)")
+                                        f"checkpoint another user could have changed (chown -R {me} it if you trust "
+                                        "it)")
             if st.st_mode & 0o022:
                 raise CheckpointInvalid(f"{what}: {full} is writable by group or others (mode "
                                         f"{stat.S_IMODE(st.st_mode):o}); refusing to use it (chmod go-w it if you "
