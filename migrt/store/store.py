@@ -20,6 +20,7 @@ rename it to <root>/<name>, fsync the root.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import fcntl
@@ -451,7 +452,7 @@ class Store:
             self._drop_lock_file(name)
             shutil.rmtree(trash, ignore_errors=True)
 
-    def gc(self) -> list[str]:
+    def gc(self) -> builtins.list[str]:  # (`list` is the method above in this class)
         """Clear what crashed processes left (returns what it moved or removed, relative to the root):
         restore views and temporary files whose process is gone. Staging directories are NOT deleted
         here: those named by the journal are recovery's (ops/recover.py); one that nothing names and no
@@ -484,10 +485,10 @@ class Store:
         fsync_dir(dest_dir)
         return dest
 
-    def incomplete(self) -> list[dict]:
+    def incomplete(self) -> builtins.list[dict]:
         """What .incomplete/ holds: [{entry, path, reason, size_bytes, ...}]."""
         self.check()
-        out = []
+        out: builtins.list[dict] = []
         top = os.path.join(self.root, ".incomplete")
         if os.path.islink(top):
             return out
@@ -551,7 +552,7 @@ def lock_holders(fd: int) -> list[str]:
     """'pid N (command)' for each process holding a flock on the file behind fd (/proc/locks)."""
     st = os.fstat(fd)
     want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    out = []
+    out: list[str] = []
     try:
         with open("/proc/locks", encoding="utf-8") as fh:
             lines = fh.read().splitlines()
