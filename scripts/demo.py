@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.lab import mountroot
 from scripts.lab.containerd import RELEASE_PATH, SYSTEM, VERSIONS, Containerd, missing
 from scripts.lab.host_rootfs import make_host_rootfs
 from scripts.lab.oci_image import write_image_tar
@@ -47,6 +48,7 @@ def import_image(ctd: Containerd, base: str) -> str:
 
 
 def main() -> int:
+    mountroot.ensure(sys.argv)  # a plain chroot: "/" made a mount point first (scripts/lab/mountroot.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--containerd", choices=VERSIONS, default=SYSTEM,
                     help="containerd: 2 (the one on PATH), 1.7 (unpacked by setup-test.sh) or 1.6 "
