@@ -81,17 +81,17 @@ class Cri:
 class Source:
     """The container checkpointed (`source`); an import's or a pull's has no runtime root or bundle."""
     container_id: str | None = None
-    container_name: str | None = None
+    cri: Cri = field(default_factory=Cri)
+    cri_fields: dict[str, Any] = field(default_factory=dict)  # `cri` as written (any keys), for display
+    annotations: dict[str, Any] = field(default_factory=dict)  # its config.json's
     runtime_root: str | None = None
     bundle: str | None = None
     pid: int | None = None
-    status: str | None = None
+    status: str | None = None  # runc's, at the checkpoint: running or paused
+    container_name: str | None = None  # an import's: containerd's name for it
     image: str | None = None
     image_ref: str | None = None  # an import's: the image's digest reference (containerd's config.dump)
     runtime: str | None = None  # an import's: the runtime that ran it
-    cri: Cri = field(default_factory=Cri)
-    cri_fields: dict[str, Any] = field(default_factory=dict)  # `cri` as written (any keys), for display
-    annotations: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: object) -> Source:
