@@ -24,7 +24,7 @@ import re
 from migrt import jsonsafe
 from migrt.errors import CheckpointInvalid
 from migrt.store.fsutil import TREE_CHUNK
-from migrt.store.manifest import Manifest
+from migrt.store.manifest import Manifest, Source
 from migrt.text import printable
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
@@ -127,9 +127,7 @@ def load_json(raw: bytes, where: str, what: str):
 def namespace(manifest: dict, config: dict | None = None) -> str | None:
     """The Kubernetes namespace an image says its checkpoint was taken in (None: it does not say):
     a migrt image's config (its checkpoint manifest), or a CRI-O checkpoint image's annotation."""
-    src = (config or {}).get("source") if isinstance(config, dict) else None
-    cri = src.get("cri") if isinstance(src, dict) else None
-    ns = cri.get("pod_namespace") if isinstance(cri, dict) else None
+    ns = Source.from_dict(config.get("source")).cri.pod_namespace if isinstance(config, dict) else None
     if ns is None:
         ann = manifest.get("annotations")
         ns = ann.get(CRIO_NAMESPACE) if isinstance(ann, dict) else None
