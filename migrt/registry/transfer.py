@@ -104,17 +104,21 @@ def _writer(fd: int, pos: int, write_error: WriteError) -> Callable[[memoryview]
         if not len(view):
             at[0] = pos
             return
-        n = 0
-        try:
-            while n < len(view):
-                n += os.pwrite(fd, view[n:], at[0] + n)
-        except OSError as exc:  # a full store is not a network error: never retried
-            err = write_error(exc)
-            if err is None:
-                raise
-            raise err from exc
+        _write_at(fd, at[0], view, write_error)
         at[0] += len(view)
     return sink
+
+
+def _write_at(fd: int, pos: int, view: memoryview, write_error: WriteError) -> None:
+    n = 0
+    try:
+        while n < len(view):
+            n += os.pwrite(fd, view[n:], pos + n)
+    except OSError as exc:  # a full store is not a network error: never retried
+        err = write_error(exc)
+        if err is None:
+            raise
+        raise err from exc
 
 
 class _Units:
@@ -169,9 +173,17 @@ def _fetch_unit(client: Client, unit: tuple[Blob, _Assembly | None, int], write_
 def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable[[Blob], None],
           write_error: WriteError = lambda exc: None, on_bytes: Callable[[int], None] = lambda n: None) -> None:
     """Every blob into its file range over `parallel` connections; on_blob(blob) once each is whole and
-    verified (from the worker thread that verified it, one call per blob). The first failure cancels
+    verified (from the worker thread that verified it, one call per blob). A digest listed at several
+    places is fetched once and copied to the others. The first failure cancels
     what has not started and is raised; blobs verified before it have had their on_blob."""
-    units = _Units(client, blobs, parallel)
+    first: dict[str, Blob] = {}
+    again: list[tuple[Blob, Blob]] = []  # (a blob, the same digest at another place)
+    for b in blobs:
+        if b.digest in first:
+            again.append((first[b.digest], b))
+        else:
+            first[b.digest] = b
+    units = _Units(client, list(first.values()), parallel)
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         futures = {pool.submit(_one, client, u, write_error, on_blob): u for u in units}
         try:
@@ -183,3 +195,26 @@ def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable
             for f in futures:
                 f.cancel()
             raise
+    for src, dst in again:  # identical chunks (zero pages) are fetched once, then copied here
+        _copy(src, dst, write_error)
+        on_bytes(dst.size)
+        on_blob(dst)
+
+
+def _copy(src: Blob, dst: Blob, write_error: WriteError) -> None:
+    """A verified blob's bytes to the other place of the same digest, on this file system."""
+    fin = os.open(src.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fout = os.open(dst.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            done = 0
+            while done < src.size:
+                buf = os.pread(fin, min(BUF, src.size - done), src.offset + done)
+                if not buf:
+                    raise OSError(f"{src.path} shrank while copied")
+                _write_at(fout, dst.offset + done, memoryview(buf), write_error)
+                done += len(buf)
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)

@@ -123,3 +123,16 @@ def test_an_archive_layer_is_fetched_in_ranges(cfg, reg, log):  # noqa: F811
     layer = f"/v2/team/ckpt/blobs/{registry.add_blob(archive)}"
     assert registry.blob_paths().count(layer) == 1 + -(-len(archive) // PIECE)
     assert json.dumps(Store(cfg.store).get(name).manifest["pulled"])
+
+
+def test_identical_chunks_are_fetched_once(cfg, reg, log):  # noqa: F811
+    """Two files of the same bytes (zero pages, say): one blob, fetched once, copied to both places."""
+    registry, host, _ca = reg
+    same = os.urandom(3000)
+    migrt_image(registry, "v1", {"images/pages-1.img": same, "images/pages-2.img": same, "images/x.img": b"x"})
+    name = _pull(cfg, host)
+    assert registry.blob_paths().count(f"/v2/team/ckpt/blobs/{registry.add_blob(same)}") == 1
+    ckpt = Store(cfg.store).get(name)
+    for rel in ("images/pages-1.img", "images/pages-2.img"):
+        with open(os.path.join(ckpt.path, rel), "rb") as fh:
+            assert fh.read() == same
