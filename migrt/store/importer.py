@@ -126,9 +126,10 @@ class Import:
         call it once every file is in (and verified, if fn reads them)."""
         self._beside.start(field, fn)
 
-    def commit(self, fields: dict, files: dict, *, durable: bool = True) -> dict:
-        """Verify against the sender's manifest, then publish atomically. Returns the manifest.
-        durable=False skips the fsyncs (a lazy migration's pageless checkpoint lives for seconds)."""
+    def commit(self, fields: dict, files: object, *, durable: bool = True) -> dict:
+        """Verify against the sender's manifest (`files`: its file list as it came, refused unless it is one),
+        then publish atomically. Returns the manifest. durable=False skips the fsyncs (a lazy migration's
+        pageless checkpoint lives for seconds)."""
         self.verify(files)
         if durable:  # all files at once: the file system merges concurrent syncs into few commits
             with ThreadPoolExecutor(max_workers=8) as pool:
