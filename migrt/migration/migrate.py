@@ -16,11 +16,16 @@ answer, or by asking again on a new connection) whether the target runs it. A gu
 (guard.py) applies the same rule if this process is killed. Every wait on the target ends after
 `migration_stall_timeout` seconds without a byte or message from it (a busy target says it is alive).
 The source's images live in a staging directory of the local store that is removed at the end; sent
-ranges are released at once, so a tmpfs store does not double the memory footprint.
+ranges are released at once, so a tmpfs store does not double the memory footprint. That staging
+directory is written under a name of its own (staging_name), never the offered one: the target
+commits the offered name in ITS store, which is this very store when a pod pulls from its own
+node's agent (a StatefulSet's second pull, docs/kubernetes.md), and the target's import takes that
+name's lock for the whole transfer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import time
@@ -212,6 +217,14 @@ class _Prepared:
     dump_mode: dict | None = None  # stop-and-copy: CRIU's dump or migrt's parallel dump (ops/dump.py decide)
 
 
+def staging_name(name: str) -> str:
+    """The name the source's images are staged under in the local store while checkpoint `name` goes
+    to the target: never `name` itself, which the target locks and commits in its store (this one, on
+    a pull from this node's own agent). The digest keeps two long names that share a prefix apart."""
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return names.validate(f"{name[:110].rstrip('._-')}.out-{digest}")
+
+
 def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
     """Every check that needs no peer, before the container is touched: its state, the lazy dump's
     limits, a lazy restore still filling it, its CUDA processes; the store made ready."""
@@ -289,7 +302,7 @@ def send(cfg: Config, req: MigrateRequest, prep: _Prepared, ch: Channel, progres
         result["phases"]["connect_s"] = round(time.monotonic() - t_connect, 3)
         progress("done", name="connect", seconds=result["phases"]["connect_s"], peer=ch.peer)
         guard = Guard(f"source:{req.container_id}", cfg.log_file)  # starts while we prepare, before the freeze
-        with prep.store.writer(name) as staging:
+        with prep.store.writer(staging_name(name), migration=name) as staging:
             fields = {
                 "created": _utc(time.time()),
                 "source": {"container_id": req.container_id, "runtime_root": root, "bundle": bundle_dir,

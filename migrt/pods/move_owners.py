@@ -38,11 +38,10 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 TEMPLATE_HASH = "pod-template-hash"
 JOB_UID_LABELS = ("batch.kubernetes.io/controller-uid", "controller-uid")
 JOB_FINALIZER = "batch.kubernetes.io/job-tracking"
-SAME_NODE_TODAY = (
-    "the second pull (the same node, from its own agent) fails today: the agent's dump and the pulling create "
-    "take the same checkpoint name in the node's store (tests/integration/test_pod_move_manifest.py); until that "
-    "is fixed the move ends with {moving} running under the identity of {name} but not its pod name, and the "
-    "StatefulSet stays deleted (recreated, it would start a fresh {name} on the same claims)")
+SAME_NODE_PEER = (
+    "the second pull ({moving} -> {name}) runs on one node, from that node's own agent: the node's migrate_peers "
+    "must list its own agent's address, or the pull is refused before anything is contacted and {moving} runs on; "
+    "recreate the StatefulSet only once {name} runs (before, it would start a fresh {name} on the same claims)")
 _REFUSED = {
     "DaemonSet": "a DaemonSet runs its own pod on every node it selects: it would start one on the target node "
                  "anyway and replace this one where it is; change which nodes it selects instead",
@@ -90,7 +89,7 @@ def plan(meta: dict, drop: tuple[str, ...], any_owner: bool) -> Plan:
     if ref is None:
         if ann.get(MOVE_NAME):
             out = Plan("StatefulSet (second pull)", ann.get(MOVE_SET), list(drop), ann[MOVE_NAME])
-            out.warnings.append(SAME_NODE_TODAY.format(moving=name, name=ann[MOVE_NAME]))
+            out.warnings.append(SAME_NODE_PEER.format(moving=name, name=ann[MOVE_NAME]))
             return out
         return Plan("none", None, list(drop), f"{name}-moved")
     kind = ref.get("kind")
@@ -100,7 +99,7 @@ def plan(meta: dict, drop: tuple[str, ...], any_owner: bool) -> Plan:
         return _replicaset(ref, labels, name, drop)
     if kind == "StatefulSet":
         out = Plan("StatefulSet", ref.get("name"), list(drop), f"{name}-moving", final_name=name)
-        out.warnings.append(SAME_NODE_TODAY.format(moving=f"{name}-moving", name=name))
+        out.warnings.append(SAME_NODE_PEER.format(moving=f"{name}-moving", name=name))
         return out
     if kind == "Job":
         return _job(ref, labels, name, drop)

@@ -108,7 +108,8 @@ def test_statefulset_identity_kept_through_two_pulls():
     assert meta["annotations"][MOVE_NAME] == "web-0" and meta["annotations"][MOVE_SET] == "web"
     assert "delete statefulset web --cascade=orphan" in first.plan.steps[0]
     assert any("ReadWriteOnce" in w for w in first.report()["warnings"])
-    assert any("second pull (the same node, from its own agent) fails today" in w for w in first.report()["warnings"])
+    assert any("from that node's own agent: the node's migrate_peers must list" in w
+               for w in first.report()["warnings"])
     # the second pull reads the first copy as the API server returns it, running on node-b
     running = copy.deepcopy(first.pod)
     running["metadata"].update(uid="copy-uid", resourceVersion="77")

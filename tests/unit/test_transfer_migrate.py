@@ -3,6 +3,7 @@ checkpoint, resume, delete and restore: what happens to the source container on 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -13,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from migrt import config
+from migrt import config, names
 from migrt.criu import lazy as lazy_mod
 from migrt.errors import MigrtError
-from migrt.migration.migrate import MigrateRequest, MigrationFailed, migrate
+from migrt.migration.migrate import MigrateRequest, MigrationFailed, migrate, staging_name
 from migrt.migration.receive import ReceiveOptions, Receiver
-from migrt.store import Store
 from migrt.migration.wire import accept, load_key
+from migrt.store import Store
 from tests.unit.support import make_executable, write_bundle
 
 FAKE_RUNC = """\
@@ -143,6 +144,29 @@ def test_restore_on_target_then_source_destroyed(lab):
     assert os.path.isfile(os.path.join(lab.root_b, "c1-b", "migrt-restored"))
 
 
+def test_target_sharing_the_sources_store_receives_the_offered_name(lab):
+    """A pod pulling from its own node's agent: sender and receiver write one store. The source's
+    staging goes under a name of its own, so the receiver's import of the offered name (locked for
+    the whole transfer) is not refused as 'being written by another process'."""
+    shared = dataclasses.replace(lab.b, store=lab.a.store)
+    address, t, reports = _receiver(shared, restore_bundle=lab.bundle, root=lab.root_b, container_id="c1-b")
+    res = migrate(lab.a, MigrateRequest(container_id="c1", to=address, root=lab.root_a, name="web-0", pre_dump="0"))
+    t.join(10)
+    assert not reports[0].get("error") and res["restored"] is True and res["name"] == "web-0"
+    assert lab.subcommands() == ["state", "pause", "checkpoint", "restore", "state", "delete"]
+    store = Store(lab.a.store)
+    assert [c.name for c in store.list()] == ["web-0"]  # the target's one copy; the source keeps none
+    store.get("web-0").verify()
+    assert os.listdir(Path(lab.a.store) / ".staging") == []
+
+
+def test_staging_name_is_never_the_offered_name():
+    longest = "a" * 109 + ".b" + "c" * 17  # 128 characters, cut right after a '.'
+    for name in ("web-0", longest, longest[:-1] + "d"):
+        assert staging_name(name) != name and names.validate(staging_name(name)) == staging_name(name)
+    assert staging_name(longest) != staging_name(longest[:-1] + "d")  # one prefix, two names
+
+
 def test_failed_restore_on_target_resumes_the_source(lab, monkeypatch):
     monkeypatch.setenv("FAKE_FAIL", "restore")
     address, t, _ = _receiver(lab.b, restore_bundle=lab.bundle, root=lab.root_b, container_id="c1-b")
@@ -174,7 +198,7 @@ def test_receiver_vanishing_midway_resumes_the_source(lab):
     """A receiver that accepts the offer, then drops the connection as the first file arrives."""
     key = load_key(lab.a.migration_key_file)
     server = socket.create_server(("127.0.0.1", 0))
-    address = "127.0.0.1:%d" % server.getsockname()[1]
+    address = f"127.0.0.1:{server.getsockname()[1]}"
 
     def vanish() -> None:
         conn, _ = server.accept()
