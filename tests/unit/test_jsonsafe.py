@@ -55,6 +55,15 @@ def test_a_hostile_text_costs_time_in_proportion_to_its_length():
     assert time.monotonic() - t0 < 2
 
 
+@pytest.mark.parametrize("tail", ["", "\\", "x"])
+def test_an_unterminated_string_of_escaped_quotes_costs_linear_time(tail):
+    text = "[" * 65 + '"' + '\\"' * 50_000 + tail  # 100 KB: took 30 s when a failed string match was retried
+    t0 = time.monotonic()
+    with pytest.raises(jsonsafe.JSONRejected, match="nested deeper than 64"):
+        jsonsafe.loads(text)
+    assert time.monotonic() - t0 < 2
+
+
 def test_printable_escapes_and_caps():
     out = printable(EVIL + "x" * 500, 100)
     assert out.isprintable() and out.endswith("...") and "\\x1b]0;owned\\x07" in out and "\\u202e" in out
