@@ -13,8 +13,11 @@ Per size (GiB of anonymous memory held by bench/memhog.c under plain runc), per 
  4. restore from the local store: `migrt-runc create` with MIGRT_RESTORE=A (what containerd calls),
     the restored memory re-hashed to memhog's checksum, then deleted.
  5. restore by reference: `migrt-runc create` with MIGRT_RESTORE=oci:REG/bench:a on a node store
-    that does not have it (pull + restore in the create), checksum again; then `migrt pull` alone
-    into a fresh name, timed (pull MB/s).
+    that does not have it (pull + restore in the create), checksum again; then four such creates at
+    once on a store without it (one pull: each create's time against the single one's); then `migrt
+    pull` alone into a fresh name, timed (pull MB/s).
+ 6. the wire: push and pull beside a raw HTTP pump (plain http.client GET/PUT of the same blobs,
+    same registry, same four connections), and four `migrt pull` processes of one image at once.
 The registry is Debian's docker-registry on 127.0.0.1 with TLS (CA made here) and htpasswd basic
 auth (tests/helpers/registry.py); its storage and the store are on the same file system (/var/tmp,
 or /dev/shm for the store with --shm when memory allows). Prints a table of medians and writes JSON
@@ -241,6 +244,35 @@ def restore(lab: Lab, request: str, ready: bytes, tag: str) -> tuple[float, dict
             os.unlink(out_file)
 
 
+def _drop_pulled(lab: Lab, tag: str) -> None:
+    """The checkpoints restores by reference pulled (oci-<repository>-...): the next one pulls again."""
+    pulled = [n for n in os.listdir(lab.store) if n.startswith(f"oci-{tag}")]
+    if pulled:
+        cli(lab, "rm", *pulled)
+
+
+def concurrent_restores(lab: Lab, request: str, ready: bytes, n: int) -> list[float]:
+    """n `migrt-runc create`s restoring one image reference at once on one store that does not have
+    it (one pulls, the others wait for it and restore from it), each checksummed; the create time of
+    each."""
+    out: list = [None] * n
+
+    def one(i: int) -> None:
+        try:
+            out[i] = restore(lab, request, ready, f"c{i}")[0]
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            out[i] = exc
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out
+
+
 def one_run(lab: Lab, reg, size_gib: float, scratch: str) -> dict:
     mib = int(size_gib * 1024)
     tag = uuid.uuid4().hex[:6]
@@ -283,10 +315,9 @@ def one_run(lab: Lab, reg, size_gib: float, scratch: str) -> dict:
 
         local_s, local_parts = restore(lab, a, ready, "local")
         byref_s, byref_parts = restore(lab, "oci:" + ref_a, ready, "byref")
-        pulled = [n for n in os.listdir(lab.store) if n.startswith(f"oci-{tag}")]
-        names += pulled
-        cli(lab, "rm", *pulled) if pulled else None
-        names = [n for n in names if n not in pulled]
+        _drop_pulled(lab, tag)
+        four = concurrent_restores(lab, "oci:" + ref_a, ready, 4)
+        _drop_pulled(lab, tag)
         pl = cli(lab, "pull", ref_a, "--name", f"rg-p-{tag}")
         names.append(pl["name"])
         wired = {f"wire_{k}": v for k, v in wire(lab, reg, a, tag, scratch, PARALLEL).items()}
@@ -304,6 +335,7 @@ def one_run(lab: Lab, reg, size_gib: float, scratch: str) -> dict:
             "restore_local_runc_s": local_parts.get("restore_s"),
             "pull_restore_s": round(byref_s, 3), "pull_restore_runc_s": byref_parts.get("restore_s"),
             "pull_restore_ratio": round(byref_s / local_s, 3), "checksum_ok": True,
+            "four_restores_max_s": round(max(four), 3), "four_restores_ratio": round(max(four) / byref_s, 3),
         }
     finally:
         for cid in running:
@@ -417,6 +449,10 @@ def print_restores(rows: list[dict], runs: int) -> None:
         print(f"{r['size_gib']:>4g} {r['checkpoint_bytes'] / 1e9:>8.3f} {r['cp_mbps']:>8.0f} {r['push_mbps']:>9.0f} "
               f"{r['pull_mbps']:>9.0f} {r['push_unchanged_pct']:>10.3f} {r['push_changed_pct']:>9.2f} "
               f"{r['restore_local_s']:>15.2f} {r['pull_restore_s']:>14.2f} {r['pull_restore_ratio']:>6.2f}")
+    for r in rows:
+        if "four_restores_ratio" in r:
+            print(f"{r['size_gib']:>4g} GiB: four restores by reference at once on one store: the slowest create "
+                  f"{r['four_restores_max_s']:.2f} s, {r['four_restores_ratio']:.2f}x one alone")
     print(f"medians of {runs} run(s); every restore re-hashed the process memory to memhog's checksum")
     done = [r for r in rows if "skipped" not in r]
     if done:
