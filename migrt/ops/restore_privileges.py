@@ -76,13 +76,13 @@ migrt-runc's `restore` (the lower runtime's own checkpoints). Stdlib only.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from migrt import jsonsafe
 from migrt.criu import tasks as criu_tasks
 from migrt.criu.protobuf import ImageError
 from migrt.criu.tasks import SECCOMP_FILTER, IdMap, Mount, OpenFile, Tasks, Thread
@@ -349,8 +349,8 @@ def layer_changes(top: str) -> list[str]:
 
     out: list[str] = []
     try:
-        with open(os.path.join(top, DIFF_META), encoding="utf-8") as fh:
-            meta = json.load(fh)
+        with open(os.path.join(top, DIFF_META), "rb") as fh:
+            meta = jsonsafe.load(fh)  # the checkpoint's: from an archive or a registry (60k '[' was a RecursionError)
     except FileNotFoundError:
         meta = {}
     except (OSError, ValueError) as exc:

@@ -445,6 +445,12 @@ def test_layer_changes_leave_out_directories(tmp_path):
     assert rp.layer_changes(str(tmp_path)) == ["deletes /tmp/x", "/etc/app.conf"]
 
 
+def test_a_deeply_nested_layer_metadata_is_a_refusal_not_a_recursion_error(tmp_path):
+    (tmp_path / rootfs.DIFF_META).write_text("[" * 100_000)  # the checkpoint's: an archive's or a registry's
+    with pytest.raises(CheckpointInvalid, match="unreadable rootfs-diff.json: nested deeper than 64"):
+        rp.layer_changes(str(tmp_path))
+
+
 def test_masked_and_read_only_paths_must_be_in_the_mount_table(tmp_path):
     linux = {"maskedPaths": ["/proc/cpuinfo", "/proc/no-such-file-here"], "readonlyPaths": ["/proc/sys"]}
     b = bundle(tmp_path, caps=ALL, linux=linux)
