@@ -583,7 +583,7 @@ class Client:
         got = 0
         view = memoryview(bytearray(min(BUF, max(limit, 1))))
         while True:
-            n = resp.readinto(view)  # a connection cut short of Content-Length: IncompleteRead, tried again
+            n = resp.readinto(view)  # 0 at the end, or where a cut connection ended it (below)
             if not n:
                 break
             got += n
@@ -593,6 +593,8 @@ class Client:
             if h is not None:
                 h.update(view[:n])
             sink(view[:n])
+        if resp.length:  # (readinto gives 0 at a cut; what the server announced is still to come)
+            raise http.client.IncompleteRead(b"", resp.length)  # a cut connection: tried again
         self.stats.add(received=got)
         return got
 

@@ -136,3 +136,51 @@ def test_identical_chunks_are_fetched_once(cfg, reg, log):  # noqa: F811
     for rel in ("images/pages-1.img", "images/pages-2.img"):
         with open(os.path.join(ckpt.path, rel), "rb") as fh:
             assert fh.read() == same
+
+
+def test_a_cut_range_is_fetched_again_alone(cfg, reg, log):  # noqa: F811
+    """A connection cut in the middle of one range: that range is asked again, not the blob."""
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    path = _big_path(registry)
+    asked: list[str] = []
+
+    def cut_once(h):
+        asked.append(h.headers["Range"])
+        if h.headers["Range"] == f"bytes={2 * PIECE}-{3 * PIECE - 1}" and asked.count(h.headers["Range"]) == 1:
+            h.send_response(206)
+            h.send_header("Content-Range", f"bytes {2 * PIECE}-{3 * PIECE - 1}/{len(BIG)}")
+            h.send_header("Content-Length", str(PIECE))
+            h.end_headers()
+            h.wfile.write(BIG[2 * PIECE:2 * PIECE + 1000])
+            h.close_connection = True
+            return None
+        return send_range(h, BIG)
+    registry.hooks[path] = cut_once
+    _pull(cfg, host)
+    assert len(asked) == 1 + 6 + 1 and asked.count(f"bytes={2 * PIECE}-{3 * PIECE - 1}") == 2, asked
+
+
+def test_a_blob_cut_short_of_its_length_is_fetched_again(cfg, reg, log):  # noqa: F811
+    """A connection cut before the Content-Length the registry announced is a network error, tried
+    again; it is not taken for other content (that is only a body that ends where it said it ends)."""
+    registry, host, _ca = reg
+    small = os.urandom(100_000)
+    migrt_image(registry, "v1", {"images/pages-1.img": small})
+    path = f"/v2/team/ckpt/blobs/{registry.add_blob(small)}"
+    asked = []
+
+    def cut_once(h):
+        asked.append(1)
+        if len(asked) == 1:
+            h.send_response(200)
+            h.send_header("Content-Length", str(len(small)))
+            h.end_headers()
+            h.wfile.write(small[:1000])
+            h.close_connection = True
+            return None
+        return send(h, 200, small)
+    registry.hooks[path] = cut_once
+    _pull(cfg, host)
+    assert len(asked) == 2
