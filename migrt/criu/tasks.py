@@ -47,6 +47,7 @@ TTY_PTY, TTY_CONSOLE, TTY_CTTY = 1, 2, 4
 CAP_SETS = ("effective", "permitted", "inheritable", "bounding", "ambient")
 _CRED_CAPS = {9: "inheritable", 10: "permitted", 11: "effective", 12: "bounding", 19: "ambient"}
 MS_RDONLY = 1
+_U32, _U64 = (1 << 32) - 1, (1 << 64) - 1  # protobuf-c keeps the low bits of an over-wide varint
 # mnt.proto fstype
 FS_UNSUPPORTED, FS_PROC, FS_SYSFS, FS_DEVTMPFS, FS_BINFMT_MISC, FS_TMPFS, FS_DEVPTS = 0, 1, 2, 3, 4, 5, 6
 FS_SECURITYFS, FS_FUSECTL, FS_DEBUGFS, FS_CGROUP, FS_MQUEUE, FS_TRACEFS, FS_CGROUP2 = 9, 10, 11, 12, 14, 19, 23
@@ -183,14 +184,29 @@ def _ints(fields: list, num: int) -> list[int]:
                 out.append(x)
         else:
             out.append(int(v))
-    return out
+    return [x & _U32 for x in out]
 
 
 def _one(fields: list, num: int, default=None):
+    """A scalar field: its last occurrence, as protobuf reads it."""
     for n, v in reversed(fields):
         if n == num:
             return v
     return default
+
+
+def _u32(v) -> int:
+    """A uint32 (or enum) field's value as CRIU's protobuf-c reads it: the varint's low 32 bits (a
+    fstype of 2**32 + 2 is procfs to CRIU, whatever a wider reading says)."""
+    return int(v) & _U32
+
+
+def _msg(fields: list, num: int) -> list | None:
+    """An embedded message field, as protobuf reads one written several times: all occurrences
+    merged (the fields of their concatenation: the last scalar wins, repeated fields add up), not
+    only the last (CRIU would restore creds merged from two thread_core entries). None: absent."""
+    parts = [v for n, v in fields if n == num and isinstance(v, bytes)]
+    return _fields(b"".join(parts)) if parts else None
 
 
 def _text(raw) -> str:
@@ -205,12 +221,12 @@ def _creds(thread: Thread, f: list) -> None:
     ids = [_one(f, n) for n in range(1, 9)]
     if any(x is None for x in ids):
         raise ImageError(f"{thread.what}: credentials without all uids and gids")
-    thread.uids = (int(ids[0]), int(ids[2]), int(ids[4]), int(ids[6]))
-    thread.gids = (int(ids[1]), int(ids[3]), int(ids[5]), int(ids[7]))
+    thread.uids = (_u32(ids[0]), _u32(ids[2]), _u32(ids[4]), _u32(ids[6]))
+    thread.gids = (_u32(ids[1]), _u32(ids[3]), _u32(ids[5]), _u32(ids[7]))
     thread.groups = tuple(_ints(f, 14))
     thread.caps = {name: _mask(_ints(f, num)) for num, name in _CRED_CAPS.items()}
-    thread.secbits = int(_one(f, 13, 0))
-    thread.no_new_privs = int(_one(f, 18, 0))
+    thread.secbits = _u32(_one(f, 13, 0))
+    thread.no_new_privs = _u32(_one(f, 18, 0))
     profile = _one(f, 15)
     thread.lsm_profile = _text(profile) if profile is not None else None
 
@@ -235,19 +251,19 @@ def read(images: str) -> Tasks:
     user_ns: int | None = None      # the root task's
     for raw in tree:
         entry = _fields(raw)
-        pid = int(_one(entry, 1, 0))
+        pid = _u32(_one(entry, 1, 0))
         tids = _ints(entry, 5) or [pid]
         core = _core(images, pid)
-        tc = _fields(_one(core, 3, b"") or b"")
-        state = int(_one(tc, 1, TASK_ALIVE))
-        ids = _one(core, 4)
-        ids = _fields(ids) if isinstance(ids, bytes) else _ids_image(images, pid)
+        tc = _msg(core, 3) or []
+        state = _u32(_one(tc, 1, TASK_ALIVE))
+        ids = _msg(core, 4)
+        ids = ids if ids is not None else _ids_image(images, pid)
         if ids:
-            files_ids[pid] = int(_one(ids, 2, 0))
-            if _one(ids, 9) is not None and int(_one(ids, 9)) not in mnt_ns:
-                mnt_ns.append(int(_one(ids, 9)))
+            files_ids[pid] = _u32(_one(ids, 2, 0))
+            if _one(ids, 9) is not None and _u32(_one(ids, 9)) not in mnt_ns:
+                mnt_ns.append(_u32(_one(ids, 9)))
             if raw is tree[0] and _one(ids, 10) is not None:
-                user_ns = int(_one(ids, 10))
+                user_ns = _u32(_one(ids, 10))
         if state in (TASK_DEAD, TASK_HELPER):
             continue  # a zombie or CRIU's helper: never runs code after the restore
         for tid in tids:
@@ -262,11 +278,11 @@ def read(images: str) -> Tasks:
 
 def _thread(images: str, pid: int, tid: int, core: list, tc: list) -> Thread:
     """One thread of process `pid` from its core image (`tc`: the process's task_core)."""
-    th = _fields(_one(core, 5, b"") or b"")
+    th = _msg(core, 5) or []
     thread = Thread(pid=pid, tid=tid, comm=_text(_one(th, 13)) or _text(_one(tc, 6)))
-    creds = _one(th, 10)
-    if isinstance(creds, bytes):
-        _creds(thread, _fields(creds))
+    creds = _msg(th, 10)
+    if creds is not None:
+        _creds(thread, creds)
     else:
         legacy = os.path.join(images, f"creds-{tid}.img")
         if tid == pid and os.path.exists(legacy):
@@ -276,13 +292,13 @@ def _thread(images: str, pid: int, tid: int, core: list, tc: list) -> Thread:
     if thread.uids is None:
         raise ImageError(f"core-{tid}.img: {thread.what} records no credentials")
     mode = _one(th, 11)
-    thread.seccomp_mode = int(mode) if mode is not None else int(_one(tc, 11, SECCOMP_DISABLED))
+    thread.seccomp_mode = _u32(mode) if mode is not None else _u32(_one(tc, 11, SECCOMP_DISABLED))
     filt = _one(th, 12, _one(tc, 12))
-    thread.seccomp_filter = None if filt is None else int(filt)
+    thread.seccomp_filter = None if filt is None else _u32(filt)
     if tid == pid:
-        limits = _one(tc, 8)
-        if isinstance(limits, bytes):
-            thread.rlimits_max = tuple(int(_one(_fields(e), 2, 0)) for n, e in _fields(limits)
+        limits = _msg(tc, 8)
+        if limits is not None:
+            thread.rlimits_max = tuple(int(_one(_fields(e), 2, 0)) & _U64 for n, e in limits
                                        if n == 1 and isinstance(e, bytes))
         oom = _one(tc, 14)
         thread.oom_score_adj = None if oom is None else _int32(int(oom))
@@ -290,10 +306,10 @@ def _thread(images: str, pid: int, tid: int, core: list, tc: list) -> Thread:
 
 
 def _int32(v: int) -> int:
-    """A protobuf int32 read as a varint (negative ones are written as 64-bit two's complement)."""
-    v &= (1 << 64) - 1
-    v = v - (1 << 64) if v >> 63 else v
-    return v - (1 << 32) if 1 << 31 <= v < 1 << 32 else v
+    """A protobuf int32 read as a varint (negative ones are written as 64-bit two's complement): its low
+    32 bits, as protobuf-c reads it (2**40 - 1000 is -1000 to CRIU, not a large positive number)."""
+    v &= _U32
+    return v - (1 << 32) if v >> 31 else v
 
 
 def _inventory(images: str) -> tuple[int | None, int | None]:
@@ -304,9 +320,9 @@ def _inventory(images: str) -> tuple[int | None, int | None]:
         return None, None
     entries = read_entries(path)
     inv = _fields(entries[0]) if entries else []
-    root_ids = _one(inv, 3)
-    own = _one(_fields(root_ids), 10) if isinstance(root_ids, bytes) else None
-    return (None if own is None else int(own)), int(_one(inv, 6, 0))
+    root_ids = _msg(inv, 3)
+    own = _one(root_ids, 10) if root_ids is not None else None
+    return (None if own is None else _u32(own)), _u32(_one(inv, 6, 0))
 
 
 def _userns(images: str, user_ns: int | None, criu_ns: int | None) -> tuple[IdMap, IdMap] | None:
@@ -322,7 +338,7 @@ def _userns(images: str, user_ns: int | None, criu_ns: int | None) -> tuple[IdMa
         for n, raw in f:
             if n == num and isinstance(raw, bytes):
                 e = _fields(raw)
-                out.append((int(_one(e, 1, 0)), int(_one(e, 2, 0)), int(_one(e, 3, 0))))
+                out.append((_u32(_one(e, 1, 0)), _u32(_one(e, 2, 0)), _u32(_one(e, 3, 0))))
         return tuple(sorted(out))
     return extents(1), extents(2)
 
@@ -342,23 +358,23 @@ def _open_files(images: str, files_ids: dict[int, int]) -> list[OpenFile]:
     if os.path.exists(path):
         for raw in read_entries(path):
             f = _fields(raw)
-            kind, fid = int(_one(f, 1, 0)), int(_one(f, 2, 0))
-            if kind == FD_REG and isinstance(_one(f, 3), bytes):
-                regs[fid] = _fields(_one(f, 3))
-            elif kind == FD_TTY and isinstance(_one(f, 19), bytes):
-                ttys[fid] = _fields(_one(f, 19))
+            kind, fid = _u32(_one(f, 1, 0)), _u32(_one(f, 2, 0))
+            if kind == FD_REG and _msg(f, 3) is not None:
+                regs[fid] = _msg(f, 3) or []
+            elif kind == FD_TTY and _msg(f, 19) is not None:
+                ttys[fid] = _msg(f, 19) or []
     for legacy, into in (("reg-files.img", regs), ("tty.img", ttys)):  # images of old CRIU
         p = os.path.join(images, legacy)
         if os.path.exists(p):
             for raw in read_entries(p):
                 f = _fields(raw)
-                into.setdefault(int(_one(f, 1, 0)), f)
+                into.setdefault(_u32(_one(f, 1, 0)), f)
     infos: dict[int, int] = {}
     p = os.path.join(images, "tty-info.img")
     if ttys and os.path.exists(p):
         for raw in read_entries(p):
             f = _fields(raw)
-            infos[int(_one(f, 1, 0))] = int(_one(f, 8, 0))
+            infos[_u32(_one(f, 1, 0))] = _u32(_one(f, 8, 0))
     out: list[OpenFile] = []
     seen: set[int] = set()
     for pid, files_id in files_ids.items():
@@ -370,17 +386,17 @@ def _open_files(images: str, files_ids: dict[int, int]) -> list[OpenFile]:
             continue
         for raw in read_entries(p):
             fd = _fields(raw)
-            fid, kind, num = int(_one(fd, 1, 0)), int(_one(fd, 3, 0)), int(_one(fd, 4, 0))
+            fid, kind, num = _u32(_one(fd, 1, 0)), _u32(_one(fd, 3, 0)), _u32(_one(fd, 4, 0))
             if kind == FD_REG and fid in regs:
                 r = regs[fid]
                 mnt = _one(r, 7)
-                out.append(OpenFile(pid=pid, fd=num, path=_text(_one(r, 6)), flags=int(_one(r, 2, 0)),
-                                    mode=None if _one(r, 10) is None else int(_one(r, 10)),
-                                    mnt_id=None if mnt is None else _zigzag(int(mnt))))
+                out.append(OpenFile(pid=pid, fd=num, path=_text(_one(r, 6)), flags=_u32(_one(r, 2, 0)),
+                                    mode=None if _one(r, 10) is None else _u32(_one(r, 10)),
+                                    mnt_id=None if mnt is None else _zigzag(_u32(mnt))))
             elif kind == FD_TTY and fid in ttys:
                 t = ttys[fid]
-                rdev = infos.get(int(_one(t, 2, 0)))
-                out.append(OpenFile(pid=pid, fd=num, path="", flags=int(_one(t, 3, 0)),
+                rdev = infos.get(_u32(_one(t, 2, 0)))
+                out.append(OpenFile(pid=pid, fd=num, path="", flags=_u32(_one(t, 3, 0)),
                                     mode=stat.S_IFCHR, rdev=rdev))
     return out
 
@@ -397,8 +413,8 @@ def _mounts(images: str, mnt_ns: int) -> list[Mount]:
     for raw in read_entries(p):
         f = _fields(raw)
         key = _one(f, 18)
-        out.append(Mount(mnt_id=int(_one(f, 2, 0)), mountpoint=_text(_one(f, 7)) or "/",
-                         flags=int(_one(f, 5, 0)), fstype=int(_one(f, 1, 0)), sb_flags=int(_one(f, 17, 0)),
+        out.append(Mount(mnt_id=_u32(_one(f, 2, 0)), mountpoint=_text(_one(f, 7)) or "/",
+                         flags=_u32(_one(f, 5, 0)), fstype=_u32(_one(f, 1, 0)), sb_flags=_u32(_one(f, 17, 0)),
                          root=_text(_one(f, 6)) or "/", ext_key=None if key is None else _text(key)))
     return out
 
@@ -415,7 +431,7 @@ def _seccomp_filters(images: str) -> list[SeccompFilter]:
                 prev = _one(f, 2)
                 program = _one(f, 1, b"")
                 out.append(SeccompFilter(program=program if isinstance(program, bytes) else b"",
-                                         prev=None if prev is None else int(prev), flags=int(_one(f, 3, 0))))
+                                         prev=None if prev is None else _u32(prev), flags=_u32(_one(f, 3, 0))))
     return out
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from migrt.config import Config
+from migrt.criu import protobuf as criu_protobuf
 from migrt.criu import tasks as criu_tasks
 from migrt.errors import CheckpointInvalid, PreconditionFailed
 from migrt.oci.bundle import Bundle
@@ -263,6 +264,79 @@ def test_garbage_images_are_refused_as_invalid(tmp_path):
             fh.write(head + struct.pack("<I", len(entry)) + entry)
         with pytest.raises(CheckpointInvalid, match="checkpoint ck: cannot read what its processes hold"):
             rp.check(images, restricted(tmp_path), "ck", lsm=rp.LSM_NONE)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def _encode(fields: list) -> bytes:
+    return b"".join(_varint(num << 3 | 2) + _varint(len(v)) + v if isinstance(v, bytes)
+                    else _varint(num << 3) + _varint(v) for num, v in fields)
+
+
+def rewrite(path: str, change) -> None:
+    """Rewrite every entry of a CRIU image at the wire level: change(fields) -> fields."""
+    with open(path, "rb") as fh:
+        head, entries = criu_protobuf.split_entries(fh.read(), path)
+    body = b"".join(struct.pack("<I", len(e)) + e for e in (_encode(change(criu_protobuf.fields(x))) for x in entries))
+    with open(path, "wb") as fh:
+        fh.write(head + body)
+
+
+def in_sub(fields: list, num: int, change) -> list:
+    """fields with each occurrence of the embedded message `num` changed by change(its fields)."""
+    return [(n, _encode(change(criu_protobuf.fields(v))) if n == num else v) for n, v in fields]
+
+
+def test_over_wide_varints_read_as_criu_reads_them(tmp_path):
+    """protobuf-c (CRIU) keeps a uint32/int32 varint's low 32 bits: a procfs written as fstype 2**32 + 1
+    at a declared bind was taken for a filesystem that is no kernel interface; no_new_privs 2**32 for set;
+    oom_score_adj -1000 + 2**33 for a large positive number."""
+    bind = {"destination": "/data", "type": "bind", "source": str(tmp_path), "options": ["rbind"]}
+    images = runc_images(tmp_path).mount("/data", False, fs=OVERLAY).write()
+    passes(images, runc_bundle(tmp_path, mounts=[*RUNC_MOUNTS, bind]))
+    rewrite(os.path.join(images, "mountpoints-9.img"),
+            lambda f: [(n, v + (1 << 32) if n == 1 and (7, b"/data") in f else v) for n, v in f])
+    with open(os.path.join(images, "mountpoints-9.img"), "rb") as fh:  # pycriu's protobuf reads the low bits too
+        assert pycriu.images.load(fh)["entries"][-1]["fstype"] == OVERLAY
+    assert criu_tasks.read(images).mounts[-1].fstype == OVERLAY
+    proc = runc_images(tmp_path, "proc").mount("/data", False, fs=TMPFS).write()
+    rewrite(os.path.join(proc, "mountpoints-9.img"),
+            lambda f: [(n, PROC + (1 << 32) if n == 1 and (7, b"/data") in f else v) for n, v in f])
+    assert "has proc mounted at /data where the container declares bind (mounts)" in \
+        str(refused(proc, runc_bundle(tmp_path, "proc", mounts=[*RUNC_MOUNTS, bind])))
+    nnp = Images(tmp_path / "nnp").proc(1, {1: creds(1000, 1000, [0, 0], nnp=1)}, oom=0).write()
+    passes(nnp, restricted(tmp_path, extra={"oomScoreAdj": 0}))
+    rewrite(os.path.join(nnp, "core-1.img"), lambda core: in_sub(core, 5, lambda th: in_sub(
+        th, 10, lambda cr: [*cr, (18, 1 << 32)])))
+    assert "runs without no_new_privs" in str(refused(nnp, restricted(tmp_path, extra={"oomScoreAdj": 0})))
+    oom = Images(tmp_path / "oom").proc(1, {1: creds(1000, 1000, [0, 0], nnp=1)}, oom=0).write()
+    rewrite(os.path.join(oom, "core-1.img"), lambda core: in_sub(core, 3, lambda tc: [
+        *tc, (14, (1 << 33) + (1 << 32) - 1000)]))
+    assert "has oom_score_adj -1000 but the container sets 0" in \
+        str(refused(oom, restricted(tmp_path, extra={"oomScoreAdj": 0})))
+
+
+def test_an_embedded_message_written_twice_is_read_merged_as_criu_reads_it(tmp_path):
+    """A core image with two thread_core entries: CRIU (protobuf) merges them, the first one's
+    capabilities included; reading only the last passed a process with every capability."""
+    images = Images(tmp_path / "images").proc(1, {1: creds(1000, 1000, [0, 0], nnp=1)}).write()
+    passes(images, restricted(tmp_path))
+    full = _encode([(10, _encode([(n, 0) for n in range(1, 9)] + [(k, w) for k in (9, 10, 11, 12) for w in ALL_WORDS]
+                                 + [(13, 0)]))])
+    rewrite(os.path.join(images, "core-1.img"), lambda core: [(5, full) if n == 5 else (n, v) for n, v in core]
+            + [(n, v) for n, v in core if n == 5])  # the root thread_core first, the original one after
+    with open(os.path.join(images, "core-1.img"), "rb") as fh:
+        merged = pycriu.images.load(fh)["entries"][0]["thread_core"]["creds"]
+    assert (merged["uid"], merged["cap_eff"][:2], merged["no_new_privs"]) == (1000, ALL_WORDS, 1)  # pycriu merges
+    th = criu_tasks.read(images).threads[0]
+    assert (th.uids[0], th.caps["effective"], th.no_new_privs) == (1000, (1 << len(CAPS)) - 1, 1)
+    assert "holds bounding capabilities the container does not grant" in str(refused(images, restricted(tmp_path)))
 
 
 # -- identity and capabilities (the issue's case) ------------------------------------------------------
