@@ -51,6 +51,7 @@ _U32, _U64 = (1 << 32) - 1, (1 << 64) - 1  # protobuf-c keeps the low bits of an
 # mnt.proto fstype
 FS_UNSUPPORTED, FS_PROC, FS_SYSFS, FS_DEVTMPFS, FS_BINFMT_MISC, FS_TMPFS, FS_DEVPTS = 0, 1, 2, 3, 4, 5, 6
 FS_SECURITYFS, FS_FUSECTL, FS_DEBUGFS, FS_CGROUP, FS_MQUEUE, FS_TRACEFS, FS_CGROUP2 = 9, 10, 11, 12, 14, 19, 23
+FS_SIMFS, FS_AUFS, FS_FUSE, FS_AUTO, FS_OVERLAY, FS_AUTOFS = 7, 13, 15, 16, 17, 18
 FS_NAMES = {FS_PROC: "proc", FS_SYSFS: "sysfs", FS_DEVTMPFS: "devtmpfs", FS_BINFMT_MISC: "binfmt_misc",
             FS_TMPFS: "tmpfs", FS_DEVPTS: "devpts", 8: "pstore", FS_SECURITYFS: "securityfs", FS_FUSECTL: "fusectl",
             FS_DEBUGFS: "debugfs", FS_CGROUP: "cgroup", 13: "aufs", FS_MQUEUE: "mqueue", 15: "fuse", 16: "auto",
@@ -112,6 +113,10 @@ class Mount:
     sb_flags: int = 0
     root: str = "/"
     ext_key: str | None = None     # an external bind: CRIU mounts what the restore supplies for this key
+    root_dev: int = 0              # its filesystem's device: CRIU binds mounts of one device from the first
+    source: str = ""               # what CRIU mounts afresh (a device, "overlay": then its options name layers)
+    fsname: str = ""               # the filesystem's name for fstype auto
+    parent_mnt_id: int = 0
 
     @property
     def read_only(self) -> bool:
@@ -119,7 +124,8 @@ class Mount:
 
     @property
     def fs(self) -> str:
-        return FS_NAMES.get(self.fstype, f"fstype {self.fstype}")
+        name = FS_NAMES.get(self.fstype, f"fstype {self.fstype}")
+        return f"{name} ({self.fsname})" if self.fsname and self.fstype == FS_AUTO else name
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,7 @@ class Tasks:
 
     @property
     def root_mount(self) -> Mount | None:
-        return next((m for m in self.mounts if m.mountpoint == "/"), None)
+        return root_of(self.mounts)
 
     def seccomp_chain(self, th: Thread) -> list[SeccompFilter] | None:
         """The filters CRIU installs on `th`, newest first (prev links); None when its mode is not
@@ -415,8 +421,18 @@ def _mounts(images: str, mnt_ns: int) -> list[Mount]:
         key = _one(f, 18)
         out.append(Mount(mnt_id=_u32(_one(f, 2, 0)), mountpoint=_text(_one(f, 7)) or "/",
                          flags=_u32(_one(f, 5, 0)), fstype=_u32(_one(f, 1, 0)), sb_flags=_u32(_one(f, 17, 0)),
-                         root=_text(_one(f, 6)) or "/", ext_key=None if key is None else _text(key)))
+                         root=_text(_one(f, 6)) or "/", ext_key=None if key is None else _text(key),
+                         root_dev=_u32(_one(f, 3, 0)), source=_text(_one(f, 8)), fsname=_text(_one(f, 14)),
+                         parent_mnt_id=_u32(_one(f, 4, 0))))
     return out
+
+
+def root_of(table: list[Mount]) -> Mount | None:
+    """The root of a mount table as CRIU takes it (what the restore replaces with the new root): the
+    mount at / whose parent is not in the table, not another one stacked on it."""
+    ids = {m.mnt_id for m in table}
+    at_root = [m for m in table if os.path.normpath(m.mountpoint) in ("/", "//")]
+    return next((m for m in at_root if m.parent_mnt_id not in ids), at_root[0] if at_root else None)
 
 
 def _seccomp_filters(images: str) -> list[SeccompFilter]:

@@ -89,6 +89,7 @@ from migrt.criu.tasks import SECCOMP_FILTER, IdMap, Mount, OpenFile, Tasks, Thre
 from migrt.errors import CheckpointInvalid, PreconditionFailed
 from migrt.oci.bundle import Bundle
 from migrt.oci.grants import DEFAULT_DEVICES, PTY_MAJOR, RLIMITS, Grants, MountDecl, cap_names, read_id_map
+from migrt.text import printable
 
 _ID_ROLES = ("runs as", "runs with effective", "keeps saved", "has filesystem")
 LSM_NONE, LSM_SELINUX, LSM_APPARMOR = 0, 1, 2
@@ -402,7 +403,13 @@ _KERNEL_FS = {criu_tasks.FS_PROC, criu_tasks.FS_SYSFS, criu_tasks.FS_DEVTMPFS, c
               criu_tasks.FS_SECURITYFS, criu_tasks.FS_FUSECTL, criu_tasks.FS_DEBUGFS, criu_tasks.FS_CGROUP,
               criu_tasks.FS_TRACEFS, criu_tasks.FS_CGROUP2, 8}  # 8: pstore
 _CGROUP_FS = {criu_tasks.FS_CGROUP, criu_tasks.FS_CGROUP2}
+MAX_MOUNTS = 2048  # a container has tens; 2048 read-only views cost ~2 s to compare
 _PLAIN_FS = {criu_tasks.FS_TMPFS, criu_tasks.FS_MQUEUE, criu_tasks.FS_DEVPTS}
+# filesystems CRIU mounts afresh from what its images name (a block device for fstype auto, overlay or
+# aufs layers in the options: the node's own root for lowerdir=/), unless it binds the mount from
+# another one of the same device that the restore supplies
+_SOURCE_FS = {criu_tasks.FS_SIMFS, criu_tasks.FS_AUFS, criu_tasks.FS_FUSE, criu_tasks.FS_AUTO,
+              criu_tasks.FS_OVERLAY, criu_tasks.FS_AUTOFS}
 # a declared type -> what runc mounts for it (cgroup v1 without a cgroup namespace: a tmpfs, each
 # controller's cgroup below it)
 _DECLARED_FS = {"proc": {criu_tasks.FS_PROC}, "sysfs": {criu_tasks.FS_SYSFS}, "tmpfs": {criu_tasks.FS_TMPFS},
@@ -418,8 +425,11 @@ def _mount_tables(t: Tasks, g: Grants) -> list[str]:
     ro_paths = {os.path.normpath(p) for p in g.readonly_paths}
     out = []
     for table in (t.mounts, *t.other_mounts.values()):
+        if len(table) > MAX_MOUNTS:  # each mount is compared with the others: a huge table is not worth the time
+            return [f"its images record {len(table)} mounts in one mount namespace, more than {MAX_MOUNTS} (mounts)"]
+        root = criu_tasks.root_of(table)
         for m in table:
-            problem = _mount(m, table, g, masked, ro_paths)
+            problem = _mount(m, table, g, masked, ro_paths) if m is not root else None
             if problem:
                 out.append(problem)
     return out
@@ -455,8 +465,9 @@ def _mount(m: Mount, table: list[Mount], g: Grants, masked: set[str], ro_paths: 
         (f" (a bind of the external mount {m.ext_key})" if m.ext_key is not None else "")
     need_ro = "linux.readonlyPaths" if p in ro_paths else None
     decl = _declared(g, p)
-    if p == "/":
-        return None  # the root: root.readonly is checked with the files open on it
+    if m.fstype in _SOURCE_FS and m.ext_key is None and not _supplied_device(m, table):
+        return f"{what} from {printable(m.source or '?', 100)}, which CRIU would mount as its images describe: the " \
+            "container supplies no such filesystem (mounts)"
     if decl is not None:
         if not _fits(m, decl):
             return f"{what} where the container declares {decl.type or 'a mount of no type'} (mounts)"
@@ -488,6 +499,13 @@ def _mount(m: Mount, table: list[Mount], g: Grants, masked: set[str], ro_paths: 
         return f"the mount table in its images has {p} ({m.fs}) read-write but the container makes it read-only " \
                f"({need_ro})"
     return None
+
+
+def _supplied_device(m: Mount, table: list[Mount]) -> bool:
+    """Does CRIU bind `m` from a filesystem the restore supplies (the new root, an external mount): one
+    of the same device in the table?"""
+    root = criu_tasks.root_of(table)
+    return any(o is not m and o.root_dev == m.root_dev and (o.ext_key is not None or o is root) for o in table)
 
 
 def _fits(m: Mount, decl: MountDecl) -> bool:

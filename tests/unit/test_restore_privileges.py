@@ -39,7 +39,7 @@ DEFAULT = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKN
            "CAP_AUDIT_WRITE"]
 O_RDONLY, O_WRONLY, O_RDWR = 0, 1, 2
 ROOT_MNT = 100
-PROC, SYSFS, DEVTMPFS, TMPFS, DEVPTS, CGROUP, MQUEUE, OVERLAY, CGROUP2 = 1, 2, 3, 5, 6, 12, 14, 17, 23  # mnt.proto
+PROC, SYSFS, DEVTMPFS, TMPFS, DEVPTS, CGROUP, MQUEUE, AUTO, OVERLAY, CGROUP2 = 1, 2, 3, 5, 6, 12, 14, 16, 17, 23
 CRIU_IDS = {"vm_id": 1, "files_id": 1, "fs_id": 1, "sighand_id": 1}
 UNLIMITED = (1 << 64) - 1
 RET_ALLOW = b"\x06\x00\x00\x00\x00\x00\xff\x7f"  # one BPF instruction: return SECCOMP_RET_ALLOW
@@ -627,6 +627,35 @@ def test_binds_come_from_the_bundle_and_keep_its_read_only(tmp_path):
     b = runc_bundle(tmp_path, "sub2", mounts=[*RUNC_MOUNTS, rw])
     assert "has proc mounted at /data/p that the container does not declare (below the recursive bind at /data, " \
            "not as a bind) (mounts)" in str(refused(sub.write(), b))
+
+
+def test_a_filesystem_criu_would_mount_afresh_from_what_the_images_name_is_refused(tmp_path):
+    """An overlay whose options CRIU passes as recorded (lowerdir=/: the node's root), or fstype auto
+    with a block device: at a declared bind, below a declared rbind, as a read-only view or stacked on
+    the root, they passed as "no kernel filesystem". Of the device of the root or of an external
+    mount, CRIU binds them from it (the new container's own files)."""
+    bind = {"destination": "/data", "type": "bind", "source": str(tmp_path), "options": ["rbind"]}
+    b = runc_bundle(tmp_path, mounts=[*RUNC_MOUNTS, bind])
+
+    def images(name: str, point: str, fs: int, *, read_only: bool = False, dev: int = 99, parent: int = 1) -> str:
+        im = runc_images(tmp_path, name).mount(point, read_only, fs=fs)
+        im.mounts[-1].update(root_dev=dev, source="/dev/sda1" if fs == AUTO else "overlay", parent_mnt_id=parent,
+                             options="lowerdir=/" if fs == OVERLAY else "", fsname="ext4" if fs == AUTO else "")
+        return im.write()
+
+    for name, point, fs, ro, parent in (("at", "/data", OVERLAY, False, 1), ("below", "/data/v", AUTO, False, 1),
+                                        ("view", "/etc/x", OVERLAY, True, 1), ("stacked", "/", AUTO, False, ROOT_MNT)):
+        assert "which CRIU would mount as its images describe: the container supplies no such filesystem (mounts)" \
+            in str(refused(images(name, point, fs, read_only=ro, parent=parent), b)), name
+        if name != "stacked":  # of the root's device: a bind of the new root
+            passes(images(name + "-root-dev", point, fs, read_only=ro, dev=40, parent=parent), b)
+
+
+def test_a_huge_mount_table_is_refused_not_compared_for_minutes(tmp_path):
+    im = runc_images(tmp_path)
+    for i in range(rp.MAX_MOUNTS):
+        im.mount(f"/tmp/m{i}", True)
+    assert "more than 2048 (mounts)" in str(refused(im.write(), runc_bundle(tmp_path)))
 
 
 def test_a_destination_is_matched_through_the_root_filesystems_symlinks(tmp_path):
