@@ -429,6 +429,10 @@ def _mount_tables(t: Tasks, g: Grants) -> list[str]:
             return [f"its images record {len(table)} mounts in one mount namespace, more than {MAX_MOUNTS} (mounts)"]
         root = criu_tasks.root_of(table)
         for m in table:
+            if ".." in m.root.split("/") or ".." in m.mountpoint.split("/"):  # CRIU joins them to paths as written
+                out.append(f"the mount table in its images has {m.fs} at {printable(m.mountpoint, 100)} of root "
+                           f"{printable(m.root, 100)}: a path with '..' (mounts)")
+                continue
             problem = _mount(m, table, g, masked, ro_paths) if m is not root else None
             if problem:
                 out.append(problem)

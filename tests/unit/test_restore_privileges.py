@@ -651,6 +651,16 @@ def test_a_filesystem_criu_would_mount_afresh_from_what_the_images_name_is_refus
             passes(images(name + "-root-dev", point, fs, read_only=ro, dev=40, parent=parent), b)
 
 
+def test_a_mount_whose_root_or_mountpoint_climbs_with_dot_dot_is_refused(tmp_path):
+    """CRIU binds a mount from another of its device at that one's path + the root as written: a root of
+    /../../.. read-only (a "read-only view") would be the node's / above the new root."""
+    b = runc_bundle(tmp_path)
+    for name, point, root in (("root", "/etc/x", "/../../../.."), ("point", "/data/../etc/x", "/")):
+        im = runc_images(tmp_path, name).mount(point, True, root=root)
+        assert "a path with '..' (mounts)" in str(refused(im.write(), b)), name
+    passes(runc_images(tmp_path, "ok").mount("/etc/x", True, root="/etc").write(), b)
+
+
 def test_a_huge_mount_table_is_refused_not_compared_for_minutes(tmp_path):
     im = runc_images(tmp_path)
     for i in range(rp.MAX_MOUNTS):
