@@ -334,7 +334,12 @@ def _inventory(images: str) -> tuple[int | None, int | None]:
 def _userns(images: str, user_ns: int | None, criu_ns: int | None) -> tuple[IdMap, IdMap] | None:
     """The uid and gid maps of the tree's own user namespace; None when it ran in CRIU's (as CRIU
     decides: the root task's user_ns_id differs from the inventory's root_ids)."""
-    if user_ns is None or criu_ns is None or user_ns == criu_ns:
+    if (user_ns is None) != (criu_ns is None):
+        # protobuf reads a missing id as 0: CRIU may then create a namespace this reading would not see,
+        # or none where it would see one (a bundle's user namespace compared with maps CRIU never applies)
+        raise ImageError(f"{'inventory.img' if criu_ns is None else 'the root task'} records no user namespace id "
+                         "while the other does: cannot tell which user namespace CRIU restores the tree in")
+    if user_ns is None or user_ns == criu_ns:
         return None
     entries = read_entries(os.path.join(images, f"userns-{user_ns}.img"))
     f = _fields(entries[0]) if entries else []

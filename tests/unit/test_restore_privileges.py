@@ -759,6 +759,18 @@ def test_a_checkpoint_made_in_a_user_namespace_needs_one_in_the_bundle(tmp_path)
     passes(im.write(), runc_bundle(tmp_path, "host"))  # the node's own ids: nothing changes meaning
 
 
+def test_a_user_namespace_id_missing_on_one_side_is_refused(tmp_path):
+    """inventory.img without root_ids.user_ns_id: protobuf reads 0, so CRIU would see the tree's 14 as a
+    namespace to create (uid 1000 inside mapped to the node's root) where the reader saw none."""
+    im = Images(tmp_path / "images").proc(1, {1: creds(1000, 1000, [0, 0], nnp=1)})
+    im.userns = {"uid_map": [{"first": 1000, "lower_first": 0, "count": 1}], "gid_map": MAP}
+    images = im.write()
+    rewrite(os.path.join(images, "inventory.img"), lambda inv: in_sub(inv, 3, lambda ids: [
+        (n, v) for n, v in ids if n != 10]))
+    with pytest.raises(CheckpointInvalid, match="inventory.img records no user namespace id while the other does"):
+        rp.check(images, restricted(tmp_path), "ck", lsm=rp.LSM_NONE)
+
+
 def test_the_images_are_shared_with_the_namespaces_root_while_the_restore_runs(tmp_path):
     view = tmp_path / "view"
     view.mkdir(mode=0o700)
