@@ -266,10 +266,13 @@ def read(images: str) -> Tasks:
         ids = ids if ids is not None else _ids_image(images, pid)
         if ids:
             files_ids[pid] = _u32(_one(ids, 2, 0))
-            if _one(ids, 9) is not None and _u32(_one(ids, 9)) not in mnt_ns:
-                mnt_ns.append(_u32(_one(ids, 9)))
+            if _u32(_one(ids, 9, 0)) not in mnt_ns:  # missing: 0 to protobuf, so mountpoints-0.img to CRIU
+                mnt_ns.append(_u32(_one(ids, 9, 0)))
             if raw is tree[0] and _one(ids, 10) is not None:
                 user_ns = _u32(_one(ids, 10))
+            elif raw is not tree[0] and _u32(_one(ids, 10, 0)) != (user_ns or 0):
+                raise ImageError(f"process {pid} is in another user namespace than the tree's first process: CRIU "
+                                 "would create a nested one (CRIU itself never dumps that)")
         if state in (TASK_DEAD, TASK_HELPER):
             continue  # a zombie or CRIU's helper: never runs code after the restore
         for tid in tids:

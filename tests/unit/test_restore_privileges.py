@@ -715,6 +715,24 @@ def test_a_nested_mount_namespace_is_compared_too(tmp_path):
         str(refused(im.write(), runc_bundle(tmp_path)))
 
 
+def test_a_process_whose_ids_omit_a_namespace_is_read_as_protobuf_reads_it(tmp_path):
+    """A second process whose ids omit mnt_ns_id is in mount namespace 0 to CRIU (mountpoints-0.img,
+    unread before); one in another user namespace would be put in a nested one CRIU creates."""
+    im = runc_images(tmp_path).proc(2, {2: DEFAULT_ROOT}, mnt_ns=10)
+    im.nested = [Images._mnt(900, "/", 0), Images._mnt(901, "/mnt/proc", 0, PROC)]
+    images = im.write()
+    os.rename(os.path.join(images, "mountpoints-10.img"), os.path.join(images, "mountpoints-0.img"))
+    rewrite(os.path.join(images, "core-2.img"), lambda core: in_sub(core, 4, lambda ids: [
+        (n, v) for n, v in ids if n != 9]))
+    assert "has proc mounted at /mnt/proc that the container does not declare (mounts)" in \
+        str(refused(images, runc_bundle(tmp_path)))
+    other = runc_images(tmp_path, "userns").proc(2, {2: DEFAULT_ROOT}).write()
+    rewrite(os.path.join(other, "core-2.img"), lambda core: in_sub(core, 4, lambda ids: [
+        *ids, (10, 99)]))
+    with pytest.raises(CheckpointInvalid, match="process 2 is in another user namespace than the tree's first"):
+        rp.check(other, runc_bundle(tmp_path, "userns"), "ck", lsm=rp.LSM_NONE)
+
+
 def test_a_bundle_that_restricts_nothing_may_receive_any_mount(tmp_path):
     # root with every capability in the node's user namespace, no seccomp, no LSM: it could mount a
     # procfs or remount /sys read-write itself; its images are not read
