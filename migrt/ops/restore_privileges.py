@@ -230,6 +230,7 @@ def _nnp(th: Thread, g: Grants) -> list[str]:
     return [f"{th.what} runs without no_new_privs but the container asks for it (process.noNewPrivileges)"]
 
 
+MAX_FILTERS = 16  # different programs (threads sharing a chain, or equal bytes, count once)
 _SECCOMP_DOES = ("the process killed", "the thread killed", "SIGSYS", "an error", "its seccomp agent asked",
                  "a tracer asked", "allowed, logged", "")
 _SECCOMP_VERB = ("answers by killing the process", "answers by killing the thread", "traps (SIGSYS)", "denies",
@@ -249,6 +250,10 @@ def _seccomp(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
     if compiled is None:
         return []  # runc loads no filter for this profile
     comparer = compare.Comparer(compiled)
+    programs = {f.program for th in t.threads for f in t.seccomp_chain(th) or ()}
+    if len(programs) > MAX_FILTERS:  # each costs up to ~0.4 s per architecture to read (a budget of steps)
+        return [f"its threads run {len(programs)} different seccomp filters, more than the {MAX_FILTERS} a restore "
+                "compares with the container's profile (linux.seccomp)"]
     out = []
     for th in t.threads:
         chain = t.seccomp_chain(th)

@@ -248,3 +248,31 @@ def test_stacked_filters_that_multiply_their_cases_end_within_a_budget():
         weaker([six_tests(16 + 8 * (i % 6)) for i in range(9)], NO_MKDIR)
     assert time.monotonic() - t0 < 5
     assert weaker([six_tests(16), six_tests(24)], NO_MKDIR) is not None  # a few: compared as before
+
+
+def test_more_different_filters_than_a_restore_compares_are_refused(tmp_path):
+    """Each different program costs up to its step budget (~0.4 s an architecture): 1000 threads with a
+    filter each kept a restore busy for many minutes. At most rp.MAX_FILTERS different programs."""
+    import base64
+    import os
+
+    import pycriu
+
+    from migrt.ops import restore_privileges as rp
+    from tests.unit.test_restore_privileges import ALL, Images, bundle, passes, refused
+
+    def images(name: str, n: int) -> str:
+        im = Images(tmp_path / name).proc(seccomp="filter")
+        im.seccomp = n
+        d = im.write()
+        progs = [encode([LD_NR, (0x15, 0, 1, 1000 + i), EPERM, ALLOW]) for i in range(n)]  # each denies one more
+        with open(os.path.join(d, "seccomp.img"), "wb") as fh:
+            pycriu.images.dump({"magic": "SECCOMP", "entries": [{"seccomp_filters": [
+                {"filter": base64.b64encode(p).decode(), **({"prev": i - 1} if i else {})}
+                for i, p in enumerate(progs)]}]}, fh)
+        return d
+
+    b = bundle(tmp_path, caps=ALL, linux={"seccomp": {**NO_MKDIR, "syscalls": []}})
+    passes(images("few", rp.MAX_FILTERS), b)
+    assert "its threads run 17 different seccomp filters, more than the 16 a restore compares" in \
+        str(refused(images("many", rp.MAX_FILTERS + 1), b))
