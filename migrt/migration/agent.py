@@ -54,6 +54,7 @@ from migrt.runtime import moved
 from migrt.runtime.runc import LowerRuntime, candidate_roots
 
 SWEEP_EVERY_S = 60.0
+REFUSAL_TIME_S = 0.2  # every refused pull is answered this long after it came (at least)
 _TRUE = ("true", "1", "yes")
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,1023}")  # runc's container ids; never '.', '..' or a path
 
@@ -207,6 +208,8 @@ class Agent:
             out.update(container_id=exc.container_id, reason=exc.reason)
             log_mod.get().warning("pull_refused", peer=ch.peer, source=msg.get("source"),
                                   namespace=msg.get("namespace"), container=exc.container_id, reason=exc.reason)
+            # and one time: an absent id costs a stat, another namespace's container its state and bundle read
+            time.sleep(max(0.0, t_start + REFUSAL_TIME_S - time.monotonic()))
             raise
         out["container_id"] = src.cid
         port = msg.get("agent_port")

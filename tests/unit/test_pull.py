@@ -422,3 +422,20 @@ def test_record_is_json_with_where_it_went(tmp_path):
     data = json.loads((tmp_path / name).read_text())
     assert data["container"] == "app" and data["pod"] == "team-a/web-0" and data["sandbox_id"] == SANDBOX
     assert data["to"] == "10.0.0.6" and data["at"].endswith("Z")
+
+
+def test_every_refusal_takes_the_same_time_whatever_the_reason(tmp_path, monkeypatch):
+    """An absent id costs the agent a stat, another namespace's container its state and config.json read
+    (a large bundle: milliseconds): each refusal is answered REFUSAL_TIME_S after the pull came."""
+    from migrt.migration import agent as agent_mod
+
+    slept: list[float] = []
+    monkeypatch.setattr(agent_mod.time, "sleep", slept.append)
+    cfg = _node(tmp_path, {APP: _pod_annotations(**OPTED)})
+    ag = agent_mod.Agent.__new__(agent_mod.Agent)  # no receiver: only the refusal path runs
+    ag.cfg = cfg
+    ch = type("Ch", (), {"local_host": "10.0.0.5", "peer": "10.0.0.6:40000"})()
+    for cid in ("f" * 64, APP):  # absent; in team-a, pulled for team-b
+        with pytest.raises(Refused):
+            ag.hand_over(ch, {"source": {"container_id": cid}, "namespace": "team-b"}, {})
+    assert len(slept) == 2 and all(0.1 < s <= agent_mod.REFUSAL_TIME_S for s in slept), slept
