@@ -383,10 +383,15 @@ def _exists_here(path: str, bundle: Bundle) -> bool:
 
 
 def _masked(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
+    """In every mount namespace of the images (a second one's table is restored as recorded too)."""
     if not t.mounts or not (g.masked_paths or g.readonly_paths):
         return []
+    return [p for table in (t.mounts, *t.other_mounts.values()) for p in _masked_in(table, g, bundle)]
+
+
+def _masked_in(table: list[Mount], g: Grants, bundle: Bundle) -> list[str]:
     by_point = {}
-    for m in t.mounts:
+    for m in table:
         by_point[os.path.normpath(m.mountpoint)] = m  # the last mount at a point is the one seen
     out = []
     for p in g.masked_paths:
@@ -433,6 +438,7 @@ def _mount_tables(t: Tasks, g: Grants) -> list[str]:
         if len(table) > MAX_MOUNTS:  # each mount is compared with the others: a huge table is not worth the time
             return [f"its images record {len(table)} mounts in one mount namespace, more than {MAX_MOUNTS} (mounts)"]
         root = criu_tasks.root_of(table)
+        out += _stacked(table)
         for m in table:
             if ".." in m.root.split("/") or ".." in m.mountpoint.split("/"):  # CRIU joins them to paths as written
                 out.append(f"the mount table in its images has {m.fs} at {printable(m.mountpoint, 100)} of root "
@@ -442,6 +448,16 @@ def _mount_tables(t: Tasks, g: Grants) -> list[str]:
             if problem:
                 out.append(problem)
     return out
+
+
+def _stacked(table: list[Mount]) -> list[str]:
+    """Two mounts at one point with mounts below it: the upper one hides what the lower one holds (a
+    second /proc over the first hides the masks and the read-only /proc/sys that runc put there)."""
+    points = sorted(os.path.normpath(m.mountpoint) for m in table)
+    twice = {p for p, q in zip(points, points[1:], strict=False) if p == q}
+    below = {p for p in twice if any(q.startswith(p.rstrip("/") + "/") for q in points)}
+    return [f"the mount table in its images has a second mount at {printable(p, 100)} over one with mounts below it, "
+            "which it would hide (mounts)" for p in sorted(below)]
 
 
 def _declared(g: Grants, path: str, *, above: bool = False) -> MountDecl | None:

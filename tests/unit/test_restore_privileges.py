@@ -645,8 +645,9 @@ def test_a_filesystem_criu_would_mount_afresh_from_what_the_images_name_is_refus
 
     for name, point, fs, ro, parent in (("at", "/data", OVERLAY, False, 1), ("below", "/data/v", AUTO, False, 1),
                                         ("view", "/etc/x", OVERLAY, True, 1), ("stacked", "/", AUTO, False, ROOT_MNT)):
-        assert "which CRIU would mount as its images describe: the container supplies no such filesystem (mounts)" \
-            in str(refused(images(name, point, fs, read_only=ro, parent=parent), b)), name
+        want = "a second mount at / over one with mounts below it" if name == "stacked" else \
+            "which CRIU would mount as its images describe: the container supplies no such filesystem (mounts)"
+        assert want in str(refused(images(name, point, fs, read_only=ro, parent=parent), b)), name
         if name != "stacked":  # of the root's device: a bind of the new root
             passes(images(name + "-root-dev", point, fs, read_only=ro, dev=40, parent=parent), b)
 
@@ -731,6 +732,21 @@ def test_a_process_whose_ids_omit_a_namespace_is_read_as_protobuf_reads_it(tmp_p
         *ids, (10, 99)]))
     with pytest.raises(CheckpointInvalid, match="process 2 is in another user namespace than the tree's first"):
         rp.check(other, runc_bundle(tmp_path, "userns"), "ck", lsm=rp.LSM_NONE)
+
+
+def test_a_mount_stacked_over_masks_and_a_second_namespace_without_them_are_refused(tmp_path):
+    """A second /proc over runc's hides its masks and the read-only /proc/sys (core_pattern writable);
+    a tmpfs over the root, everything; a second mount namespace whose /proc has neither was not
+    compared with linux.maskedPaths and readonlyPaths at all."""
+    over = runc_images(tmp_path, "over").mount("/proc", False, fs=PROC)
+    assert "a second mount at /proc over one with mounts below it, which it would hide (mounts)" in \
+        str(refused(over.write(), runc_bundle(tmp_path)))
+    root = runc_images(tmp_path, "root").mount("/", False, fs=TMPFS)
+    assert "a second mount at / over one" in str(refused(root.write(), runc_bundle(tmp_path)))
+    im = runc_images(tmp_path, "nested").proc(2, {2: DEFAULT_ROOT}, mnt_ns=10)
+    im.nested = [Images._mnt(900, "/", 0), Images._mnt(901, "/proc", 0, PROC)]
+    assert "leaves /proc/sys writable but the container makes it read-only (linux.readonlyPaths)" in \
+        str(refused(im.write(), runc_bundle(tmp_path)))
 
 
 def test_a_bundle_that_restricts_nothing_may_receive_any_mount(tmp_path):
