@@ -120,7 +120,10 @@ class Mount:
 
     @property
     def read_only(self) -> bool:
-        return bool((self.flags | self.sb_flags) & MS_RDONLY)
+        """Read-only as the mount itself: CRIU applies sb_flags only to a filesystem it mounts afresh; a
+        bind (an external mount, or one of another's device) is remounted with `flags` alone, so a
+        read-only superblock flag on a read-write bind leaves it writable."""
+        return bool(self.flags & MS_RDONLY)
 
     @property
     def fs(self) -> str:

@@ -669,6 +669,16 @@ def test_a_huge_mount_table_is_refused_not_compared_for_minutes(tmp_path):
     assert "more than 2048 (mounts)" in str(refused(im.write(), runc_bundle(tmp_path)))
 
 
+def test_a_read_only_superblock_flag_does_not_make_a_bind_read_only(tmp_path):
+    """CRIU remounts a bind with the mount's own flags; sb_flags apply only to a filesystem it mounts
+    afresh. A read-write bind with a read-only superblock flag passed a read-only volume."""
+    data = {"destination": "/data", "type": "bind", "source": str(tmp_path), "options": ["rbind", "ro"]}
+    im = runc_images(tmp_path).mount("/data", False, fs=0, ext_key="/data")
+    im.mounts[-1]["sb_flags"] = 1  # MS_RDONLY on the superblock only
+    assert "has /data (fstype 0) read-write but the container makes it read-only (mounts)" in \
+        str(refused(im.write(), runc_bundle(tmp_path, mounts=[*RUNC_MOUNTS, data])))
+
+
 def test_a_destination_is_matched_through_the_root_filesystems_symlinks(tmp_path):
     b = runc_bundle(tmp_path, mounts=[*RUNC_MOUNTS, {"destination": "/var/run/secrets", "type": "bind",
                                                      "source": str(tmp_path), "options": ["rbind", "ro"]}])
