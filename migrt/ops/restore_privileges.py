@@ -382,6 +382,11 @@ def _exists_here(path: str, bundle: Bundle) -> bool:
     return os.path.lexists(os.path.join(bundle.rootfs, path.lstrip("/")))
 
 
+def _norm(path: str) -> str:
+    """A mount point as the kernel resolves it: '//proc' (which normpath keeps) is /proc."""
+    return "/" + os.path.normpath(path).lstrip("/")
+
+
 def _masked(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
     """In every mount namespace of the images (a second one's table is restored as recorded too)."""
     if not t.mounts or not (g.masked_paths or g.readonly_paths):
@@ -392,14 +397,14 @@ def _masked(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
 def _masked_in(table: list[Mount], g: Grants, bundle: Bundle) -> list[str]:
     by_point = {}
     for m in table:
-        by_point[os.path.normpath(m.mountpoint)] = m  # the last mount at a point is the one seen
+        by_point[_norm(m.mountpoint)] = m  # the last mount at a point is the one seen
     out = []
     for p in g.masked_paths:
-        if os.path.normpath(p) not in by_point and _exists_here(p, bundle):
+        if _norm(p) not in by_point and _exists_here(p, bundle):
             out.append(f"the mount table in its images leaves {p} unmasked but the container masks it "
                        "(linux.maskedPaths)")
     for p in g.readonly_paths:
-        m = by_point.get(os.path.normpath(p))
+        m = by_point.get(_norm(p))
         if (m is None or not m.read_only) and _exists_here(p, bundle):
             out.append(f"the mount table in its images leaves {p} writable but the container makes it read-only "
                        "(linux.readonlyPaths)")
@@ -431,8 +436,8 @@ def _mount_tables(t: Tasks, g: Grants) -> list[str]:
     if not t.mounts:
         return ["its images record no mount table of its own (CRIU would leave its processes in the node's "
                 "mounts) (mounts)"]
-    masked = {os.path.normpath(p) for p in g.masked_paths}
-    ro_paths = {os.path.normpath(p) for p in g.readonly_paths}
+    masked = {_norm(p) for p in g.masked_paths}
+    ro_paths = {_norm(p) for p in g.readonly_paths}
     out = []
     for table in (t.mounts, *t.other_mounts.values()):
         if len(table) > MAX_MOUNTS:  # each mount is compared with the others: a huge table is not worth the time
@@ -453,7 +458,7 @@ def _mount_tables(t: Tasks, g: Grants) -> list[str]:
 def _stacked(table: list[Mount]) -> list[str]:
     """Two mounts at one point with mounts below it: the upper one hides what the lower one holds (a
     second /proc over the first hides the masks and the read-only /proc/sys that runc put there)."""
-    points = sorted(os.path.normpath(m.mountpoint) for m in table)
+    points = sorted(_norm(m.mountpoint) for m in table)
     twice = {p for p, q in zip(points, points[1:], strict=False) if p == q}
     below = {p for p in twice if any(q.startswith(p.rstrip("/") + "/") for q in points)}
     return [f"the mount table in its images has a second mount at {printable(p, 100)} over one with mounts below it, "
@@ -474,10 +479,10 @@ def _declared(g: Grants, path: str, *, above: bool = False) -> MountDecl | None:
 
 def _under(table: list[Mount], m: Mount) -> int | None:
     """The fstype of the mount `m` was made on (the nearest mount above its mountpoint)."""
-    p = os.path.normpath(m.mountpoint)
+    p = _norm(m.mountpoint)
     best = None
     for o in table:
-        q = os.path.normpath(o.mountpoint)
+        q = _norm(o.mountpoint)
         if o is not m and (q == "/" or p.startswith(q + "/")) and (best is None or len(q) >= len(best[0])):
             best = (q, o.fstype)
     return None if best is None else best[1]
@@ -485,7 +490,7 @@ def _under(table: list[Mount], m: Mount) -> int | None:
 
 def _mount(m: Mount, table: list[Mount], g: Grants, masked: set[str], ro_paths: set[str]) -> str | None:
     """Why the mount `m` CRIU would recreate is not one the container declares (None: it is)."""
-    p = os.path.normpath(m.mountpoint)
+    p = _norm(m.mountpoint)
     what = f"the mount table in its images has {m.fs} mounted at {p}" + \
         (f" (a bind of the external mount {m.ext_key})" if m.ext_key is not None else "")
     need_ro = "linux.readonlyPaths" if p in ro_paths else None

@@ -751,6 +751,9 @@ def test_a_mount_stacked_over_masks_and_a_second_namespace_without_them_are_refu
     over = runc_images(tmp_path, "over").mount("/proc", False, fs=PROC)
     assert "a second mount at /proc over one with mounts below it, which it would hide (mounts)" in \
         str(refused(over.write(), runc_bundle(tmp_path)))
+    slashes = runc_images(tmp_path, "slashes").mount("//proc", False, fs=TMPFS)  # '//proc' is /proc to the kernel
+    assert "a second mount at /proc over one with mounts below it" in \
+        str(refused(slashes.write(), runc_bundle(tmp_path)))
     root = runc_images(tmp_path, "root").mount("/", False, fs=TMPFS)
     assert "a second mount at / over one" in str(refused(root.write(), runc_bundle(tmp_path)))
     im = runc_images(tmp_path, "nested").proc(2, {2: DEFAULT_ROOT}, mnt_ns=10)
