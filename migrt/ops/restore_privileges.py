@@ -395,9 +395,7 @@ def _masked(t: Tasks, g: Grants, bundle: Bundle) -> list[str]:
 
 
 def _masked_in(table: list[Mount], g: Grants, bundle: Bundle) -> list[str]:
-    by_point = {}
-    for m in table:
-        by_point[_norm(m.mountpoint)] = m  # the last mount at a point is the one seen
+    by_point = {_norm(m.mountpoint): m for m in table}  # the last mount at a point is the one seen
     out = []
     for p in g.masked_paths:
         if _norm(p) not in by_point and _exists_here(p, bundle):
