@@ -51,7 +51,13 @@ bundle's config.json grants (oci/grants.py), and the restore is refused, naming 
                 (no kernel filesystem), or a fresh tmpfs, mqueue or devpts (the checkpoint's own
                 files); never writable where the bundle says read-only (the entry's "ro", the one
                 above it, linux.readonlyPaths; a tmpfs under root.readonly); no table at all
-                (CRIU would leave the tree in the node's mounts) is refused
+                (CRIU would leave the tree in the node's mounts) is refused; so are a filesystem
+                CRIU would mount afresh from the images' source and options (overlay, auto, aufs,
+                fuse, autofs, simfs) unless of the device of the new root or an external mount, a
+                second mount at a point with mounts below it (it hides them), a root or mount point
+                with '..', and more than MAX_MOUNTS mounts; masked and read-only paths are compared
+                in every mount namespace; images are read as CRIU's protobuf-c reads them (a
+                varint's low 32 bits, an embedded message written twice merged)
   user namespace  CRIU recreates the one its images record (userns-<id>.img) and runc passes no
                 mapping: with linux.namespaces user, the images' uid and gid maps == uidMappings /
                 gidMappings (a namespace joined by path: that process's maps); without one, the
