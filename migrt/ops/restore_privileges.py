@@ -537,9 +537,10 @@ def _mount(m: Mount, table: list[Mount], g: Grants, masked: set[str], ro_paths: 
 
 def _supplied_device(m: Mount, table: list[Mount]) -> bool:
     """Does CRIU bind `m` from a filesystem the restore supplies (the new root, an external mount): one
-    of the same device in the table?"""
+    of the same device in the table whose root holds `m`'s (otherwise CRIU has nothing to bind it from)?"""
     root = criu_tasks.root_of(table)
-    return any(o is not m and o.root_dev == m.root_dev and (o.ext_key is not None or o is root) for o in table)
+    return any(o is not m and o.root_dev == m.root_dev and (o.ext_key is not None or o is root)
+               and (m.root + "/").startswith(o.root.rstrip("/") + "/") for o in table)  # CRIU binds from within
 
 
 def _fits(m: Mount, decl: MountDecl) -> bool:

@@ -662,6 +662,22 @@ def test_a_mount_whose_root_or_mountpoint_climbs_with_dot_dot_is_refused(tmp_pat
     passes(runc_images(tmp_path, "ok").mount("/etc/x", True, root="/etc").write(), b)
 
 
+def test_a_fresh_filesystem_is_bound_from_an_external_mount_only_from_within_its_root(tmp_path):
+    """CRIU binds a mount from one of its device whose root holds its root; otherwise it mounts it afresh
+    (an overlay with the images' options)."""
+    bind = {"destination": "/data", "type": "bind", "source": str(tmp_path), "options": ["rbind"]}
+    b = runc_bundle(tmp_path, mounts=[*RUNC_MOUNTS, bind])
+    for name, root, ok in (("outside", "/", False), ("within", "/srv/v", True)):
+        im = runc_images(tmp_path, name).mount("/data", False, fs=0, ext_key="/data", root="/srv")
+        im.mounts[-1]["root_dev"] = 77
+        im.mount("/data/v", False, fs=OVERLAY, root=root)
+        im.mounts[-1].update(root_dev=77, options="lowerdir=/")
+        if ok:
+            passes(im.write(), b)
+        else:
+            assert "which CRIU would mount as its images describe" in str(refused(im.write(), b))
+
+
 def test_a_huge_mount_table_is_refused_not_compared_for_minutes(tmp_path):
     im = runc_images(tmp_path)
     for i in range(rp.MAX_MOUNTS):
