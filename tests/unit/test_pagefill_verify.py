@@ -208,7 +208,7 @@ def test_commit_records_the_chunk_digests_of_multi_chunk_files(store, small_chun
     assert mf.file_chunks(loaded, "images/pages-1.img") == want
     assert mf.file_chunks(loaded, "images/core-1.img") == [hashlib.sha256(b"core").digest()]
     # a record that does not fold into the file's digest (altered), or of another length, is not used
-    bad = json.loads(json.dumps(loaded))
+    bad = json.loads(json.dumps(loaded.raw))
     bad[mf.CHUNKS]["images/pages-1.img"] = "00" + bad[mf.CHUNKS]["images/pages-1.img"][2:]
     assert mf.file_chunks(bad, "images/pages-1.img") is None
     bad[mf.CHUNKS]["images/pages-1.img"] = bad[mf.CHUNKS]["images/pages-1.img"][:64]

@@ -44,7 +44,7 @@ def test_flipped_byte_in_second_chunk_is_caught(tmp_path):
     images.mkdir()
     _write(images / "pages-1.img", TREE_CHUNK + 4096)
     files = hash_tree(str(tmp_path), ["images/pages-1.img"])
-    data = {"schema": 1, "name": "big", "created": "x", "files": files}
+    data = mf.Manifest.from_dict({"schema": 1, "name": "big", "created": "x", "files": files})
     mf.verify(str(tmp_path), data, "big")
     with open(images / "pages-1.img", "r+b") as fh:
         fh.seek(TREE_CHUNK + 100)
