@@ -217,7 +217,8 @@ def load(path: str | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping of keys, got {type(data).__name__}")
     known = {"runtime", "store", "restore_failure_policy", "log_file", "log_level", "runtime_roots", "criu_options",
-             "allow_cross_namespace_restore", "allow_unbound_checkpoints", "migration_key_file", "migration_tls", "store_space_check",
+             "allow_cross_namespace_restore", "allow_unbound_checkpoints", "migration_key_file", "migration_tls",
+             "store_space_check",
              "migration_stall_timeout", "migration_streams", "agent_listen", "migrate_any_container",
              "migrate_peers",
              "criu"}  # criu: read as one line by migrt.criu.binary (which CRIU migrt uses)
@@ -225,7 +226,8 @@ def load(path: str | None = None) -> Config:
     known |= set(GPU_KEYS) | set(PAGE_KEYS) | set(DUMP_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"config {path}: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"config {path}: unknown key(s) {', '.join(map(str, unknown))}; "
+                          f"known: {', '.join(sorted(known))}")
     for key in ("runtime", "store", "log_file"):
         if key in data:
             if not isinstance(data[key], str) or not data[key]:
@@ -275,7 +277,8 @@ def _choose(cfg: Config, data: dict, path: str, key: str, choices: tuple, hint: 
     """cfg.<key> from data when it is one of choices (else its default); ConfigError otherwise."""
     value = data.get(key, getattr(cfg, key))
     if value not in choices:
-        raise ConfigError(f"config {path}: '{key}' must be one of {choices}, got {value!r}" + (f" {hint}" if hint else ""))
+        raise ConfigError(f"config {path}: '{key}' must be one of {choices}, got {value!r}"
+                          + (f" {hint}" if hint else ""))
     setattr(cfg, key, value)
 
 

@@ -76,7 +76,8 @@ def migrate(container_id, to, root, pre_dump, lazy, direct, name, free_source_ea
                f"{human_size(res['bytes'])} sent at {_rate(res['bytes'], transfer)}; total {res['total_s']:.3f} s",
                err=True)
     if res.get("gpu"):
-        click.echo(f"  GPU: checkpoint {res['phases'].get('gpu_checkpoint_s', 0):.3f} s; " + _gpu_line(res["gpu"]), err=True)
+        gpu_s = res["phases"].get("gpu_checkpoint_s", 0)
+        click.echo(f"  GPU: checkpoint {gpu_s:.3f} s; " + _gpu_line(res["gpu"]), err=True)
     click.echo(res["name"])
 
 

@@ -25,11 +25,10 @@ import time
 
 from migrt.config import Config
 from migrt.errors import MigrtError
-from migrt.runtime import control
-from migrt.runtime import moved as moved_marks
-from migrt.migration.protocol import TransferError
 from migrt.migration.tls import TLSFiles
 from migrt.migration.wire import connect, load_key
+from migrt.runtime import control
+from migrt.runtime import moved as moved_marks
 
 RUNNING, ABSENT = "running", "absent"
 ASK_STALLS = 3  # how long a source in doubt keeps asking, in migration_stall_timeouts
@@ -83,7 +82,7 @@ def abort_page_server(page_server: tuple[str, int] | None) -> None:
     if not page_server:
         return
     try:
-        with socket.create_connection(tuple(page_server), timeout=2) as sk:
+        with socket.create_connection((page_server[0], page_server[1]), timeout=2) as sk:
             sk.sendall(b"\xff" * 64)
     except OSError:
         pass

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 from migrt.oci.bundle import Bundle
 
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    from typing import Any
+
 CAPS = ("CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP",
         "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW", "IPC_LOCK", "IPC_OWNER",
         "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE", "SYS_PACCT", "SYS_ADMIN", "SYS_BOOT", "SYS_NICE",
@@ -36,6 +40,12 @@ _DEFAULT_RULES = [(True, "c", WILDCARD, WILDCARD, "m"), (True, "b", WILDCARD, WI
                   *[(True, t, ma, mi, "rwm") for t, ma, mi in sorted(set(DEFAULT_DEVICES.values()))],
                   (True, "c", PTY_MAJOR, WILDCARD, "rwm")]
 
+
+
+def _section(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """config.json's object at `key`, or an empty one where it is absent or not an object."""
+    value = data.get(key)
+    return value if isinstance(value, dict) else {}
 
 def cap_names(mask: int) -> list[str]:
     return [f"CAP_{CAPS[i]}" if i < len(CAPS) else f"capability {i}" for i in range(64) if mask >> i & 1]
@@ -99,9 +109,9 @@ class Grants:
     @classmethod
     def of(cls, bundle: Bundle) -> Grants:
         cfg = bundle.config
-        proc = cfg.get("process") if isinstance(cfg.get("process"), dict) else {}
-        linux = cfg.get("linux") if isinstance(cfg.get("linux"), dict) else {}
-        user = proc.get("user") if isinstance(proc.get("user"), dict) else {}
+        proc = _section(cfg, "process")
+        linux = _section(cfg, "linux")
+        user = _section(proc, "user")
         g = cls(uid=_int(user.get("uid"), 0), gid=_int(user.get("gid"), 0),
                 additional_gids=frozenset(x for x in user.get("additionalGids") or [] if isinstance(x, int)))
         caps = proc.get("capabilities")
@@ -112,9 +122,9 @@ class Grants:
         g.seccomp = isinstance(linux.get("seccomp"), dict)
         g.apparmor = _label(proc.get("apparmorProfile"))
         g.selinux = _label(proc.get("selinuxLabel"))
-        root = cfg.get("root") if isinstance(cfg.get("root"), dict) else {}
+        root = _section(cfg, "root")
         g.readonly_root = root.get("readonly") is True
-        resources = linux.get("resources") if isinstance(linux.get("resources"), dict) else {}
+        resources = _section(linux, "resources")
         rules = resources.get("devices")
         if isinstance(rules, list):
             g.device_rules = [r for r in (_rule(x) for x in rules) if r is not None]
@@ -269,4 +279,4 @@ def _rule(x) -> DeviceRule | None:
     minor = x.get("minor")
     return DeviceRule(allow=x["allow"], type=kind, major=major if isinstance(major, int) and major >= 0 else WILDCARD,
                       minor=minor if isinstance(minor, int) and minor >= 0 else WILDCARD,
-                      access=x.get("access") if isinstance(x.get("access"), str) and x.get("access") else "rwm")
+                      access=access if isinstance(access := x.get("access"), str) and access else "rwm")

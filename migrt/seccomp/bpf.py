@@ -48,7 +48,7 @@ def decode(raw: bytes) -> list[Insn]:
     """struct sock_filter[] as CRIU stores it (native byte order, 8 bytes an instruction)."""
     if not raw or len(raw) % 8 or len(raw) // 8 > MAX_INSNS:
         raise BpfError(f"a seccomp filter of {len(raw)} bytes (want 8 to {8 * MAX_INSNS}, a multiple of 8)")
-    return [tuple(i) for i in struct.iter_unpack("<HBBI", raw)]  # type: ignore[misc]
+    return [(c, jt, jf, k) for c, jt, jf, k in struct.iter_unpack("<HBBI", raw)]
 
 
 def encode(prog: Sequence[Insn]) -> bytes:
@@ -97,6 +97,8 @@ def run(prog: Sequence[Insn], data: Sequence[int]) -> int:
             return (k if code & 0x18 == 0 else a) & FULL
         elif cls in (_LD, _LDX):
             v = _load(code, k, lambda w: data[w], mem)
+            if not isinstance(v, int):  # (a concrete input gives a concrete word)
+                raise BpfError(f"instruction {pc - 1} loads no value")
             a, x = (v, x) if cls == _LD else (a, v)
         elif cls in (_ST, _STX):
             mem[_slot(k)] = a if cls == _ST else x
@@ -279,11 +281,11 @@ def paths(prog: Sequence[Insn], inputs: Words, budget: int = _STEPS,
                     pc += k
                     continue
                 rhs = x if code & _SRC_X else k
-                if isinstance(a, int) and isinstance(rhs, int):
-                    pc += jt if _test(op, a, rhs) else jf
-                    continue
                 if not isinstance(rhs, int):
                     raise Uncomparable("a jump that compares with an input word in X")
+                if isinstance(a, int):
+                    pc += jt if _test(op, a, rhs) else jf
+                    continue
                 w, mask = a
                 d = doms[w]
                 t, f = d.cut(mask, op, rhs, True), d.cut(mask, op, rhs, False)
@@ -313,7 +315,7 @@ def paths(prog: Sequence[Insn], inputs: Words, budget: int = _STEPS,
                         out.append((0, doms))
                         break
                     a = r
-                elif op == _AND and isinstance(rhs, int):
+                elif op == _AND and isinstance(rhs, int) and not isinstance(a, int):
                     a = (a[0], a[1] & rhs) if a[1] & rhs else 0
                 else:
                     raise Uncomparable(f"arithmetic (ALU {op:#x}) on an input word")

@@ -146,7 +146,7 @@ class Comparer:
                 found.append(w)
                 if (w.arch == self.arches[0] and w.nr < P.X32_BIT) or len(found) > 64:
                     break  # a native call names the finding best; others only when there is none
-            self._cache[key] = found[-1] if found and found[-1].nr < P.X32_BIT else (found or [None])[0]
+            self._cache[key] = found[-1] if found and found[-1].nr < P.X32_BIT else (found[0] if found else None)
         return self._cache[key]
 
     def _weaker(self, stack, arch) -> Iterator[Weaker]:

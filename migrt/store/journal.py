@@ -92,7 +92,7 @@ def begin(store_root: str, op: str, phase: str = "started", **fields) -> Entry:
     fcntl.flock(fd, fcntl.LOCK_EX)
     data = {"id": entry_id, "op": op, "pid": os.getpid(), "started": time.time(), **fields}
     entry = Entry(store_root, entry_id, data, fd)
-    entry.update(phase, **{})
+    entry.update(phase)
     return entry
 
 
