@@ -303,12 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few iterations (under a minute)")
     ap.add_argument("--json-out", default=DEFAULT_JSON, help=f"JSON results (default {DEFAULT_JSON})")
-    ap.add_argument("--shim", default=MIGRT_RUNC,
-                    help=f"the migrt-runc to time against runc (default {MIGRT_RUNC}; e.g. a launcher of an older "
+    ap.add_argument("--shim", default=None,
+                    help="the migrt-runc to time against runc (default /usr/local/bin/migrt-runc; e.g. a launcher of an older "
                          "checkout, for a before/after pair of runs)")
     args = ap.parse_args(argv)
-    global MIGRT_RUNC
-    MIGRT_RUNC = args.shim
+    if args.shim:
+        globals()["MIGRT_RUNC"] = args.shim
     if os.geteuid() != 0:
         raise SystemExit("run as root (runc, containerd)")
 
