@@ -41,7 +41,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from migrt import jsonsafe
 from migrt import log as log_mod
 from migrt.config import Config
 from migrt.errors import Conflict, PreconditionFailed, UsageError
@@ -50,6 +49,7 @@ from migrt.migration.channel import Channel
 from migrt.migration.pull import describe
 from migrt.migration.receive import ReceiveOptions, Receiver, Report
 from migrt.oci.bundle import MIGRATABLE_ANNOTATION, Bundle
+from migrt.pods import members
 from migrt.runtime import moved
 from migrt.runtime.runc import LowerRuntime, candidate_roots
 
@@ -78,14 +78,6 @@ def _running(runtime: LowerRuntime, root: str, cid: str) -> bool:
         return runtime.state(root, cid).alive
     except Exception:  # noqa: BLE001 - gone meanwhile, unreadable: not a candidate
         return False
-
-
-def _state_bundle(root: str, cid: str) -> Bundle | None:
-    try:
-        with open(os.path.join(root, cid, "state.json"), encoding="utf-8") as fh:
-            return Bundle.of_state(jsonsafe.load(fh))
-    except (OSError, ValueError):
-        return None
 
 
 class Refused(PreconditionFailed):
@@ -117,24 +109,17 @@ def _by_id(cfg: Config, cid: str) -> list[Located]:
     if not _ID.fullmatch(cid):
         return []  # never a path: '..', '.hidden', 'a/b'
     roots = [r for r in candidate_roots(cfg.runtime_roots) if os.path.isfile(os.path.join(r, cid, "state.json"))]
-    return [Located(r, cid, b) for r in roots if (b := _state_bundle(r, cid)) is not None]
+    return [Located(r, cid, b) for r in roots if (b := members.state_bundle(r, cid)) is not None]
 
 
 def _by_name(cfg: Config, want: dict) -> list[Located]:
     key = (want["namespace"], want["pod"], want["container"])
     found = []
-    for root in candidate_roots(cfg.runtime_roots):
-        try:
-            entries = os.listdir(root)
-        except OSError:
-            continue
-        for cid in entries:
-            bundle = _state_bundle(root, cid) if not cid.startswith(".") else None
-            if bundle is None or not bundle.is_application_container:
-                continue
-            meta = bundle.cri_metadata()
-            if (meta.get("pod_namespace"), meta.get("pod_name"), meta.get("container_name")) == key:
-                found.append(Located(root, cid, bundle))
+    for f in members.scan(cfg):
+        meta = f.bundle.cri_metadata()
+        if f.bundle.is_application_container and \
+                (meta.get("pod_namespace"), meta.get("pod_name"), meta.get("container_name")) == key:
+            found.append(Located(f.root, f.cid, f.bundle))
     return found
 
 
