@@ -24,6 +24,15 @@ or /dev/shm for the store with --shm when memory allows). Prints a table of medi
 (default bench/results/registry.json); the last line is
 
     registry gb=<largest size> push_mbps=<..> pull_mbps=<..> cp_mbps=<..> pull_restore_ratio=<..> second_push_pct=<..>
+             running_ratio=<..> fill_vs_pump=<..> four_running_ratio=<..>
+
+Above it, issue 30's targets side by side (TARGETS): a restore by reference until the workload runs
+(memhog's first tick, stamped by memhog) against the local restore of the same checkpoint (<= 2x);
+its full fill (every page in: the page filler's guard gone; for a restore that pulled first, the pull
+is in it) in MB/s against the raw GET pump (>= 0.8); push and pull against the raw pump (>= 0.8);
+four restores by reference at once, the slowest until running against one alone (<= 3x). How each
+restore got its pages is read from its own records in migrt's log (restore_path): a full pull and
+then a restore from the store, or a lazy restore from the registry.
 
 Run as root (runc, CRIU 4.2+, gcc, docker-registry, htpasswd, openssl, migrt and migrt-runc on PATH
 or MIGRT_BINDIR). Everything it starts is removed.
@@ -214,29 +223,138 @@ def synthetic(lab: Lab, size_gib: float, tag: str) -> str:
     return name
 
 
-def restore(lab: Lab, request: str, ready: bytes, tag: str) -> tuple[float, dict]:
-    """migrt-runc create with MIGRT_RESTORE=request; checksum checked; the container deleted."""
+def container_events(log_file: str, cid: str) -> list[dict]:
+    """migrt's log records about one container (the shim's `container_id` or `container`)."""
+    out = []
+    with open(log_file, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and cid in (ev.get("container_id"), ev.get("container")):
+                out.append(ev)
+    return out
+
+
+def restore_path(events: list[dict]) -> str:
+    """How a restore got its pages, from its own records: 'lazy from registry' (pages fetched by range
+    while the container runs), 'full pull, then <mode>' (every byte pulled into the store first, then
+    restored from there: eager, or lazily from the local copy), 'store, <mode>' (no reference, or the
+    image already in the store)."""
+    ready = next((e for e in events if e.get("event") == "restore_image_ready"), None)
+    done = next((e for e in reversed(events) if e.get("event") == "restored"), None)
+    pages = (done or {}).get("pages") or {}
+    mode = pages.get("mode") or "?"
+    remote = pages.get("remote") or pages.get("source") or (ready or {}).get("lazy") or (ready or {}).get("mode")
+    if mode == "lazy" and isinstance(remote, (str, dict)) and "registry" in json.dumps(remote) \
+            or (ready or {}).get("pulled") == "lazy":
+        return "lazy from registry"
+    if ready is not None and ready.get("pulled"):
+        return f"full pull, then {mode}"
+    return f"store, {mode}"
+
+
+def _guard_of(cid: str) -> tuple[int, str] | None:
+    """The page filler's guard of a restored container (pid, status file), found by its argv."""
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"migrt.pagefill.guard" not in argv or len(argv) < 4:
+            continue
+        try:
+            args = json.loads(argv[argv.index(b"migrt.pagefill.guard") + 1])
+        except (ValueError, IndexError):
+            continue
+        if args.get("container_id") == cid:
+            return pid, args.get("status") or ""
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class FillWatch(threading.Thread):
+    """Until every page of a restored container is in, watched from right after its create: the page
+    filler's guard exits once the fill is over (an eager restore, or a fill over before we looked,
+    has none: then the fill ended by the create's return). After join(): done_at (monotonic), guard
+    (seen), lazy_bytes and copied_bytes from its last status."""
+
+    def __init__(self, cid: str, timeout: float = 3600) -> None:
+        super().__init__(daemon=True)
+        self.cid, self.timeout = cid, timeout
+        self.found = _guard_of(cid)
+        self.done_at = time.monotonic()
+        self.last: dict = {}
+        self.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.found and _alive(self.found[0]) and time.monotonic() < deadline:
+            try:
+                with open(self.found[1], encoding="utf-8") as fh:
+                    self.last = json.load(fh)
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.01)
+        self.done_at = time.monotonic()
+
+    def result(self, log_file: str) -> dict:
+        self.join(self.timeout + 10)
+        if self.found and _alive(self.found[0]):
+            raise RuntimeError(f"{self.cid}: the page fill is not over after {self.timeout:.0f} s")
+        failed = [e for e in container_events(log_file, self.cid) if e.get("event") == "page_fill_failed"]
+        if failed:
+            raise RuntimeError(f"{self.cid}: the page fill failed: {failed[-1].get('error')}")
+        return {"done_at": self.done_at, "guard": self.found is not None,
+                "lazy_bytes": self.last.get("lazy_bytes"), "copied_bytes": self.last.get("copied_bytes")}
+
+
+def first_tick(out_file: str, wall0: float, timeout: float = 600) -> float:
+    """Seconds from wall0 (time.time()) to the restored memhog's first tick (it stamps each tick with
+    CLOCK_REALTIME): when the workload runs again."""
+    return float(wait_line(out_file, b"tick ", timeout=timeout).split()[2]) - wall0
+
+
+def restore(lab: Lab, request: str, ready: bytes, tag: str) -> dict:
+    """migrt-runc create with MIGRT_RESTORE=request, as containerd calls it: until create returns
+    (create_s), until the workload's first tick (running_s), until every page is in (filled_s); how
+    the pages came (path); then the memory re-hashed to memhog's checksum; the container deleted."""
     dst = f"rg-dst-{tag}-{uuid.uuid4().hex[:4]}"
     bundle = lab.bundle(os.path.join(lab.base, f"bundle-{dst}"), ["sh", "-c", "echo started-fresh"],
                         env=[f"MIGRT_RESTORE={request}"])
     out_file = os.path.join(lab.base, f"{dst}.out")
     try:
         with open(os.devnull, "rb") as devnull, open(out_file, "ab") as out:
-            t0 = time.monotonic()
+            wall0, t0 = time.time(), time.monotonic()
             rc = subprocess.run([SHIM, "--root", lab.root, "create", "--bundle", bundle, dst], stdin=devnull,
                                 stdout=out, stderr=out, env=lab.env, timeout=3600).returncode
-            seconds = time.monotonic() - t0
+            create_s = time.monotonic() - t0
         if rc != 0:
             with open(out_file, "rb") as fh:
                 raise RuntimeError(f"restore of {request} failed ({rc}): {fh.read()[-2000:]!r}")
+        watch = FillWatch(dst)
         subprocess.run([SHIM, "--root", lab.root, "start", dst], env=lab.env, check=True, timeout=60)
+        running_s = first_tick(out_file, wall0)
+        fill = watch.result(lab.log_file)
+        events = container_events(lab.log_file, dst)
         parts = restored_timings(lab.log_file, dst)
         pid = json.loads(runc(lab, "state", dst).stdout)["pid"]
         os.kill(pid, signal.SIGUSR1)
         got = wait_line(out_file, b"sum ", timeout=900).split()[1]
         if got != ready:
             raise RuntimeError(f"checksum mismatch after restoring {request}: {got!r} != {ready!r}")
-        return seconds, parts
+        return {"create_s": round(create_s, 3), "running_s": round(running_s, 3),
+                "filled_s": round(max(fill["done_at"] - t0, create_s), 3), "filler_seen": fill["guard"],
+                "lazy_bytes": fill["lazy_bytes"], "path": restore_path(events), "parts": parts}
     finally:
         runc(lab, "delete", "--force", dst, check=False)
         shutil.rmtree(bundle, ignore_errors=True)
@@ -251,15 +369,15 @@ def _drop_pulled(lab: Lab, tag: str) -> None:
         cli(lab, "rm", *pulled)
 
 
-def concurrent_restores(lab: Lab, request: str, ready: bytes, n: int) -> list[float]:
+def concurrent_restores(lab: Lab, request: str, ready: bytes, n: int) -> list[dict]:
     """n `migrt-runc create`s restoring one image reference at once on one store that does not have
-    it (one pulls, the others wait for it and restore from it), each checksummed; the create time of
-    each."""
+    it (one pulls, the others wait for it and restore from it), each checksummed; restore()'s figures
+    of each."""
     out: list = [None] * n
 
     def one(i: int) -> None:
         try:
-            out[i] = restore(lab, request, ready, f"c{i}")[0]
+            out[i] = restore(lab, request, ready, f"c{i}")
         except BaseException as exc:  # noqa: BLE001 - raised below
             out[i] = exc
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
@@ -270,6 +388,41 @@ def concurrent_restores(lab: Lab, request: str, ready: bytes, n: int) -> list[fl
     for r in out:
         if isinstance(r, BaseException):
             raise r
+    return out
+
+
+def room_for(nbytes: int) -> bool:
+    """Memory for that much restored memory at once, with 1 GiB to spare."""
+    return meminfo("MemAvailable") >= nbytes + GIB
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 3) if num is not None and den else None
+
+
+def restore_figures(local: dict, byref: dict, four: list[dict], wired: dict) -> dict:
+    """One run's restore figures, flat: the local restore, the one by reference and the four at once
+    (until running, until filled), the fill's MB/s beside the raw GET pump's, how the pages came."""
+    nbytes = wired["wire_bytes"]
+    out = {"restore_local_s": local["create_s"], "restore_local_running_s": local["running_s"],
+           "restore_local_filled_s": local["filled_s"], "restore_local_path": local["path"],
+           "restore_local_filler_seen": local["filler_seen"], "byref_filler_seen": byref["filler_seen"],
+           "restore_local_verify_s": local["parts"].get("verify_s"),
+           "restore_local_runc_s": local["parts"].get("restore_s"),
+           "pull_restore_s": byref["create_s"], "byref_running_s": byref["running_s"],
+           "byref_filled_s": byref["filled_s"], "byref_path": byref["path"],
+           "pull_restore_runc_s": byref["parts"].get("restore_s"),
+           "pull_restore_ratio": ratio(byref["create_s"], local["create_s"]),
+           "byref_running_ratio": ratio(byref["running_s"], local["running_s"]),
+           "byref_fill_mbps": round(nbytes / 1e6 / byref["filled_s"], 1),
+           "byref_fill_vs_get_pump": ratio(nbytes / byref["filled_s"], wired["wire_get_pump_mbps"] * 1e6),
+           "local_fill_mbps": round(nbytes / 1e6 / local["filled_s"], 1)}
+    if four:
+        out.update({"four_restores_max_s": max(f["create_s"] for f in four),
+                    "four_running_max_s": max(f["running_s"] for f in four),
+                    "four_restores_ratio": ratio(max(f["create_s"] for f in four), byref["create_s"]),
+                    "four_running_ratio": ratio(max(f["running_s"] for f in four), byref["running_s"]),
+                    "four_paths": sorted({f["path"] for f in four})})
     return out
 
 
@@ -313,10 +466,11 @@ def one_run(lab: Lab, reg, size_gib: float, scratch: str) -> dict:
         p2 = cli(lab, "push", a, reg.ref(f"bench/{tag}", "a2"))
         p3 = cli(lab, "push", b, reg.ref(f"bench/{tag}", "b"))
 
-        local_s, local_parts = restore(lab, a, ready, "local")
-        byref_s, byref_parts = restore(lab, "oci:" + ref_a, ready, "byref")
+        local = restore(lab, a, ready, "local")
         _drop_pulled(lab, tag)
-        four = concurrent_restores(lab, "oci:" + ref_a, ready, 4)
+        byref = restore(lab, "oci:" + ref_a, ready, "byref")
+        _drop_pulled(lab, tag)
+        four = concurrent_restores(lab, "oci:" + ref_a, ready, 4) if room_for(4 * size) else []
         _drop_pulled(lab, tag)
         pl = cli(lab, "pull", ref_a, "--name", f"rg-p-{tag}")
         names.append(pl["name"])
@@ -331,12 +485,7 @@ def one_run(lab: Lab, reg, size_gib: float, scratch: str) -> dict:
             "push_changed_s": p3["seconds"], "push_changed_sent": p3["bytes_sent"],
             "push_changed_pct": round(100 * p3["bytes_sent"] / size, 3),
             "pull_s": pl["seconds"], "pull_mbps": round(size / 1e6 / pl["seconds"], 1),
-            "restore_local_s": round(local_s, 3), "restore_local_verify_s": local_parts.get("verify_s"),
-            "restore_local_runc_s": local_parts.get("restore_s"),
-            "pull_restore_s": round(byref_s, 3), "pull_restore_runc_s": byref_parts.get("restore_s"),
-            "pull_restore_ratio": round(byref_s / local_s, 3), "checksum_ok": True,
-            "four_restores_max_s": round(max(four), 3), "four_restores_ratio": round(max(four) / byref_s, 3),
-        }
+            **restore_figures(local, byref, four, wired), "checksum_ok": True}
     finally:
         for cid in running:
             runc(lab, "delete", "--force", cid, check=False)
@@ -354,6 +503,66 @@ def synthetic_run(lab: Lab, reg, size_gib: float, scratch: str) -> dict:
                 **{f"wire_{k}": v for k, v in wire(lab, reg, name, tag, scratch, PARALLEL).items()}}
     finally:
         subprocess.run([CLI, "rm", name], capture_output=True, env=lab.env, timeout=600)
+
+
+def medians(samples: list[dict]) -> dict:
+    """Per key, the median of the runs' numbers (ratios too: the median of the per-run ratios); for
+    words (how a restore got its pages), every distinct value, joined."""
+    out: dict = {}
+    for key in samples[0]:
+        vals = [s[key] for s in samples if s.get(key) is not None]
+        if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[key] = round(statistics.median(vals), 3)
+        elif vals and all(isinstance(v, str) for v in vals):
+            out[key] = " / ".join(dict.fromkeys(vals))
+        elif vals and all(isinstance(v, list) for v in vals):
+            out[key] = " / ".join(dict.fromkeys(x for v in vals for x in v))
+    return out
+
+
+# issue 30's targets: (label, figure key, baseline key, ratio key, "<=" or ">=", bound)
+TARGETS = (
+    ("by reference until running / local lazy restore", "byref_running_s", "restore_local_running_s",
+     "byref_running_ratio", "<=", 2.0),
+    ("by reference: the full fill (MB/s) / raw GET pump", "byref_fill_mbps", "wire_get_pump_mbps",
+     "byref_fill_vs_get_pump", ">=", 0.8),
+    ("push (MB/s) / raw PUT pump", "wire_push_mbps", "wire_put_pump_mbps", "wire_push_vs_put_pump", ">=", 0.8),
+    ("pull (MB/s) / raw GET pump", "wire_pull_mbps", "wire_get_pump_mbps", "wire_pull_vs_get_pump", ">=", 0.8),
+    ("4 restores by reference at once: slowest until running / one alone", "four_running_max_s",
+     "byref_running_s", "four_running_ratio", "<=", 3.0),
+)
+
+
+def targets(row: dict) -> list[dict]:
+    """The row's figures against issue 30's targets: figure, baseline, ratio, bound, met (None when
+    the run did not measure it)."""
+    out = []
+    for label, fig, base, key, op, bound in TARGETS:
+        r = row.get(key)
+        met = None if r is None else (r <= bound if op == "<=" else r >= bound)
+        out.append({"target": label, "figure": row.get(fig), "baseline": row.get(base), "ratio": r,
+                    "bound": f"{op} {bound:g}", "met": met})
+    return out
+
+
+def print_targets(rows: list[dict], runs: int) -> None:
+    for row in rows:
+        if "skipped" in row:
+            continue
+        print(f"{row['size_gib']:g} GiB, issue 30's targets (medians of {runs} run(s); the pages came: by "
+              f"reference {row.get('byref_path', '-')}; locally {row.get('restore_local_path', '-')}; "
+              f"4 at once {row.get('four_paths', '-')})")
+        print(f"  {'':<66} {'figure':>8} {'baseline':>8} {'ratio':>6} {'target':>7}")
+        for t in targets(row):
+            verdict = "-" if t["met"] is None else "met" if t["met"] else "MISSED"
+            print(f"  {t['target']:<66} {_num(t['figure']):>8} {_num(t['baseline']):>8} {_num(t['ratio']):>6} "
+                  f"{t['bound']:>7} {verdict}")
+    print("  figures in s (until running: memhog's first tick after the create began; filled: its page "
+          "filler gone) or MB/s (the image's bytes / time, from the create's start for the fill)")
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.2f}" if v < 100 else f"{v:.0f}"
 
 
 def print_wire(rows: list[dict]) -> None:
@@ -414,11 +623,7 @@ def main() -> int:
                     r = synthetic_run(lab, reg, size, base) if args.synthetic else one_run(lab, reg, size, base)
                     log("  " + json.dumps(r))
                     samples.append(r)
-                row = {"size_gib": size, "runs": samples}
-                for key in samples[0]:
-                    if isinstance(samples[0][key], (int, float)) and not isinstance(samples[0][key], bool):
-                        row[key] = round(statistics.median(s[key] for s in samples), 3)
-                rows.append(row)
+                rows.append({"size_gib": size, "runs": samples, **medians(samples)})
             if args.shm:
                 shutil.rmtree(lab.store, ignore_errors=True)
     finally:
@@ -436,6 +641,8 @@ def main() -> int:
               f"four_pulls_ratio={big['wire_four_pulls_ratio']:.2f}")
     if not args.synthetic:
         print_restores(rows, args.runs)
+        print_targets(rows, args.runs)
+        print(summary_line(rows) or "registry: no size measured")
     return 0
 
 
@@ -454,13 +661,18 @@ def print_restores(rows: list[dict], runs: int) -> None:
             print(f"{r['size_gib']:>4g} GiB: four restores by reference at once on one store: the slowest create "
                   f"{r['four_restores_max_s']:.2f} s, {r['four_restores_ratio']:.2f}x one alone")
     print(f"medians of {runs} run(s); every restore re-hashed the process memory to memhog's checksum")
+
+
+def summary_line(rows: list[dict]) -> str | None:
     done = [r for r in rows if "skipped" not in r]
-    if done:
-        big = done[-1]
-        print(f"registry gb={big['size_gib']:g} push_mbps={big['push_mbps']:.0f} pull_mbps={big['pull_mbps']:.0f} "
-              f"cp_mbps={big['cp_mbps']:.0f} pull_restore_ratio={big['pull_restore_ratio']:.2f} "
-              f"second_push_pct={big['push_unchanged_pct']:.3f}")
-    return 0
+    if not done:
+        return None
+    big = done[-1]
+    return (f"registry gb={big['size_gib']:g} push_mbps={big['push_mbps']:.0f} pull_mbps={big['pull_mbps']:.0f} "
+            f"cp_mbps={big['cp_mbps']:.0f} pull_restore_ratio={big['pull_restore_ratio']:.2f} "
+            f"second_push_pct={big['push_unchanged_pct']:.3f} running_ratio={_num(big.get('byref_running_ratio'))} "
+            f"fill_vs_pump={_num(big.get('byref_fill_vs_get_pump'))} "
+            f"four_running_ratio={_num(big.get('four_running_ratio'))}")
 
 
 if __name__ == "__main__":
