@@ -255,7 +255,7 @@ def restore_path(events: list[dict]) -> str:
     return f"store, {mode}"
 
 
-def _guard_of(cid: str) -> tuple[int, str] | None:
+def guard_of(cid: str) -> tuple[int, str] | None:
     """The page filler's guard of a restored container (pid, status file), found by its argv."""
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
@@ -274,7 +274,7 @@ def _guard_of(cid: str) -> tuple[int, str] | None:
     return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -291,14 +291,14 @@ class FillWatch(threading.Thread):
     def __init__(self, cid: str, timeout: float = 3600) -> None:
         super().__init__(daemon=True)
         self.cid, self.timeout = cid, timeout
-        self.found = _guard_of(cid)
+        self.found = guard_of(cid)
         self.done_at = time.monotonic()
         self.last: dict = {}
         self.start()
 
     def run(self) -> None:
         deadline = time.monotonic() + self.timeout
-        while self.found and _alive(self.found[0]) and time.monotonic() < deadline:
+        while self.found and alive(self.found[0]) and time.monotonic() < deadline:
             try:
                 with open(self.found[1], encoding="utf-8") as fh:
                     self.last = json.load(fh)
@@ -309,7 +309,7 @@ class FillWatch(threading.Thread):
 
     def result(self, log_file: str) -> dict:
         self.join(self.timeout + 10)
-        if self.found and _alive(self.found[0]):
+        if self.found and alive(self.found[0]):
             raise RuntimeError(f"{self.cid}: the page fill is not over after {self.timeout:.0f} s")
         failed = [e for e in container_events(log_file, self.cid) if e.get("event") == "page_fill_failed"]
         if failed:

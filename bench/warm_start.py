@@ -70,12 +70,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(1, str(REPO / "bench"))
 
 import warm_start_server as server_mod  # noqa: E402
+
+from bench.warm_start_registry import RegistryLeg, missing_tools  # noqa: E402
 from tests.gpu import harness, rig  # noqa: E402
 
 SERVER = REPO / "bench" / "warm_start_server.py"
 SEED = 1234  # the input of the first (compared) request
 STEADY = 5  # requests after the first, for the steady latency
 TARGET = 20.0  # issue 18 (was 10 in issue 9)
+REGISTRY_VS_LOCAL = 1.5  # issue 30: restored from a registry within 1.5x of the local-store restore
+REGISTRY_VS_FRESH = 10.0  # ... and >= 10x faster than a fresh start
 PRESETS = {
     # model shape, batch x seq, runs
     ("gpu", False): dict(d_model=2048, layers=24, heads=16, ffn=8192, vocab=32768, batch=4, seq=512, runs=3),
@@ -154,7 +158,8 @@ class Box:
     """A container's create (runc or migrt-runc), its stdio pipes drained into a log file by a thread
     (a full pipe would block the server), and its removal by id."""
 
-    def __init__(self, bench: "Bench", cid: str, argv: list[str], cwd: str, timeout: float) -> None:
+    def __init__(self, bench: "Bench", cid: str, argv: list[str], cwd: str, timeout: float,
+                 env: dict | None = None) -> None:
         self.bench, self.cid = bench, cid
         self.log_path = bench.logs / f"{cid}.log"
         r_in, self.w_in = os.pipe()
@@ -166,7 +171,7 @@ class Box:
         t0 = time.monotonic()
         try:
             # Its own session: on a timeout the whole group goes (migrt-runc's runc and CRIU too).
-            proc = subprocess.Popen(argv, cwd=cwd, stdin=r_in, stdout=w_out, stderr=w_out, env=bench.node.env,
+            proc = subprocess.Popen(argv, cwd=cwd, stdin=r_in, stdout=w_out, stderr=w_out, env=env or bench.node.env,
                                     start_new_session=True)
             try:
                 self.rc = proc.wait(timeout=max(5.0, timeout))
@@ -259,9 +264,10 @@ class Bench:
             self.store_mount = store
             self.notes.append("store on a private tmpfs mounted huge=always")
         self.gpu = self.node.gpus[args.gpu] if self.node.gpus else None
+        self.registry: RegistryLeg | None = None
         self.result: dict = {"bench": "warm_start", "mode": self.mode, "quick": args.quick, "runs_asked": self.runs,
                              "fresh": [], "restored": [], "fresh_warm_cache": None, "checkpoint": None,
-                             "notes": self.notes}
+                             "registry": [], "push": None, "notes": self.notes}
 
     # -- the pieces ---------------------------------------------------------------------------------------
     def server_args(self) -> list[str]:
@@ -413,30 +419,37 @@ class Bench:
         log(f"checkpoint: {wall:.2f} s, image {gib(rec['image_bytes'])} GiB")
         return rec
 
-    def restored(self, k: int, data: Path, timeout: float) -> dict:
-        cid = f"{self.tag}-restored-{k}"
-        bundle = self.bundle(cid, data, extra_env=[f"MIGRT_RESTORE={self.checkpoint_name}"])
+    def restored(self, k: int, data: Path, timeout: float, leg: str = "restored") -> dict:
+        """A restore by create: from the local store (leg "restored"), or by reference from the
+        registry into an empty store (leg "registry", --from-registry)."""
+        cid = f"{self.tag}-{leg}-{k}"
+        request, env = self.checkpoint_name, self.node.env
+        if leg == "registry":
+            request, env = f"oci:{self.registry.ref}", self.registry.empty_store()
+        bundle = self.bundle(cid, data, extra_env=[f"MIGRT_RESTORE={request}"])
         runclog = os.path.join(bundle, "log.json")
-        rid = f"r{k}"
+        rid = f"{leg[0]}{k}"
         self.request(data, rid, SEED)
-        log(f"restored {k}: migrt-runc create {cid} with MIGRT_RESTORE={self.checkpoint_name} (timeout {timeout:.0f} s)")
+        log(f"{leg} {k}: migrt-runc create {cid} with MIGRT_RESTORE={request} (timeout {timeout:.0f} s)")
         wall0, t0 = time.time(), time.monotonic()
         box = Box(self, cid, [self.node.shim, "--root", str(self.node.runc_root), "--log", runclog, "--log-format",
                               "json", "create", "--bundle", bundle, "--pid-file", os.path.join(bundle, "init.pid"), cid],
-                  bundle, timeout=timeout)
+                  bundle, timeout=timeout, env=env)
         create_s = box.seconds
         if box.rc != 0:
             box.remove()
             raise RuntimeError(f"migrt-runc create {cid} -> {box.rc}: {last_error(runclog)}\n{box.tail()}\n"
                                f"{self.node.tail_logs()}")
         subprocess.run([self.node.shim, "--root", str(self.node.runc_root), "start", cid], check=True,
-                       env=self.node.env, timeout=60, capture_output=True)
+                       env=env, timeout=60, capture_output=True)
         try:
             resp = self.answer(data, rid, max(10.0, timeout - (time.monotonic() - t0)), box)
             total = time.monotonic() - t0
             steady = self.steady(data, box, rid)
         finally:
             box.remove()
+            if leg == "registry":
+                self.registry.after(cid)
         ev = [e for e in self.node.migrt_events("restored") if e.get("container_id") == cid]
         asked = [e for e in self.node.migrt_events("restore_requested") if e.get("container") == cid]
         t = ev[-1].get("timings", {}) if ev else {}
@@ -458,8 +471,23 @@ class Bench:
         rec = {"run": k, "container": cid, "first_answer_s": round(total, 3), "phases": phases,
                "steady": steady, "steady_latency_s": steady["round_trip_s"], "answer": slim(resp), "compiled": resp.get("compiled"),
                "served_count": resp.get("served")}
-        log(f"restored {k}: first answer after {total:.2f} s (create {create_s:.2f} s)")
+        if leg == "registry":
+            rec.update(self.registry.describe(cid))
+        log(f"{leg} {k}: first answer after {total:.2f} s (create {create_s:.2f} s)")
         return rec
+
+    def start_registry(self) -> dict:
+        """--from-registry: the registry on loopback, the checkpoint pushed to it (timed)."""
+        miss = missing_tools()
+        if miss:
+            raise RuntimeError(f"--from-registry: missing {', '.join(miss)} (on the GPU machine: the kit's "
+                               ".device/debs, tests/gpu/prepare_kit.sh)")
+        self.registry = RegistryLeg(self.node, self.base)
+        self.notes.extend(self.registry.notes)
+        log(f"registry: {self.registry.reg.host}; migrt push {self.checkpoint_name} {self.registry.ref}")
+        out = self.registry.push(self.checkpoint_name, timeout=max(60.0, self.budget.left() - 30))
+        log(f"registry: pushed {out['bytes_sent'] / 1e9:.2f} GB in {out['seconds']} s ({out['mbps']} MB/s)")
+        return out
 
     # -- the plan -----------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -480,6 +508,9 @@ class Bench:
         r["checkpoint"] = self.checkpoint(box1)
         box1.remove()
         est["restore"] = 10 + 3 * gib_f(r["checkpoint"]["image_bytes"])
+        if self.args.from_registry:
+            r["push"] = self.start_registry()
+            est["restore"] *= 2  # the restore from the store and the one by reference
         for k in range(1, self.runs + 1):
             if k > 1:
                 need_f = est["fresh"] * 1.15 + 15
@@ -497,6 +528,13 @@ class Bench:
             rk = self.restored(k, data1, timeout=self.budget.left() - 15)
             r["restored"].append(rk)
             est["restore"] = max(rk["first_answer_s"] * 1.3, 10)
+            if self.registry is not None:
+                if k > 1 and self.budget.left() < est["restore"] * 2 + 15:
+                    self.notes.append(f"registry run {k} skipped: {self.budget.left():.0f} s left")
+                    break
+                rr = self.restored(k, data1, timeout=self.budget.left() - 15, leg="registry")
+                r["registry"].append(rr)
+                est["restore"] += max(rr["first_answer_s"] * 1.3, 10)
         if not self.args.no_warm_cache:
             want = min(f["first_answer_s"] for f in r["fresh"]) * 0.7 + 20
             if self.budget.left() > want:
@@ -537,13 +575,50 @@ class Bench:
             if k > 1:
                 steps.append(f"fresh {k}: as fresh 1 with its own empty caches; removed")
             steps.append(f"restored {k}: request file, migrt-runc create (MIGRT_RESTORE) + start, answer vs fresh 1; removed")
+            if self.args.from_registry:
+                steps.append(f"registry {k}: the restores' store emptied, migrt-runc create with MIGRT_RESTORE=oci:REF "
+                             "(pulled from the registry in the create), answer vs fresh 1; removed")
+        if self.args.from_registry:
+            steps.insert(2, "registry: docker-registry on 127.0.0.1 (TLS, CA made here; htpasswd basic auth), "
+                            "migrt push of the checkpoint (timed)")
         if not self.args.no_warm_cache:
             steps.append("fresh with warm caches (copy of fresh 1's /data/cache), if time is left; removed")
         steps.append("cleanup: runc delete --force of every container, migrt rm of the checkpoint, rm -r the node")
         for i, s in enumerate(steps, 1):
             print(f"  {i:>2}. {s}")
         self.result["dry_run"] = {"steps": steps, "problems": self.problems, "server_args": cfg["process"]["args"]}
+        if self.args.from_registry:
+            self.result["dry_run"]["registry"] = self.registry_dry_run()
         return self.result
+
+    def registry_dry_run(self) -> dict:
+        """--from-registry in a dry run: the registry leg's plumbing for real with a small synthetic
+        checkpoint (no CRIU): tools, registry, TLS, auth, push, and a pull by the restores' config
+        into their empty store."""
+        from migrt.store import Store
+
+        name = f"{self.tag}-dry"
+        with Store(str(self.base / "store")).writer(name) as w:
+            for f, size in (("inventory.img", 64), ("pages-1.img", 8 << 20)):
+                with open(os.path.join(w.images, f), "wb") as fh:
+                    fh.write(os.urandom(size))
+            w.commit({"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        self.checkpoint_name = name  # removed by cleanup
+        push = self.start_registry()
+        env = self.registry.empty_store()
+        t0 = time.monotonic()
+        r = subprocess.run([self.node.migrt, "pull", self.registry.ref, "--json"], capture_output=True, text=True,
+                           env=env, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"registry dry run: migrt pull {self.registry.ref} -> {r.returncode}: {r.stderr.strip()}")
+        pulled = json.loads(r.stdout)["name"]
+        if not (self.registry.store / pulled / "manifest.json").exists():
+            raise RuntimeError(f"registry dry run: {pulled} is not in {self.registry.store}")
+        out = {"push": push, "pulled": pulled, "pull_s": round(time.monotonic() - t0, 3), "notes": self.registry.notes}
+        print(f"  registry: {push['registry']} on {self.registry.reg.host}: pushed {push['bytes_sent']} bytes, "
+              f"pulled {pulled} into the empty store in {out['pull_s']:.2f} s"
+              + "".join(f"; {n}" for n in self.registry.notes))
+        return out
 
     def machine(self) -> dict:
         d = {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -568,12 +643,15 @@ class Bench:
                     log(f"cleanup: migrt rm {self.checkpoint_name}: {r.stderr.strip()}")
             except subprocess.TimeoutExpired:
                 log(f"cleanup: migrt rm {self.checkpoint_name} timed out")
+        if self.registry is not None:
+            self.registry.close()
         if self.store_mount:
             subprocess.run(["umount", str(self.store_mount)], capture_output=True, timeout=60)
         if self.args.results_dir:
             dest = Path(self.args.results_dir) / "warm_start_logs"
             dest.mkdir(parents=True, exist_ok=True)
-            for f in [self.base / "migrt.log", self.base / "hook.log", *sorted(self.logs.glob("*.log"))]:
+            for f in [self.base / "migrt.log", self.base / "hook.log", self.base / "registry" / "registry.log",
+                      *sorted(self.logs.glob("*.log"))]:
                 if f.exists():
                     shutil.copy(f, dest / f.name)
             for f in sorted((self.base / "data").glob("*/ready.json")):
@@ -645,17 +723,60 @@ def summarize(r: dict) -> tuple[dict, bool]:
         if s["restored_s"]:
             s["speedup_vs_warm_cache"] = round(s["fresh_warm_cache_s"] / s["restored_s"], 2)
     ok = bool(fresh and rest)
+    if r.get("push") is not None:
+        s.update(registry_summary(r, s))
+        ok = ok and bool(s.get("registry_runs"))
     if r["fresh"]:
         ref = r["fresh"][0]["answer"]
         checks = {}
-        for x in r["restored"]:
-            checks[f"restored {x['run']} vs checkpointed server"] = same(x["answer"], ref)
-            ok = ok and checks[f"restored {x['run']} vs checkpointed server"] == "exact"
+        for x in r["restored"] + r.get("registry", []):
+            key = f"{'restored' if x in r['restored'] else 'registry'} {x['run']} vs checkpointed server"
+            checks[key] = same(x["answer"], ref)
+            ok = ok and checks[key] == "exact"
         for f in r["fresh"][1:] + ([r["fresh_warm_cache"]] if r.get("fresh_warm_cache") else []):
             checks[f"fresh {f['run']} vs fresh 1"] = same(f["answer"], ref)
         s["answers"] = checks
     s["ok"] = ok
     return s, ok
+
+
+def registry_summary(r: dict, s: dict) -> dict:
+    """--from-registry: the median first answer restored by reference, against the local-store
+    restore (target <= REGISTRY_VS_LOCAL) and the fresh start (target >= REGISTRY_VS_FRESH)."""
+    reg = [x["first_answer_s"] for x in r.get("registry") or []]
+    out: dict = {"registry_runs": len(reg), "registry_s": round(statistics.median(reg), 3) if reg else None,
+                 "registry_paths": sorted({x.get("path") or "?" for x in r.get("registry") or []}),
+                 "target_registry_vs_local": REGISTRY_VS_LOCAL, "target_registry_speedup": REGISTRY_VS_FRESH}
+    if reg and s.get("restored_s"):
+        out["registry_vs_local"] = round(out["registry_s"] / s["restored_s"], 2)
+        out["registry_vs_local_met"] = out["registry_vs_local"] <= REGISTRY_VS_LOCAL
+    if reg and s.get("fresh_s"):
+        out["registry_speedup"] = round(s["fresh_s"] / out["registry_s"], 2)
+        out["registry_speedup_met"] = out["registry_speedup"] >= REGISTRY_VS_FRESH
+    return out
+
+
+def print_registry(r: dict) -> None:
+    """--from-registry: the push, each restore by reference, and the two targets."""
+    p, s = r.get("push"), r.get("summary", {})
+    if not p:
+        return
+    print(f"{'push':<18} {p['wall_s']:>14.2f} {'':>9}  migrt push to {p['ref']} ({p.get('registry')}, TLS + basic "
+          f"auth, loopback): {p['bytes_sent'] / 1e9:.2f} GB, {p.get('mbps')} MB/s, {p.get('layers')} layers")
+    for x in r.get("registry") or []:
+        ph = x["phases"]
+        print(f"{'registry ' + str(x['run']):<18} {x['first_answer_s']:>14.2f} {x['steady_latency_s']:>9.4f}  "
+              f"{x.get('path')}: image ready {fmt(x.get('image_ready_s'))} | runc restore {fmt(ph['runc_restore_s'])}"
+              f" | GPU restore {fmt(ph['gpu_restore_s'])} (create {fmt(ph['create_wall_s'])}) | start+answer "
+              f"{fmt(ph['after_create_to_answer_s'], 3)}"
+              + (f" | lazy fallback: {x['lazy_fallback']}" if x.get("lazy_fallback") else ""))
+    if s.get("registry_s") is None:
+        return
+    met = {True: "met", False: "MISSED", None: "-"}
+    print(f"restored by reference (empty store, median of {s['registry_runs']}): {s['registry_s']:.2f} s: "
+          f"{fmt(s.get('registry_vs_local'))}x the local-store restore (target <= {REGISTRY_VS_LOCAL:g}: "
+          f"{met[s.get('registry_vs_local_met')]}), {fmt(s.get('registry_speedup'), 1)}x faster than fresh "
+          f"(target >= {REGISTRY_VS_FRESH:g}: {met[s.get('registry_speedup_met')]})")
 
 
 def print_table(r: dict) -> None:
@@ -699,6 +820,7 @@ def print_table(r: dict) -> None:
               f"{fmt(p['runc_restore_s'])} | GPU restore {fmt(p['gpu_restore_s'])} | other migrt "
               f"{fmt(p['migrt_other_s'])} + {fmt(p['shim_other_s'])} | exit {fmt(p['shim_exit_s'])} (create "
               f"{fmt(p['create_wall_s'])}) | start+answer {fmt(p['after_create_to_answer_s'], 3)}")
+    print_registry(r)
     s = r.get("summary", {})
     print()
     if s.get("fresh_s") is not None and s.get("restored_s") is not None:
@@ -729,6 +851,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", type=int, default=0, help="GPU index (gpu mode)")
     ap.add_argument("--store-huge", action="store_true",
                     help="put the checkpoint store on a private tmpfs mounted huge=always")
+    ap.add_argument("--from-registry", action="store_true",
+                    help="also push the checkpoint to a docker-registry on loopback (TLS, basic auth) and restore it "
+                         "by reference into an empty store (issue 30)")
     ap.add_argument("--python", help="Python with torch for the container (default MIGRT_GPU_PYTHON or this one)")
     ap.add_argument("--json-out", help="default $OUT/warm_start.json, else bench/results/warm_start.json")
     ap.add_argument("--results-dir", help="copy migrt's log and the containers' output there")
@@ -778,8 +903,12 @@ def main(argv: list[str] | None = None) -> int:
     if error:
         print(f"error: {error.splitlines()[0][:500]}")
     fs, rs, sp = summary["fresh_s"], summary["restored_s"], summary["speedup"]
+    regs = ""
+    if result.get("push") is not None:
+        regs = (f" registry_s={fmt(summary.get('registry_s'), 2) if summary.get('registry_s') is not None else 'nan'}"
+                f" registry_vs_local={fmt(summary.get('registry_vs_local'))}")
     print(f"warm_start fresh_s={fmt(fs, 2) if fs is not None else 'nan'} restored_s={fmt(rs, 2) if rs is not None else 'nan'} "
-          f"speedup={fmt(sp, 1) if sp is not None else 'nan'}")
+          f"speedup={fmt(sp, 1) if sp is not None else 'nan'}{regs}")
     return 0 if ok and not error else 1
 
 
