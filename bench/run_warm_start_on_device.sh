@@ -3,6 +3,9 @@
 #
 #   source .device/setup.sh && bash bench/run_warm_start_on_device.sh [warm_start.py arguments, e.g. --quick]
 #
+# --from-registry (issue 30) also restores the checkpoint by reference from a docker-registry on
+# loopback: docker-registry and htpasswd come from the kit (.device/debs, tests/gpu/prepare_kit.sh).
+#
 # Uses the checkout in place (PYTHONPATH, nothing installed), the machine's Python with torch
 # (MIGRT_GPU_PYTHON to choose another) and criu/runc from .device/. Writes to $OUT (default
 # ./warm-start-results): environment.txt, doctor.txt, warm_start.log (all output), warm_start.json
@@ -24,6 +27,14 @@ LIMIT=${WARM_START_TIMEOUT_S:-410}
 PY=${MIGRT_GPU_PYTHON:-python3}
 . tests/gpu/iptables_names.sh
 export MIGRT_GPU_PYTHON=$PY
+# --from-registry: docker-registry and htpasswd from the kit's Debian 12 .debs (tests/gpu/prepare_kit.sh),
+# unpacked here when setup.sh unpacked the kit before they were in it
+if ! command -v docker-registry >/dev/null 2>&1 || ! command -v htpasswd >/dev/null 2>&1; then
+    for d in .device/debs/docker-registry_*.deb .device/debs/apache2-utils_*.deb .device/debs/libapr1_*.deb \
+             .device/debs/libaprutil1_*.deb; do
+        [ -e "$d" ] && dpkg -x "$d" /opt/migrt-deps
+    done
+fi
 
 {
     echo "date: $(date -u +%FT%TZ)"; echo "kernel: $(uname -r)"; echo "cpus: $(nproc)"
@@ -34,6 +45,7 @@ export MIGRT_GPU_PYTHON=$PY
     "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
     "$PY" -c 'import triton; print("triton", triton.__version__)' 2>&1 | tail -1
     echo "cc: $(command -v cc gcc | head -1)"
+    echo "registry: $(docker-registry --version 2>&1 | head -1); htpasswd: $(command -v htpasswd || echo none); $(openssl version 2>&1 | head -1)"
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 

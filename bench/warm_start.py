@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Warm start: a PyTorch inference server started fresh versus restored from its checkpoint.
 
-    python bench/warm_start.py [--quick] [--runs N] [--mode gpu|cpu|fake] [--dry-run] [--json-out PATH]
+    python bench/warm_start.py [--quick] [--runs N] [--mode gpu|cpu|fake] [--from-registry] [--dry-run] [--json-out PATH]
 
 The server (bench/warm_start_server.py, copied into the container's /data) builds a decoder-only
 transformer with random weights from a fixed seed in bf16 on the GPU (default ~1.34e9 parameters,
@@ -25,8 +25,13 @@ file is written before; the client polls every 2 ms; the server's own timestamps
              the phases come from migrt's "restored" log event
   fresh, warm cache (informative, if time is left): a fresh container whose /data already holds the
              compile caches of the first fresh run (what a persistent inductor cache would give)
+  registry   (--from-registry, issue 30) `migrt-runc create` with MIGRT_RESTORE=oci:<ref>: the checkpoint
+             pushed once with `migrt push` to a docker-registry on 127.0.0.1 (TLS with a CA made in the
+             run, htpasswd basic auth: bench/warm_start_registry.py), restored by reference into a node
+             store emptied before each run; how it got its pages (full pull, lazy, fallback) from
+             migrt's log. Targets: within 1.5x of the local-store restore, >= 10x faster than fresh
 The first fresh server, warmed up and idle, is checkpointed once with `migrt checkpoint` (its time
-and phases are reported, not counted as warm start). Runs alternate fresh k / restored k, k = 1..N
+and phases are reported, not counted as warm start). Runs alternate fresh k / restored k (/ registry k), k = 1..N
 (N = 3, --quick 1), so that a short time budget (--budget-s, default 390 s) shortens both alike:
 a run is started only if the time left covers it and what must follow.
 
@@ -43,7 +48,8 @@ Target (issue 5): speedup >= 10. Modes: gpu (default; the GPU machine, run by
 bench/run_warm_start_on_device.sh), cpu (a tiny model on the CPU, no GPU state; needs torch on the
 host), fake (no torch: a stand-in server holding seeded random memory, for testing the benchmark's
 logic, containers and checkpoint/restore on a machine without torch). --dry-run builds the node and
-the bundles, prints the plan and removes everything. Everything made is removed at the end:
+the bundles, prints the plan and removes everything (with --from-registry it also runs the registry,
+pushes a small synthetic checkpoint and pulls it into the restores' empty store). Everything made is removed at the end:
 containers by id, the checkpoint by name, the node's directory on /dev/shm (--keep to keep it).
 """
 
