@@ -239,20 +239,24 @@ def container_events(log_file: str, cid: str) -> list[dict]:
 
 def restore_path(events: list[dict]) -> str:
     """How a restore got its pages, from its own records: 'lazy from registry' (pages fetched by range
-    while the container runs), 'full pull, then <mode>' (every byte pulled into the store first, then
-    restored from there: eager, or lazily from the local copy), 'store, <mode>' (no reference, or the
-    image already in the store)."""
-    ready = next((e for e in events if e.get("event") == "restore_image_ready"), None)
-    done = next((e for e in reversed(events) if e.get("event") == "restored"), None)
-    pages = (done or {}).get("pages") or {}
+    while the container runs: the page mode's source), 'full pull, then <mode>' (every byte pulled into
+    the store first, then restored from there: eager, or lazily from the local copy; '(lazy fallback)'
+    when the lazy path said why not), 'store, <mode>' (no reference, or the image already in the store,
+    e.g. pulled by a concurrent create)."""
+    ready = next((e for e in events if e.get("event") == "restore_image_ready"), {})
+    done = next((e for e in reversed(events) if e.get("event") == "restored"), {})
+    pages = done.get("pages") or {}
     mode = pages.get("mode") or "?"
-    remote = pages.get("remote") or pages.get("source") or (ready or {}).get("lazy") or (ready or {}).get("mode")
-    if mode == "lazy" and isinstance(remote, (str, dict)) and "registry" in json.dumps(remote) \
-            or (ready or {}).get("pulled") == "lazy":
+    if mode == "lazy" and (pages.get("source") == "registry" or ready.get("lazy") is True):
         return "lazy from registry"
-    if ready is not None and ready.get("pulled"):
-        return f"full pull, then {mode}"
+    fell_back = any(e.get("event") == "registry_lazy_fallback" for e in events)
+    if ready.get("pulled"):
+        return f"full pull{' (lazy fallback)' if fell_back else ''}, then {mode}"
     return f"store, {mode}"
+
+
+# `python -m MODULE ARGS-JSON`: the page filler's guard, with the store's images or the registry's chunks
+GUARD_MODULES = (b"migrt.pagefill.guard", b"migrt.registry.fill")
 
 
 def guard_of(cid: str) -> tuple[int, str] | None:
@@ -263,10 +267,11 @@ def guard_of(cid: str) -> tuple[int, str] | None:
                 argv = fh.read().split(b"\0")
         except OSError:
             continue
-        if b"migrt.pagefill.guard" not in argv or len(argv) < 4:
+        module = next((m for m in GUARD_MODULES if m in argv), None)
+        if module is None:
             continue
         try:
-            args = json.loads(argv[argv.index(b"migrt.pagefill.guard") + 1])
+            args = json.loads(argv[argv.index(module) + 1])
         except (ValueError, IndexError):
             continue
         if args.get("container_id") == cid:
