@@ -22,6 +22,8 @@ from migrt.config import RESTORE_PAGES, Config
 from migrt.errors import CheckpointInvalid, PreconditionFailed, RuntimeFailed, UsageError
 
 ENV = "MIGRT_RESTORE_PAGES"
+GUARD = "migrt.pagefill.guard"
+GUARD_REGISTRY = "migrt.registry.fill"  # the guard with the registry's chunks (a lazy restore by reference)
 # H100 host, 16 CPUs: 32 GB GPU restore's memory wait 3.2 s vs 3.8 s with 8; lazy 16 GiB migration's 2.1 vs 2.5 s
 MAX_AUTO_THREADS = 16
 MIN_STREAMS = 4
@@ -160,7 +162,8 @@ def verify_as_filled(decision: dict, manifest: dict, unhashed: list[str], name: 
 
 
 def start(decision: dict, images: str, *, container_id: str, root: str, runc_log: str | None, log_format: str,
-          log_file: str | None, post_restore: str | None = None, verify: dict | None = None):
+          log_file: str | None, post_restore: str | None = None, verify: dict | None = None,
+          keep_fd: int | None = None, entry: str | None = None):
     """The page filler for a restore decided lazy (None otherwise); it must be running before CRIU.
     post_restore: a file that appears when CRIU reaches post-restore (the restore gate holds the tree
     there while the checkpoint's pages are still being hashed): the filler starts copying then.
@@ -172,7 +175,7 @@ def start(decision: dict, images: str, *, container_id: str, root: str, runc_log
     try:
         return PageFill.start(images, threads=decision["threads"], container_id=container_id, root=root,
                               runc_log=runc_log, log_format=log_format, log_file=log_file, post_restore=post_restore,
-                              verify=verify)
+                              verify=verify, keep_fd=keep_fd, entry=entry or GUARD)
     except RuntimeFailed as exc:
         if decision["requested"] == "lazy":
             raise
@@ -423,6 +426,18 @@ class PagesPlan:
         self.as_filled: dict | None = None  # what the filler verifies chunk by chunk (verify_as_filled)
         self._plan_check: PlanCheck | None = None
         self._eager_check: EagerVerified | None = None
+        self.registry: dict | None = None  # a lazy restore by reference's hand-over (from_registry)
+        self.keep_fd: int | None = None
+
+    def from_registry(self, handover: dict, keep_fd: int, summary: dict) -> None:
+        """The pages images come from the registry as the filler needs them (registry/lazy.py): the
+        filler must run (no eager fallback: the bytes are not here), verifies every chunk as it fetches
+        it, and holds the image lock (`keep_fd`) until it has committed the pulled checkpoint."""
+        if self.mode != "lazy" or not self.own:
+            raise PreconditionFailed(f"checkpoint {self.name}: a lazy restore from the registry was decided "
+                                     f"{self.mode} here ({self.decision.get('reason')}); restore it again")
+        self.registry, self.keep_fd = handover, keep_fd
+        self.decision.update(requested="lazy", source="registry", registry=summary)
 
     @classmethod
     def decide(cls, cfg: Config, ckpt, fill=None, *, other_lazy: bool) -> PagesPlan:
@@ -441,7 +456,11 @@ class PagesPlan:
     def verified_as_filled(self, manifest: dict, background: list[str]) -> list[str]:
         """`background` (the large files hashed while CRIU restores) less the pages images our filler
         verifies chunk by chunk as it fills them (docs/restore-pages.md, "What is verified when")."""
-        if self.own:
+        if self.registry is not None:
+            self.as_filled = self.registry
+            self.decision["verify"] = {"as_filled": sorted(f["rel"] for f in self.registry["files"].values()),
+                                       "before_run": []}
+        elif self.own:
             self.as_filled = verify_as_filled(self.decision, manifest, background, self.name)
         if not self.as_filled:
             return background
@@ -469,7 +488,8 @@ class PagesPlan:
         if not self.own:
             return []
         self.fill = start(self.decision, self.images or "", container_id=container_id, root=root, runc_log=runc_log,
-                          log_format=log_format, log_file=log_file, post_restore=checks.ran_path, verify=self.as_filled)
+                          log_format=log_format, log_file=log_file, post_restore=checks.ran_path, verify=self.as_filled,
+                          keep_fd=self.keep_fd, entry=GUARD_REGISTRY if self.registry is not None else GUARD)
         for check in (self._plan_check, self._eager_check):
             if check is not None:
                 check.fill = self.fill

@@ -37,9 +37,11 @@ class RestoreSeams:
     migration's progress deadline); `fill` is a PageFill the caller started (lazy migration: pages
     from the source), and with `fill_first` (a direct migration) the restored tree is held at CRIU's
     post-restore until `fill` has every page (ops/pages.py FilledFirst), `fill_first` seconds without
-    one being its stall deadline."""
+    one being its stall deadline. `registry`: the pages come from the registry as the filler needs them
+    (restore_pulling)."""
 
     verified: bool = False
+    registry: object | None = None  # a lazy restore by reference: registry/lazy.py LazyImage
     before_restore: Callable[[str, str], None] | None = None
     supervise: Callable | None = None
     fill: object | None = None
@@ -87,9 +89,31 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
         _mark("recovered")
         with store.reading(name) as ckpt, journal.recording(store.root, "restore", name=name,
                                                             container=target.container_id, root=target.root) as entry:
+            if "pod" in ckpt.manifest:  # a pod's checkpoint: this container's part of it (issue 29)
+                from migrt.pods.pod_checkpoint import for_container
+
+                ckpt = for_container(ckpt, target.bundle)
             return _Restore(cfg, store, ckpt, target, entry, progress).run()
     except OSError as exc:
         raise MigrtError(f"restore of checkpoint {name} failed: {exc} (the checkpoint is unchanged)") from exc
+
+
+def restore_pulling(cfg: Config, lazy, target: RestoreTarget, progress: Progress = null_progress) -> dict:
+    """A lazy restore by reference (registry/lazy.py LazyImage): from the pull's partial directory, not a
+    store checkpoint yet; the image lock, held since the pull began, keeps other pulls of the image out,
+    and the page filler takes it over until it has committed the image. Journaled as any restore."""
+    store = Store(cfg.store)
+    store.check()
+    name = lazy.ckpt.name
+    try:
+        with journal.recording(store.root, "restore", name=name, container=target.container_id,
+                               root=target.root) as entry:
+            return _Restore(cfg, store, lazy.ckpt, target, entry, progress).run()
+    except OSError as exc:
+        raise MigrtError(f"restore of {name} from the registry failed: {exc} (what arrived is kept; restore "
+                         "again)") from exc
+    finally:
+        lazy.release()
 
 
 class _Restore:
@@ -134,6 +158,9 @@ class _Restore:
                                     rootfs_changes=lambda: restore_privileges.layer_changes(self.ckpt.path))
             options = CriuOptions.from_dict(self.ckpt.manifest.get("options"))
             plan = pages.PagesPlan.decide(self.cfg, self.ckpt, t.seams.fill, other_lazy="--lazy-pages" in t.extra)
+            lazy = t.seams.registry
+            if lazy is not None:
+                plan.from_registry(lazy.handover, lazy.lock_fd, lazy.summary)  # type: ignore[attr-defined]
             self._prepare(plan, background)
             self._apply_rootfs()
             pid, hostname = self._restore(plan, options, security)
@@ -382,6 +409,51 @@ def check_namespace(src_ns: str | None, bundle: Bundle, name: str, *, allow_cros
         )
 
 
+def _admit(cfg: Config, request: RestoreRequest, bundle: Bundle) -> Callable[[str | None], None]:
+    def admit(image_ns: str | None) -> None:
+        check_namespace(image_ns, bundle, request.name, allow_cross_namespace=cfg.allow_cross_namespace_restore,
+                        allow_unbound=cfg.allow_unbound_checkpoints)
+    return admit
+
+
+def _lazy_ok(cfg: Config, name: str) -> Callable[[str, dict, object], str | None]:
+    """Whether a lazy restore by reference fills the memory lazily (the page mode's decision)."""
+    def lazy_ok(images: str, files: dict, recorded: object) -> str | None:
+        try:
+            decision = pages.decide(cfg, images, name=name, other_lazy=False, manifest_files=files, recorded=recorded)
+        except PreconditionFailed as exc:
+            return str(exc)
+        return None if decision["mode"] == "lazy" else f"the memory is copied eagerly ({decision.get('reason')})"
+    return lazy_ok
+
+
+def _lazy_refusal(cfg: Config) -> str | None:
+    """Why this node restores by reference after a full pull whatever the image (None: it may be lazy)."""
+    from migrt import pagefill
+
+    if (os.environ.get(pages.ENV) or cfg.restore_pages) == "eager":
+        return "restore_pages is eager"
+    return pagefill.problem()
+
+
+def lazy_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, cid: str):
+    """A create's `oci:REF` request ready to be restored lazily (registry/lazy.py LazyImage), or None:
+    restore after the full pull (pull_for_create). Failures read as pull_for_create's do."""
+    from migrt.errors import RegistryError
+    from migrt.registry import lazy
+
+    try:
+        return lazy.prepare(cfg, request.name, admit=_admit(cfg, request, bundle),
+                            lazy_ok=_lazy_ok(cfg, request.name), container_id=cid, log=log,
+                            refusal=_lazy_refusal(cfg))
+    except (UsageError, PreconditionFailed):
+        raise
+    except MigrtError as exc:
+        log.error("restore_pull_failed", container=cid, reference=request.name, error=str(exc),
+                  exit_code=exc.exit_code)
+        raise RegistryError(f"cannot pull {request.name} (see the node's migrt log)") from exc
+
+
 def pull_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, cid: str) -> tuple[str, bool]:
     """(store name, pulled now) of a create's `oci:REF` request: pulled once per node, within the
     config's restore_registries and registry_timeout (registry/pull.py ensure_local). An image that says
@@ -393,10 +465,7 @@ def pull_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, c
     from migrt.errors import RegistryError
     from migrt.registry import pull  # http.client, ssl: only for oci: references
 
-    def admit(image_ns: str | None) -> None:
-        check_namespace(image_ns, bundle, request.name, allow_cross_namespace=cfg.allow_cross_namespace_restore,
-                        allow_unbound=cfg.allow_unbound_checkpoints)
-
+    admit = _admit(cfg, request, bundle)
     try:
         name, just_pulled = pull.ensure_local(cfg, request.name, admit=admit)
     except (UsageError, PreconditionFailed):
@@ -457,19 +526,28 @@ def _restore_on_create(cfg: Config, log, call: Call, bundle: Bundle, request: Re
     if policy not in POLICIES:
         raise UsageError(f"MIGRT_RESTORE_FALLBACK must be one of {POLICIES}, got {policy!r}")
     flags = call.create_flags()  # refused: no container id, a flag restore cannot honour
-    name, just_pulled = request.name, False
-    if reference.is_reference(name):  # oci:REF: pulled into the store once per node, then restored
+    name, just_pulled, lazy = request.name, False, None
+    if reference.is_reference(name):  # oci:REF: lazily from the registry, or pulled once per node, then restored
         t0 = time.monotonic()
-        name, just_pulled = pull_for_create(cfg, request, bundle, log, flags.container_id)
+        lazy = lazy_for_create(cfg, request, bundle, log, flags.container_id)
+        if lazy is None:
+            name, just_pulled = pull_for_create(cfg, request, bundle, log, flags.container_id)
+        else:
+            name = lazy.ckpt.name
         log.info("restore_image_ready", container=flags.container_id, reference=request.name, checkpoint=name,
-                 pulled=just_pulled, seconds=round(time.monotonic() - t0, 3))
+                 pulled=just_pulled, lazy=lazy is not None, seconds=round(time.monotonic() - t0, 3),
+                 **({"chunks": lazy.summary} if lazy is not None else {}))
     names.validate(name)
     for flag in flags.dropped:
         log.debug("create_flag_dropped", flag=flag)
     cfg.runtime = call.lower  # the shim already resolved it (same rules)
-    # every byte of a checkpoint pulled a moment ago was checked against its digest on arrival
-    target = RestoreTarget.for_create(flags, bundle, RestoreSeams(verified=just_pulled))
+    # every byte of a checkpoint pulled a moment ago was checked against its digest on arrival (and a
+    # lazy one's files are, its pages images as the filler fetches them)
+    target = RestoreTarget.for_create(flags, bundle, RestoreSeams(verified=just_pulled or lazy is not None,
+                                                                  registry=lazy))
     try:
+        if lazy is not None:
+            return restore_pulling(cfg, lazy, target)
         return restore_checkpoint(cfg, name, target)
     except MigrtError:
         raise

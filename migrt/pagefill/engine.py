@@ -239,6 +239,7 @@ class Filler:
         self.post_restore = post_restore  # appears when CRIU reaches post-restore (all VMAs registered)
         self.stop = False
         self.fatal: str | None = None
+        self.pull_error: str | None = None  # a lazy pull's chunk that failed after every page was in
         self.heap: list = []           # (rank, -length, seq, task, seg): first ranges, then biggest first
         self.seq = 0
         self.current: tuple[Task, Seg, int] | None = None  # the segment the copy threads cut, and its rank
@@ -439,7 +440,10 @@ class Filler:
                     return
         except VerifyError as exc:
             with self.state:
-                self._fail(str(exc))
+                if self.t_done is None:
+                    self._fail(str(exc))
+                else:  # every page is in: only the pull behind the fill failed, the container is fine
+                    self.pull_error = str(exc)
 
     def _eager_verified(self) -> None:
         with self.state:
@@ -724,13 +728,43 @@ class Filler:
                 break
             retry, all_done = news
             if all_done:
-                self.t_done = time.monotonic()
+                with self.state:
+                    self.t_done = time.monotonic()
                 break
             jobs = self._redecide(retry) if retry else []
             guard_ok = self._poll_once(jobs, guard_ok)
             if time.monotonic() - self._last_status > STATUS_EVERY_S:
                 self.write_status("filling")
+        if self.t_done is not None and self.verifier is not None and self.verifier.source is not None:
+            self._finish_pull(workers)
         return self._wind_down(workers)
+
+    def _finish_pull(self, workers: list[threading.Thread]) -> None:
+        """A lazy restore by reference whose memory is all in: the sweep fetches what is left (chunks of
+        processes that exited), then the partial directory is committed as the pulled checkpoint
+        (registry.py). Nothing here can fail the container any more; the node's log says how it went."""
+        source = self.verifier.source if self.verifier is not None else None
+        assert source is not None
+        for w in workers:
+            if w.name.startswith("verify-"):
+                w.join()
+        st = self.verifier.snapshot() if self.verifier is not None else {}
+        error = self.pull_error or st.get("error")
+        if error is None and st.get("verified") != st.get("chunks"):
+            error = "not every chunk was fetched"
+        if error is not None:
+            source.close()
+            source.log("registry_fill_incomplete", error=error, **source.summary())
+            return
+        try:
+            committed = source.commit()
+        except Exception as exc:  # noqa: BLE001 - the container runs on; the next restore pulls again
+            source.log("registry_fill_incomplete", error=f"committing the pulled checkpoint failed: {exc!r}",
+                       **source.summary())
+            return
+        self.counts["pull_committed"] = 1
+        source.log("registry_fill_done", checkpoint=committed["name"], fill_s=round(time.monotonic() - self.t0, 3),
+                   **source.summary())
 
     def _start_workers(self) -> list[threading.Thread]:
         """The copying threads, and with a verifier its sweepers (the pages images mapped first)."""
@@ -743,8 +777,9 @@ class Filler:
                 with self.state:
                     self._fail(f"cannot map the pages images to verify them: {exc}")
             self.verifier.on_eager_done = self._eager_verified
+            sweepers = max(self.nthreads, self.verifier.source.parallel if self.verifier.source else 0)
             workers += [threading.Thread(target=self._sweeper, name=f"verify-{i}", daemon=True)
-                        for i in range(self.nthreads)]
+                        for i in range(sweepers)]
         for w in workers:
             w.start()
         return workers

@@ -33,6 +33,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 
 from migrt import jsonsafe
 from migrt.pagefill import images as images_mod
@@ -47,9 +48,15 @@ EXIT_ABORTED = 2  # the restore failed before the fill could be done (exit 0: do
 ORPHAN_WAIT_S = 120.0
 
 
+# A source of chunks not on disk yet (the Verifier's `source`), made from the verify hand-over, the
+# plan's images directory and the descriptor to keep (registry/fill.py plugs the registry's in).
+SourceFactory = Callable[[dict, str, "int | None"], object]
+
+
 class Guard:
-    def __init__(self, args: dict) -> None:
+    def __init__(self, args: dict, source: SourceFactory | None = None) -> None:
         self.args = args
+        self.source = source
         self.listen = socket.socket(fileno=args["listen_fd"])
         self.control = args["control_fd"]
         self.status_path = args["status"]
@@ -93,7 +100,12 @@ class Guard:
         if self.args.get("verify") and remote is None:  # pages images to verify chunk by chunk as they are filled
             try:
                 with open(self.args["verify"], encoding="utf-8") as fh:
-                    verifier = build_verifier(plan, json.load(fh))
+                    handover = json.load(fh)
+                verifier = build_verifier(plan, handover)
+                if verifier is not None and handover.get("registry"):  # chunks not here yet: from the registry
+                    if self.source is None:
+                        raise ValueError("a registry hand-over to a guard without a registry source")
+                    verifier.source = self.source(handover, plan.images, self.args.get("keep_fd"))
             except (OSError, ValueError, KeyError, TypeError, VerifyError) as exc:
                 write_json(self.status_path, {"state": "failed", "error": f"the restore's chunk digests are "
                                               f"unusable: {exc!r}"})
@@ -122,6 +134,9 @@ class Guard:
             finally:
                 os._exit(code)
         theirs.close()
+        if self.args.get("keep_fd") is not None:  # the image lock of a lazy pull: the filler's alone
+            with contextlib.suppress(OSError):
+                os.close(self.args["keep_fd"])
         self.filler_pid = pid
         self.filler_pidfd = os.pidfd_open(pid)
         self.filler_sock = ours
@@ -496,11 +511,11 @@ def _migrt_log(path: str | None, why: str, cid: str | None, status: dict, stderr
         fh.write(json.dumps(rec) + "\n")
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], source: SourceFactory | None = None) -> int:
     args = json.loads(argv[0])
     # stdio is /dev/null (see session.py); anything unexpected still ends in the status file
     try:
-        return Guard(args).run()
+        return Guard(args, source).run()
     except Exception as exc:  # noqa: BLE001
         write_json(args["status"], {"state": "failed", "error": f"page filler guard crashed: {exc!r}"})
         return 1

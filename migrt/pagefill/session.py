@@ -52,7 +52,8 @@ class PageFill:
     def start(cls, images: str, *, threads: int, container_id: str | None = None, root: str | None = None,
               runc_log: str | None = None, log_format: str = "json", log_file: str | None = None,
               post_restore: str | bool | None = None, remote: dict | None = None,
-              verify: dict | None = None) -> PageFill:
+              verify: dict | None = None, keep_fd: int | None = None,
+              entry: str = "migrt.pagefill.guard") -> PageFill:
         """Start the guard (and through it the filler) for a restore from `images`. post_restore: a
         file that appears once every task is restored (not resumed): copying may start then, before
         CRIU's end-of-restore message; True: one in the run directory, for the caller to create
@@ -60,7 +61,10 @@ class PageFill:
         pages are on the source node (lazy migration):
         {"address", "port", "key" (hex), "tls" (None or {cert, key, ca}), "timeout"} (remote.py).
         verify: pages images not verified yet, which the filler verifies chunk by chunk before it copies
-        from them: {"checkpoint": name, "files": {basename: {"rel", "size", "chunks"}}} (verify.py)."""
+        from them: {"checkpoint": name, "files": {basename: {"rel", "size", "chunks"}}} (verify.py), and
+        with a "registry" section the chunks not on disk yet come from there (registry.py). keep_fd: a
+        descriptor the filler holds until it ends (a lazy pull's image lock). entry: the guard's module
+        (migrt.registry.fill: the guard with the registry's source of chunks)."""
         run = _run_dir()
         if post_restore is True:
             post_restore = os.path.join(run, "post-restore")
@@ -74,7 +78,7 @@ class PageFill:
             args: dict[str, object] = {"listen_fd": sock.fileno(), "images_fd": images_fd, "control_fd": control_r,
                     "status": os.path.join(run, "status.json"), "threads": threads, "container_id": container_id,
                     "root": root, "runc_log": runc_log, "log_format": log_format, "log_file": log_file,
-                    "run_dir": run, "post_restore": post_restore}
+                    "run_dir": run, "post_restore": post_restore, "keep_fd": keep_fd}
             if verify is not None:  # in a file of our 0700 run directory (too big for argv)
                 args["verify"] = path = os.path.join(run, "verify.json")
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -90,9 +94,11 @@ class PageFill:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(
                 p for p in (pkg_parent, os.environ.get("PYTHONPATH")) if p)}
             with open(os.path.join(run, "guard.stderr"), "wb") as err:
-                proc = subprocess.Popen([sys.executable, "-m", "migrt.pagefill.guard", json.dumps(args)],
+                proc = subprocess.Popen([sys.executable, "-m", entry, json.dumps(args)],
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env,
-                                        pass_fds=(sock.fileno(), images_fd, control_r), start_new_session=True)
+                                        pass_fds=(sock.fileno(), images_fd, control_r,
+                                                  *(() if keep_fd is None else (keep_fd,))),
+                                        start_new_session=True)
         except OSError as exc:
             if control_w >= 0:
                 os.close(control_w)

@@ -17,6 +17,10 @@ that was not verified against the manifest.
   fault, the sweep) waits for that verdict. A mismatch is final: every later `ensure()` fails too,
   and the filler fails (the guard kills the restored tasks before they can touch the chunk).
 
+A chunk that is not on disk yet (a lazy restore by reference) is fetched by the Verifier's `source`
+instead of read: from the registry, hashed as it arrives against the same digest, and only then
+counted as verified (pagefill/registry.py); a fault's chunk is fetched by the thread that needs it.
+
 Only files the restore hands over with their chunk digests (the manifest's per-chunk record, or the
 plain sha256 of a file of one chunk) are checked here; the restore hashes every other file itself.
 """
@@ -30,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from migrt.kernel.files import TREE_CHUNK  # the manifest's chunk size
 
@@ -85,6 +90,9 @@ class Verifier:
         self.t_eager: float | None = None
         self.t_all: float | None = None
         self.on_eager_done: Callable[[], None] | None = None
+        # where chunks not on disk yet come from (a lazy restore by reference: pagefill/registry.py):
+        # has(path, i) -> bool, fetch(f, i, fault=) verifies as it fetches, or raises VerifyError
+        self.source: Any = None
         self._t0 = time.monotonic()
         if not self.eager:
             self.t_eager = self._t0
@@ -133,13 +141,19 @@ class Verifier:
 
     def _hash(self, f: FileChunks, i: int, ev: threading.Event, who: str) -> None:
         a, b = f.span(i)
-        ok, why = False, None
+        ok, why, told = False, None, None
         t0 = time.monotonic()
         try:
-            read = self.readers.get(f.path)
-            data = read(a, b - a) if read else _pread(f.path, a, b - a)
-            ok = len(data) == b - a and hashlib.sha256(data).digest() == f.digests[i]
-            del data
+            if self.source is not None and not self.source.has(f.path, i):
+                self.source.fetch(f, i, fault=who == "by_copy")  # hashed as it arrives, or VerifyError
+                ok = True
+            else:
+                read = self.readers.get(f.path)
+                data = read(a, b - a) if read else _pread(f.path, a, b - a)
+                ok = len(data) == b - a and hashlib.sha256(data).digest() == f.digests[i]
+                del data
+        except VerifyError as exc:  # the source's own reason (a chunk that did not match, a registry gone)
+            told = str(exc)
         except (OSError, ValueError) as exc:
             why = f"cannot read it: {exc}"
         finally:
@@ -151,9 +165,9 @@ class Verifier:
                     self.counts["bytes"] += b - a
                     self.counts[who] += 1
                 elif not self.error:
-                    self.error = (f"{self.what}: sha256 mismatch in {f.rel} at bytes {a}-{b - 1} (64 MiB chunk {i} "
-                                  f"of {len(f.digests)})" + (f": {why}" if why else "")
-                                  + "; no restored process ran on it")
+                    self.error = told or (f"{self.what}: sha256 mismatch in {f.rel} at bytes {a}-{b - 1} (64 MiB "
+                                          f"chunk {i} of {len(f.digests)})" + (f": {why}" if why else "")
+                                          + "; no restored process ran on it")
                 eager_now = ok and self.t_eager is None and all(g.state[j] is True for g, j in self.eager)
                 if eager_now:
                     self.t_eager = time.monotonic()

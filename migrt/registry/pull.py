@@ -66,6 +66,16 @@ Admit = Callable[[str | None], None]
 def image_lock(store: Store, manifest_digest: str, deadline: Deadline) -> Iterator[None]:
     """Lock per image and node (concurrent creates restoring one reference pull once); waited for at
     most until the deadline."""
+    fd = lock_image(store, manifest_digest, deadline)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def lock_image(store: Store, manifest_digest: str, deadline: Deadline) -> int:
+    """The image lock's descriptor, locked (image_lock; a lazy restore hands it to its page filler,
+    which holds it until the fill has committed the image: registry/lazy.py)."""
     store.ensure()
     path = os.path.join(store.root, ".locks", f".pull-{manifest_digest.split(':', 1)[1]}.lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -73,13 +83,13 @@ def image_lock(store: Store, manifest_digest: str, deadline: Deadline) -> Iterat
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                return fd
             except BlockingIOError:
                 deadline.check(f"waiting for another pull of {manifest_digest} on this node")
                 time.sleep(0.1)
-        yield
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Progress = null_progress,
@@ -97,7 +107,7 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
     store = Store(cfg.store)
     store.ensure()
     if ref.digest:  # pinned: a copy pulled from exactly that manifest needs no registry at all
-        have = _present(store, name or default_name(ref, ref.digest), ref.digest)
+        have = present_as(store, name or default_name(ref, ref.digest), ref.digest)
         if have:
             return {"name": have, "reference": str(ref), "digest": ref.digest, "already_present": True,
                     "bytes_received": 0, "seconds": round(time.monotonic() - t_start, 3)}
@@ -106,12 +116,12 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
         raw, _ctype, mdigest = client.get_manifest()
         manifest = image.parse(raw, str(ref))
         if image.kind(manifest) == "index":
-            raw, mdigest, manifest = _from_index(client, manifest, ref)
+            raw, mdigest, manifest = from_index(client, manifest, ref)
         name = name or default_name(ref, mdigest)
-        deadline.allow(_layer_bytes(manifest))  # a wait for another pull of it moves as much (Deadline)
+        deadline.allow(layer_bytes(manifest))  # a wait for another pull of it moves as much (Deadline)
         with image_lock(store, mdigest, deadline):
             if store.exists(name):
-                if _present(store, name, mdigest):
+                if present_as(store, name, mdigest):
                     return {"name": name, "reference": str(ref), "digest": mdigest, "already_present": True,
                             "bytes_received": 0, "seconds": round(time.monotonic() - t_start, 3)}
                 raise Conflict(f"checkpoint {name} already exists in {store.root} and was not pulled from {mdigest}; "
@@ -131,7 +141,7 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
             "retries": client.stats.retries, "seconds": round(time.monotonic() - t_start, 3)}
 
 
-def _layer_bytes(manifest: dict) -> int:
+def layer_bytes(manifest: dict) -> int:
     """What the image's layers say they weigh (descriptors that do not check out count nothing: the
     pull refuses them later)."""
     layers = manifest.get("layers")
@@ -139,7 +149,7 @@ def _layer_bytes(manifest: dict) -> int:
     return sum(s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s > 0)
 
 
-def _present(store: Store, name: str, manifest_digest: str) -> str | None:
+def present_as(store: Store, name: str, manifest_digest: str) -> str | None:
     """name, if the store holds it as pulled from that manifest digest."""
     try:
         pulled = store.get(name).manifest.pulled or {}
@@ -148,7 +158,7 @@ def _present(store: Store, name: str, manifest_digest: str) -> str | None:
     return name if pulled.get("manifest_digest") == manifest_digest else None
 
 
-def _from_index(client: Client, index: dict, ref: Reference) -> tuple[bytes, str, dict]:
+def from_index(client: Client, index: dict, ref: Reference) -> tuple[bytes, str, dict]:
     listed = index.get("manifests")
     entries = [m for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
     mine = [m for m in entries if isinstance(m.get("platform") or {}, dict)
@@ -164,7 +174,7 @@ def _from_index(client: Client, index: dict, ref: Reference) -> tuple[bytes, str
     return raw, digest, manifest
 
 
-def _fetch_config(client: Client, manifest: dict, where: str) -> dict:
+def fetch_config(client: Client, manifest: dict, where: str) -> dict:
     desc = image.check_descriptor(manifest.get("config"), where)
     if desc["size"] > 16 << 20:
         raise CheckpointInvalid(f"{where}: the image config is {desc['size']} bytes; at most 16 MiB accepted")
@@ -181,7 +191,7 @@ def _fetch_config(client: Client, manifest: dict, where: str) -> dict:
     return data
 
 
-class _Journal:
+class Journal:
     """Verified blobs of a partial pull: lines `<digest> <offset> <path>`."""
 
     def __init__(self, path: str) -> None:
@@ -208,7 +218,7 @@ class _Journal:
 def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdigest: str, name: str,
                   pulled: dict, progress: Progress, admit: Admit | None = None) -> dict:
     where = f"{client.ref}"
-    config = _fetch_config(client, manifest, where)
+    config = fetch_config(client, manifest, where)
     if admit:  # before the partial directory and any layer
         admit(image.namespace(manifest, config))
     files = config["files"]
@@ -216,22 +226,15 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
     hexd = mdigest.split(":", 1)[1]
     # it becomes the checkpoint's directory: private like every other, no link followed on the way
     partial = os.path.dirname(store.private_dir(f"{PULLS}/{hexd}/images"))
-    journal = _Journal(os.path.join(store.root, PULLS, hexd + ".done"))
+    journal = Journal(os.path.join(store.root, PULLS, hexd + ".done"))
     try:
         with importer.importing(store, name, adopt=partial) as imp:
             total = sum(f.get("size", 0) for f in files.values())
-            have = _resume(partial, plan, journal)
+            have = resume_from(partial, plan, journal)
             # what the files take on this store (whole 2 MiB pages each on a huge=always tmpfs)
             imp.ensure_space(imp.space.alloc.files(f.get("size", 0) for f in files.values()) - sum(have.values()))
             client.deadline.allow(total - sum(have.values()))  # (checked against free space first)
-            for rel, chunks in plan.items():  # every file at its final size before the chunks land
-                full = os.path.join(partial, rel)
-                os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
-                fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                try:
-                    _allocate(fd, sum(c[1] for c in chunks))
-                finally:
-                    os.close(fd)
+            allocate_files(partial, plan)
             imp.space.settle()  # the blocks are allocated: the free space shows them (or, without
             # fallocate, the reservation's margin covers what is left; ENOSPC then refuses, unretried)
             jobs = [transfer.Blob(digest, size, os.path.join(partial, rel), off) for rel, chunks in plan.items()
@@ -245,15 +248,9 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
                            write_error=lambda exc: reserve.enospc(exc, f"pulling {client.ref}", store.root),
                            on_bytes=lambda n: progress("bytes", name="download", bytes=n))
             progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
-            for rel, chunks in plan.items():
-                digest = fold_chunks([bytes.fromhex(d.split(":", 1)[1]) for _o, _s, d in chunks])
-                imp.record(rel, sum(c[1] for c in chunks), digest)
-            fields = {k: v for k, v in config.items() if k not in importer.OWN_FIELDS}
-            fields["pulled"] = pulled
-            record_beside(imp)  # our own survey of the images for the restore's choice (not the pusher's)
             progress("phase", name="commit")
             t0 = time.monotonic()
-            data = imp.commit(fields, files)
+            data = commit_files(imp, plan, config, pulled)
             progress("done", name="commit", seconds=round(time.monotonic() - t0, 3))
     except CheckpointInvalid:
         _forget(partial, journal.path)
@@ -264,6 +261,30 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
         raise
     _forget(partial, journal.path)  # committed: the directory was renamed away; the journal goes
     return data
+
+
+def commit_files(imp: importer.Import, plan: dict, config: dict, pulled: dict) -> dict:
+    """Every file of the plan, its digest folded from its verified chunks', committed by the importer
+    with the image's checkpoint manifest (`config`) and where it was pulled from; the manifest."""
+    for rel, chunks in plan.items():
+        digest = fold_chunks([bytes.fromhex(d.split(":", 1)[1]) for _o, _s, d in chunks])
+        imp.record(rel, sum(c[1] for c in chunks), digest)
+    fields = {k: v for k, v in config.items() if k not in importer.OWN_FIELDS}
+    fields["pulled"] = pulled
+    record_beside(imp)  # our own survey of the images for the restore's choice (not the pusher's)
+    return imp.commit(fields, config["files"])
+
+
+def allocate_files(partial: str, plan: dict) -> None:
+    """Every file of the plan at its final size in the partial directory, before the chunks land."""
+    for rel, chunks in plan.items():
+        full = os.path.join(partial, rel)
+        os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            _allocate(fd, sum(c[1] for c in chunks))
+        finally:
+            os.close(fd)
 
 
 def _allocate(fd: int, size: int) -> None:
@@ -278,7 +299,7 @@ def _allocate(fd: int, size: int) -> None:
             # file systems without fallocate: a sparse file is fine
 
 
-def _resume(partial: str, plan: dict, journal: _Journal) -> dict[tuple[str, int, str], int]:
+def resume_from(partial: str, plan: dict, journal: Journal) -> dict[tuple[str, int, str], int]:
     """Journaled chunks whose bytes on disk still hash to their digest (hashed again, not believed)."""
     from migrt.store.fsutil import hash_range
 
@@ -342,19 +363,31 @@ def _pull_archive(cfg: Config, client: Client, store: Store, manifest: dict, nam
     return data
 
 
-def ensure_local(cfg: Config, reference: str, progress: Progress = null_progress, *,
-                 admit: Admit | None = None) -> tuple[str, bool]:
-    """(store name, pulled now) of an image reference, pulled first if this node does not have it
-    (the `create` path of `oci:` restore requests: a pod's request). Its registry must be in the
-    config's restore_registries (PreconditionFailed before any connection otherwise); the whole pull
-    ends within registry_timeout. Errors are MigrtErrors."""
+def check_allowed(cfg: Config, reference: str) -> Reference:
+    """The parsed reference of a create's request, if its registry is one of restore_registries
+    (PreconditionFailed before any connection otherwise)."""
     ref = parse(reference)
     if not registry_allowed(ref, cfg.restore_registries):
         raise PreconditionFailed(
             f"registry {ref.registry} is not one this node restores from: a restore by reference may only name "
             f"a registry listed in restore_registries in the node's migrt config ({cfg.path}); ask the cluster's "
             "administrators, or restore a checkpoint already in the node's store by its name")
-    deadline = Deadline.after(cfg.registry_timeout, "registry_timeout in the migrt config")
+    return ref
+
+
+def create_deadline(cfg: Config) -> Deadline:
+    """The whole deadline of a create's pull."""
+    return Deadline.after(cfg.registry_timeout, "registry_timeout in the migrt config")
+
+
+def ensure_local(cfg: Config, reference: str, progress: Progress = null_progress, *,
+                 admit: Admit | None = None) -> tuple[str, bool]:
+    """(store name, pulled now) of an image reference, pulled first if this node does not have it
+    (the `create` path of `oci:` restore requests: a pod's request). Its registry must be in the
+    config's restore_registries (PreconditionFailed before any connection otherwise); the whole pull
+    ends within registry_timeout. Errors are MigrtErrors."""
+    check_allowed(cfg, reference)
+    deadline = create_deadline(cfg)
     try:
         out = pull(cfg, reference, progress=progress, deadline=deadline, admit=admit)
         return out["name"], not out["already_present"]

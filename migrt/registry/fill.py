@@ -1,0 +1,210 @@
+"""The page filler's registry source: a lazy restore by reference (registry/lazy.py) fills the
+container's memory from chunks fetched from the registry while it runs. Run as the filler's guard
+(`python -m migrt.registry.fill`: pagefill/guard.py with this source; the filler sits below the
+registry, so the registry plugs its source in rather than the filler importing it).
+
+The rule: a chunk reaches a task only after every byte of it was hashed against its digest. Each
+64 MiB chunk of a pages image is one blob of the image, whose digest is the chunk's digest in the
+checkpoint's manifest. The Verifier (pagefill/verify.py) asks `fetch` for a chunk not on disk yet before any
+page of it is copied: a page fault's chunk at once, in `registry_parallel` byte ranges (its bytes
+hashed in order as the ranges land: registry/transfer.py), the rest by the sweep threads, whole
+blobs `registry_parallel` at a time, in the copy order. The bytes land in the pull's partial
+directory (the sparse pages images the filler maps), and a chunk counts only once its digest
+matched: then it is journaled (`.pulls/<digest>.done`), so the fill is also a pull that a retry
+resumes.
+
+Failures (the Verifier's error; the filler fails, its guard kills the restored container, and the
+reason goes to the runc log and the node's log):
+- a chunk whose bytes do not match its digest: its range is zeroed on disk (nothing of it is
+  journaled or committed), `... blob sha256:... does not match its digest ...; no restored process ran on it`;
+- a registry that stays away past the client's retries, or past the fill's deadline
+  (registry_timeout plus the image at 8 MiB/s): `registry HOST went away while filling container
+  ID's memory (N of M MiB in); the container was stopped; restore again`. The image in the registry
+  is never written; what arrived stays verified and journaled.
+
+Once every chunk is in, `commit` publishes the partial directory as the pulled checkpoint through the
+store's importer (registry/pull.py commit_files: every file's digest folded from its verified chunks)
+and lets go of the image lock, so later restores of the image on this node are local.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from migrt.errors import CheckpointInvalid, MigrtError
+from migrt.pagefill.verify import FileChunks, VerifyError
+
+if TYPE_CHECKING:
+    from migrt.registry.client import Client
+    from migrt.registry.pull import Journal
+
+ZEROS = bytes(4 << 20)
+
+
+class RegistrySource:
+    def __init__(self, spec: dict, images: str, lock_fd: int | None = None) -> None:
+        self.spec = spec
+        self.images = images  # the directory the plan names files in (the Verifier's paths)
+        self.partial = spec["partial"]
+        self.lock_fd = lock_fd
+        self.parallel = max(1, int(spec.get("parallel") or 1))
+        self.present = {(os.path.join(images, base), int(i)) for base, idx in spec["present"].items() for i in idx}
+        self.lock = threading.Lock()
+        self.total = sum(int(f["size"]) for f in spec["files"].values())
+        self.arrived = 0  # bytes of chunks fetched here
+        self.fetched = 0  # chunks fetched here
+        self.t0 = time.monotonic()
+        self._client: Client | None = None
+        self._journal: Journal | None = None
+
+    @classmethod
+    def from_handover(cls, handover: dict, images: str, lock_fd: int | None) -> RegistrySource:
+        spec = dict(handover["registry"])
+        spec["files"] = handover["files"]
+        return cls(spec, images, lock_fd)
+
+    # -- what the Verifier calls -------------------------------------------------------------------
+    def has(self, path: str, i: int) -> bool:
+        return (path, i) in self.present
+
+    def fetch(self, f: FileChunks, i: int, *, fault: bool = False) -> None:
+        """Chunk i of f into the partial directory, verified against its digest (and journaled), or
+        VerifyError with the reason the container is stopped for."""
+        from migrt.registry import transfer
+
+        a, b = f.span(i)
+        digest = "sha256:" + f.digests[i].hex()
+        blob = transfer.Blob(digest, b - a, os.path.join(self.partial, f.rel), a)
+        client = self.client()
+        try:
+            transfer.fetch(client, [blob], self.parallel if fault else 1, on_blob=lambda _b: None)
+        except CheckpointInvalid as exc:
+            self._zero(blob)
+            raise VerifyError(f"checkpoint {self.spec['commit']['name']}: {f.rel} bytes {a}-{b - 1} (blob {digest}) "
+                              f"from registry {self.spec['registry']} does not match its digest ({exc.message}); the "
+                              "container was stopped, no restored process ran on it") from exc
+        except (MigrtError, OSError) as exc:
+            raise VerifyError(self._gone(exc)) from exc
+        self._journal_add(digest, a, f.rel)
+        with self.lock:
+            self.present.add((f.path, i))
+            self.arrived += b - a
+            self.fetched += 1
+
+    # -- the rest ----------------------------------------------------------------------------------
+    def client(self) -> Client:
+        """One client for every thread (each keeps its own connection), its deadline the fill's."""
+        with self.lock:
+            if self._client is None:
+                self._client = _client(self.spec, self.total)
+            return self._client
+
+    def _gone(self, exc: BaseException) -> str:
+        in_bytes = self.total - self._missing_bytes()
+        cid = self.spec.get("container_id") or "?"
+        return (f"registry {self.spec['registry']} went away while filling container {cid}'s memory "
+                f"({in_bytes >> 20} of {self.total >> 20} MiB in); the container was stopped; restore again "
+                f"({getattr(exc, 'message', None) or exc})")
+
+    def _missing_bytes(self) -> int:
+        from migrt.store.fsutil import TREE_CHUNK
+
+        missing = 0
+        for base, f in self.spec["files"].items():
+            size = int(f["size"])
+            for i in range(max(1, -(-size // TREE_CHUNK))):
+                if (os.path.join(self.images, base), i) not in self.present:
+                    missing += min(size, (i + 1) * TREE_CHUNK) - i * TREE_CHUNK
+        return missing
+
+    def _zero(self, blob) -> None:
+        """What arrived of a chunk that did not match goes from the disk (never journaled)."""
+        with contextlib.suppress(OSError):
+            fd = os.open(blob.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                for off in range(0, blob.size, len(ZEROS)):
+                    os.pwrite(fd, ZEROS[:min(len(ZEROS), blob.size - off)], blob.offset + off)
+            finally:
+                os.close(fd)
+
+    def _journal_add(self, digest: str, offset: int, rel: str) -> None:
+        from migrt.registry.pull import Journal
+
+        with self.lock:
+            if self._journal is None:
+                self._journal = Journal(self.spec["journal"])
+            journal = self._journal
+        journal.add(digest, offset, rel)
+
+    def summary(self) -> dict:
+        with self.lock:
+            return {"fetched_chunks": self.fetched, "fetched_bytes": self.arrived,
+                    "seconds": round(time.monotonic() - self.t0, 3)}
+
+    def commit(self) -> dict:
+        """Every chunk is in: the partial directory becomes the pulled checkpoint; the lock goes."""
+        from migrt.registry import pull
+        from migrt.store import Store, importer
+
+        c = self.spec["commit"]
+        store = Store(c["store"])
+        try:
+            with importer.importing(store, c["name"], adopt=self.partial) as imp:
+                data = pull.commit_files(imp, c["plan"], c["config"], c["pulled"])
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.spec["journal"])
+            return {"name": c["name"], "size_bytes": data.get("size_bytes")}
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self.lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.lock_fd)
+            self.lock_fd = None
+
+    def log(self, event: str, **fields) -> None:
+        """A line in the node's migrt log (the filler has no structlog set up)."""
+        path = self.spec.get("log_file")
+        if not path:
+            return
+        rec = {"event": event, "level": "info" if "error" not in fields else "error", "component": "migrt-pagefill",
+               "container": self.spec.get("container_id"), "reference": self._reference(), **fields,
+               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+    def _reference(self) -> str:
+        return f"{self.spec['registry']}/{self.spec['repository']}@{self.spec['digest']}"
+
+
+def _client(spec: dict, total: int) -> Client:
+    """A registry client for the image pinned by digest, with the node's credentials and CA bundle, under
+    the fill's whole deadline: registry_timeout plus the pages at connect.WHOLE_RATE."""
+    from migrt.registry import auth
+    from migrt.registry.client import Client, Deadline
+    from migrt.registry.connect import WHOLE_RATE
+    from migrt.registry.reference import Reference
+
+    ref = Reference(spec["registry"], spec["repository"], None, spec["digest"])
+    creds = auth.load(spec.get("auth_file"), ref.registry) or (
+        auth.load(spec.get("auth_file"), ref.api_host) if ref.api_host != ref.registry else None)
+    deadline = Deadline.after(float(spec.get("timeout") or 60), "registry_timeout in the migrt config, plus the "
+                              f"pages at {WHOLE_RATE >> 20} MiB/s", rate=WHOLE_RATE,
+                              then="what arrived is kept and the next restore of the image resumes it")
+    deadline.allow(total)
+    return Client(ref, credentials=creds, ca_file=spec.get("ca_file"), deadline=deadline)
+
+
+if __name__ == "__main__":
+    from migrt.pagefill import guard
+
+    sys.exit(guard.main(sys.argv[1:], source=RegistrySource.from_handover))

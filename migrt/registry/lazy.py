@@ -1,0 +1,234 @@
+"""Lazy restore by reference: a create's `oci:REF` restore whose container runs before its memory
+has all come from the registry (docs/registry.md, "Lazy restore from a registry").
+
+The rule it keeps: no restored task ever reads a byte that was not verified against the image's
+digests, and nothing is committed to the store before every byte of the image is in and verified.
+
+In the create, under the image lock (registry/pull.py lock_image), into the pull's partial directory
+(`<store>/.pulls/<digest>/`, journaled in `<digest>.done`, so that this is also a pull):
+  1. the manifest, the config and the namespace check (`admit`), as for a full pull;
+  2. every file CRIU reads itself, fetched and verified (all files but the pages images); the pages
+     images allocated at their full size;
+  3. of the pages images, every 64 MiB chunk holding a byte that is not lazy (CRIU reads those
+     itself while it restores: pagefill/verify.py eager_chunks), fetched and verified.
+The restore then runs from the partial directory (ops/restore.py restore_pulling) with the page
+filler, whose Verifier fetches every other chunk from the registry before any page of it is installed
+(pagefill/registry.py: faults first, background sweeps in parallel) and, once every chunk is in,
+commits the directory as the pulled checkpoint. The filler holds the image lock until then: a second
+restore of the image on this node waits for it and restores from the store.
+
+Falls back to the full pull (`ensure_local`), said once in the node's log (`registry_lazy_fallback`,
+with the reason): a `--format cri` or CRI-O image (one archive blob), a registry that answers byte
+ranges with the whole blob (faults fetch their chunk in ranges), a GPU checkpoint (the lazy GPU
+order, the driver's host copy first, is not done from a registry yet), a node where the filler cannot
+run (`pagefill.problem()`), restore_pages eager, images the filler cannot plan, or memory the page
+mode decides to copy eagerly (`lazy_ok`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from migrt.config import Config
+from migrt.registry import image, pull, transfer
+from migrt.registry.client import Client
+from migrt.registry.connect import client_for
+from migrt.registry.reference import Reference
+from migrt.store import Store, importer, reserve
+from migrt.store.manifest import Manifest
+
+EVENT_FALLBACK = "registry_lazy_fallback"
+PAGES_PREFIX = "images/pages-"
+# lazy_ok(images, files, recorded survey): None to fill lazily, else why the memory is copied eagerly
+LazyOk = Callable[[str, dict, object], str | None]
+
+
+class Fallback(Exception):
+    """This image is restored after a full pull instead (the reason is the message)."""
+
+
+@dataclass
+class Partial:
+    """What a restore reads instead of a committed checkpoint: the pull's partial directory, every
+    file but the pages images verified on arrival, the pages images verified chunk by chunk as the
+    filler fetches them."""
+    name: str
+    path: str
+    manifest: Manifest
+
+    @property
+    def images(self) -> str:
+        return os.path.join(self.path, "images")
+
+    def verify_structure(self) -> None:
+        """(verified on arrival: the restore is told so and never asks)"""
+
+    def verify_hashes(self, rels: list[str]) -> None:
+        """(as verify_structure)"""
+
+
+@dataclass
+class LazyImage:
+    """An image ready to be restored lazily: the partial checkpoint, the image lock's descriptor (the
+    filler takes it over), the filler's hand-over (verify.json with its "registry" section) and what
+    the create did (`summary`: chunks in all, present before the restore, seconds)."""
+    ckpt: Partial
+    lock_fd: int
+    handover: dict
+    summary: dict = field(default_factory=dict)
+
+    def release(self) -> None:
+        """Our copy of the lock goes (the filler keeps its own)."""
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+
+
+def is_pages(rel: str) -> bool:
+    base = rel.rsplit("/", 1)[-1]
+    return rel == f"images/{base}" and rel.startswith(PAGES_PREFIX) and rel.endswith(".img")
+
+
+def prepare(cfg: Config, reference: str, *, admit: pull.Admit, lazy_ok: LazyOk, container_id: str,
+            log, refusal: str | None = None) -> LazyImage | None:
+    """The image of a create's request ready to be restored lazily, or None: restore it after the full
+    pull (already in the store, or a fallback, said once in `log`). refusal: why this node restores
+    after a full pull whatever the image (restore_pages eager, no filler here). Errors are MigrtErrors."""
+    ref = pull.check_allowed(cfg, reference)
+    t0 = time.monotonic()
+    try:
+        if refusal:
+            raise Fallback(refusal)
+        return _prepare(cfg, ref, admit, lazy_ok, container_id, t0)
+    except Fallback as exc:
+        log.info(EVENT_FALLBACK, container=container_id, reference=reference, reason=str(exc),
+                 detail="the image is pulled whole before the restore")
+        return None
+
+
+def _prepare(cfg: Config, ref: Reference, admit: pull.Admit, lazy_ok: LazyOk, cid: str,
+             t0: float) -> LazyImage | None:
+    deadline = pull.create_deadline(cfg)
+    store = Store(cfg.store)
+    store.ensure()
+    if ref.digest and pull.present_as(store, pull.default_name(ref, ref.digest), ref.digest):
+        return None
+    client = client_for(cfg, ref, deadline=deadline)
+    fd = -1
+    try:
+        raw, _ctype, mdigest = client.get_manifest()
+        manifest = image.parse(raw, str(ref))
+        if image.kind(manifest) == "index":
+            raw, mdigest, manifest = pull.from_index(client, manifest, ref)
+        if image.kind(manifest) != "migrt":
+            raise Fallback("a --format cri or CRI-O image (one archive blob) cannot be read at an offset")
+        name = pull.default_name(ref, mdigest)
+        deadline.allow(pull.layer_bytes(manifest))
+        fd = pull.lock_image(store, mdigest, deadline)
+        if store.exists(name):  # pulled meanwhile (or another checkpoint: the full pull says so)
+            return None
+        out = _fetch_eager(cfg, client, store, manifest, mdigest, name, admit, lazy_ok, cid)
+        out.lock_fd, fd = fd, -1
+        out.summary["seconds"] = round(time.monotonic() - t0, 3)
+        return out
+    finally:
+        client.close()
+        if fd >= 0:
+            os.close(fd)
+
+
+def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdigest: str, name: str,
+                 admit: pull.Admit, lazy_ok: LazyOk, cid: str) -> LazyImage:
+    """Steps 1-3 of the module's doc; the partial directory stays for the filler (or a full pull)."""
+    where = str(client.ref)
+    config = pull.fetch_config(client, manifest, where)
+    admit(image.namespace(manifest, config))
+    if ((config.get("gpu") or {}).get("processes")) if isinstance(config.get("gpu"), dict) else None:
+        raise Fallback("a GPU checkpoint (the driver's host copy first is not done from a registry yet)")
+    plan = image.plan_files(manifest, config["files"], where)
+    pages = {rel: chunks for rel, chunks in plan.items() if is_pages(rel)}
+    if not pages:
+        raise Fallback("the image has no pages images to fill")
+    big = max((c for chunks in pages.values() for c in chunks), key=lambda c: c[1])
+    if not client.serves_ranges(big[2], big[1]):
+        raise Fallback(f"registry {client.host} answers byte ranges with the whole blob")
+    hexd = mdigest.split(":", 1)[1]
+    partial = os.path.dirname(store.private_dir(f"{pull.PULLS}/{hexd}/images"))
+    journal = pull.Journal(os.path.join(store.root, pull.PULLS, hexd + ".done"))
+    with importer.importing(store, name, adopt=partial) as imp:
+        have = pull.resume_from(partial, plan, journal)
+        files = config["files"]
+        imp.ensure_space(imp.space.alloc.files(f.get("size", 0) for f in files.values()) - sum(have.values()))
+        client.deadline.allow(sum(f.get("size", 0) for f in files.values()) - sum(have.values()))
+        pull.allocate_files(partial, plan)
+        imp.space.settle()
+        fetch = _fetcher(cfg, client, store, partial, journal, have)
+        fetch([(rel, c) for rel, chunks in plan.items() if rel not in pages for c in chunks])
+        why = lazy_ok(imp.images, files, config.get("pagefill"))
+        if why:
+            raise Fallback(why)
+        eager = _eager_chunks(imp.images, pages)
+        fetch([(rel, pages[rel][i]) for rel, idx in eager.items() for i in idx])
+    present = {rel: [i for i, (off, _s, d) in enumerate(chunks) if (d, off, rel) in have]
+               for rel, chunks in pages.items()}
+    pulled = {"reference": str(client.ref), "registry": client.ref.registry, "repository": client.ref.repository,
+              "manifest_digest": mdigest, "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "lazy": True}
+    handover = _handover(cfg, client, name, cid, partial, journal.path, pages, present,
+                         {"store": store.root, "name": name, "plan": plan, "config": config, "pulled": pulled})
+    total = sum(len(c) for c in pages.values())
+    summary = {"chunks": total, "present": sum(len(p) for p in present.values()),
+               "bytes_received": client.stats.received}
+    # as the commit will write it: our name, and `pulled` (a pulled layer is applied without setuid bits)
+    view = Manifest.from_dict({**config, "name": name, "pulled": pulled})
+    return LazyImage(Partial(name, partial, view), -1, handover, summary)
+
+
+def _fetcher(cfg: Config, client: Client, store: Store, partial: str, journal, have: dict):
+    """fetch([(rel, (offset, size, digest))]): those not in `have` into the partial directory, verified
+    and journaled (`have` gains them)."""
+    def fetch(chunks: list[tuple[str, tuple[int, int, str]]]) -> None:
+        todo = [(rel, c) for rel, c in chunks if (c[2], c[0], rel) not in have]
+        jobs = [transfer.Blob(d, s, os.path.join(partial, rel), off) for rel, (off, s, d) in todo]
+
+        def landed(b: transfer.Blob) -> None:
+            rel = os.path.relpath(b.path, partial)
+            journal.add(b.digest, b.offset, rel)
+            have[(b.digest, b.offset, rel)] = b.size
+        transfer.fetch(client, jobs, cfg.registry_parallel, on_blob=landed,
+                       write_error=lambda exc: reserve.enospc(exc, f"pulling {client.ref}", store.root))
+    return fetch
+
+
+def _eager_chunks(images: str, pages: dict[str, list]) -> dict[str, list[int]]:
+    """Per pages image, the chunks holding a byte that is not lazy (CRIU reads them itself)."""
+    from migrt.pagefill import ImageError, plan
+    from migrt.pagefill.verify import eager_chunks
+
+    try:
+        fill = plan(images)
+    except ImageError as exc:
+        raise Fallback(f"the page filler cannot plan the images ({exc})") from exc
+    lazy: dict[str, list[tuple[int, int]]] = {rel: [] for rel in pages}
+    for proc in fill.processes.values():
+        rel = "images/" + os.path.basename(proc.pages_file) if proc.pages_file else ""
+        if rel in lazy:
+            lazy[rel] += [(s.offset, s.offset + s.length) for s in proc.segments]
+    return {rel: eager_chunks(sum(c[1] for c in pages[rel]), lazy[rel]) for rel in pages}
+
+
+def _handover(cfg: Config, client: Client, name: str, cid: str, partial: str, journal: str, pages: dict,
+              present: dict, commit: dict) -> dict:
+    """The filler's verify.json (pagefill/verify.py build) with what it fetches from and commits to."""
+    files = {rel.rsplit("/", 1)[1]: {"rel": rel, "size": sum(c[1] for c in chunks),
+                                    "chunks": "".join(d.split(":", 1)[1] for _o, _s, d in chunks)}
+             for rel, chunks in pages.items()}
+    registry = {"registry": client.ref.registry, "repository": client.ref.repository,
+                "digest": commit["pulled"]["manifest_digest"], "auth_file": cfg.registry_auth_file,
+                "ca_file": cfg.registry_ca_file, "parallel": cfg.registry_parallel, "timeout": cfg.registry_timeout,
+                "container_id": cid, "partial": partial, "journal": journal, "log_file": cfg.log_file,
+                "present": {rel.rsplit("/", 1)[1]: idx for rel, idx in present.items()}, "commit": commit}
+    return {"checkpoint": name, "files": files, "registry": registry}
