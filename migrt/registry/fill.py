@@ -86,9 +86,11 @@ class RegistrySource:
             transfer.fetch(client, [blob], self.parallel if fault else 1, on_blob=lambda _b: None)
         except CheckpointInvalid as exc:
             self._zero(blob)
+            got = exc.message.partition("the data received has ")[2].partition(";")[0]
             raise VerifyError(f"checkpoint {self.spec['commit']['name']}: {f.rel} bytes {a}-{b - 1} (blob {digest}) "
-                              f"from registry {self.spec['registry']} does not match its digest ({exc.message}); the "
-                              "container was stopped, no restored process ran on it") from exc
+                              f"from registry {self.spec['registry']} does not match its digest ("
+                              + (f"the data received has {got}: " if got else "") + "altered in the registry or "
+                              "in transit); the container was stopped, no restored process ran on it") from exc
         except (MigrtError, OSError) as exc:
             raise VerifyError(self._gone(exc)) from exc
         self._journal_add(digest, a, f.rel)
