@@ -17,7 +17,9 @@ JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable ou
 
 
 @cli.command()
-@click.argument("container_id")
+@click.argument("container_id", required=False)
+@click.option("--pod", "pod", metavar="NS/POD", help="Every container of this pod on this node, frozen together "
+              "(one cut), as one checkpoint (instead of CONTAINER_ID).")
 @click.option("--root", help="runc state root (default: searched in /run/containerd/runc/<ns>, /run/runc).")
 @click.option("--name", help="Checkpoint name (default: <container>-<UTC timestamp>).")
 @click.option("--leave-running", is_flag=True, help="Keep the container running after the dump.")
@@ -26,11 +28,15 @@ JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable ou
 @click.option("--file-locks", is_flag=True, help="Dump file locks.")
 @JSON
 @handle_errors
-def checkpoint(container_id, root, name, leave_running, tcp_established, ext_unix_sk, file_locks, as_json):
-    """Checkpoint a running container into the store; prints the checkpoint name."""
+def checkpoint(container_id, pod, root, name, leave_running, tcp_established, ext_unix_sk, file_locks, as_json):
+    """Checkpoint a running container (or with --pod a whole pod) into the store; prints the checkpoint name."""
     from migrt.ops.checkpoint import CheckpointRequest
     from migrt.ops.checkpoint import checkpoint as do_checkpoint
 
+    if pod or not container_id:
+        _checkpoint_pod(container_id, pod, root, name, leave_running, tcp_established, ext_unix_sk or file_locks,
+                        as_json)
+        return
     names.container_id(container_id)  # before anything builds a path from it
     cfg = load_config()
     progress = ConsoleProgress(enabled=None if not as_json else False)
@@ -49,7 +55,34 @@ def checkpoint(container_id, root, name, leave_running, tcp_established, ext_uni
         click.echo(data["name"])
 
 
+def _checkpoint_pod(container_id, pod, root, name, leave_running, tcp_established, other, as_json) -> None:
+    from migrt.ops.pod_checkpoint import PodCheckpointRequest, checkpoint_pod, parse_pod
+
+    if container_id or not pod:
+        raise UsageError("give a CONTAINER_ID or --pod NS/POD (one of them)")
+    if root or other:
+        raise UsageError("--pod takes no --root, --ext-unix-sk or --file-locks (the pod's containers are found in "
+                         "every runc root)")
+    namespace, name_of_pod = parse_pod(pod)
+    cfg = load_config()
+    progress = ConsoleProgress(enabled=None if not as_json else False)
+    if progress.enabled:
+        click.echo(f"checkpointing pod {pod}", err=True)
+    data = checkpoint_pod(cfg, PodCheckpointRequest(namespace, name_of_pod, name=name, leave_running=leave_running,
+                                                    tcp_established=tcp_established), progress=progress)
+    if as_json:
+        emit_json({k: data[k] for k in ("name", "created", "size_bytes", "timings", "source", "options", "pod")})
+        return
+    if progress.enabled:
+        click.echo(f"  {len(data['pod']['parts'])} containers, frozen together for "
+                   f"{data['timings'].get('frozen_s', data['timings'].get('dump_s', 0)):.2f} s, "
+                   f"{human_size(data['size_bytes'])}", err=True)
+    click.echo(data["name"])
+
+
 def _summary(ckpt) -> dict:
+    from migrt.ops.pod_checkpoint import is_pod, parts_of
+
     try:
         m = ckpt.manifest
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint is still listed, with its problem
@@ -57,6 +90,7 @@ def _summary(ckpt) -> dict:
     return {
         "name": ckpt.name, "created": m.created, "container_id": m.source.container_id,
         "cri": m.source.cri_fields, "size_bytes": m.size_bytes, "gpu": m.gpu is not None,
+        **({"containers": [p["name"] for p in parts_of(m)]} if is_pod(m) else {}),
     }
 
 
@@ -85,6 +119,8 @@ def ls_cmd(as_json):
         cri = it["cri"]
         pod = f"{cri.get('pod_namespace', '')}/{cri.get('pod_name', '')}/{cri.get('container_name', '')}" \
             if cri else "-"
+        if "containers" in it:  # a pod checkpoint: all its containers
+            pod = f"{cri.get('pod_namespace', '')}/{cri.get('pod_name', '')} ({', '.join(it['containers'])})"
         rows.append([it["name"], it["created"] or "-", (it["container_id"] or "-")[:24], pod,
                      human_size(it["size_bytes"])])
     click.echo(table(["NAME", "CREATED", "CONTAINER", "POD", "SIZE"], rows))
@@ -101,10 +137,15 @@ def inspect(name, verify, as_json):
     from migrt.store import Store
 
     cfg = load_config()
+    from migrt.ops.pod_checkpoint import is_pod, part, parts_of
+
     with Store(cfg.store).reading(name) as ckpt:  # shared: restores and other readers go on
         m = ckpt.manifest
-        img = inspect_images(ckpt.images)
+        pod = {p["name"]: inspect_images(part(ckpt, p["name"]).images) for p in parts_of(m)} if is_pod(m) else None
+        img = inspect_images(ckpt.images) if pod is None else {}
         result: dict[str, object] = {"manifest": m.raw, "images": img, "verified": None}
+        if pod is not None:  # a pod checkpoint: one set of images per container
+            result["parts"] = pod
         if verify:
             ckpt.verify()
             result["verified"] = True
@@ -128,21 +169,31 @@ def inspect(name, verify, as_json):
     click.echo("options:    " + (", ".join(k for k, v in sorted(m.options.items()) if v) or "none"))
     click.echo(f"size:       {human_size(m.size_bytes)} in {len(m.files)} files")
     click.echo("timings:    " + ", ".join(f"{k} {v}" for k, v in sorted(m.timings.items())))
-    if img.get("error"):
-        click.echo(f"images:     unreadable: {img['error']}")
-    else:
-        click.echo("processes:")
-        for p in img["processes"]:
-            click.echo(f"  pid {p['pid']:>6} ppid {p['ppid']:>6} threads {p['threads']:>3}  {p.get('comm', '?'):<16} "
-                       f"mem {human_size(p.get('dumped_bytes'))} dumped / {human_size(p.get('vma_bytes'))} mapped")
-            for f in p.get("files", [])[:20]:
-                click.echo(f"      fd {f['fd']:>3} {f['type']:<8} {f.get('path', '')}")
+    if pod is None:
+        _processes(img, "")
+    for p in parts_of(m):
+        click.echo(f"container {p['name']} (image {p.get('image') or 'unknown'}, "
+                   f"was {str(p.get('container_id'))[:12]}):")
+        _processes(pod[p["name"]] if pod else {}, "  ")
     if m.gpu:
         from migrt.cli.gpu_render import render_gpu  # GPU issue
 
         render_gpu(m.gpu)
     if verify:
         click.echo("verify:     ok (every file matches its sha256)")
+
+
+def _processes(img: dict, indent: str) -> None:
+    if img.get("error") or "processes" not in img:
+        click.echo(f"{indent}images:     unreadable: {img.get('error')}")
+        return
+    click.echo(f"{indent}processes:")
+    for p in img["processes"]:
+        click.echo(f"{indent}  pid {p['pid']:>6} ppid {p['ppid']:>6} threads {p['threads']:>3}  "
+                   f"{p.get('comm', '?'):<16} mem {human_size(p.get('dumped_bytes'))} dumped / "
+                   f"{human_size(p.get('vma_bytes'))} mapped")
+        for f in p.get("files", [])[:20]:
+            click.echo(f"{indent}      fd {f['fd']:>3} {f['type']:<8} {f.get('path', '')}")
 
 
 @cli.command()

@@ -25,6 +25,9 @@ gpu-checkpoint (migrt-runc's checkpoint of a container with CUDA processes): res
 runc-checkpoint (migrt-runc's checkpoint without GPU state, e.g. a CRI checkpoint containerd
             cancelled): thaw the container the killed runc/CRIU left frozen.
 receive, import: the data lives elsewhere (the source node, the archive): the staging goes.
+checkpoint-pod (`migrt checkpoint --pod`, ops/pod_checkpoint.py): as checkpoint, for every container
+            of the pod it froze: committed, they are stopped (or resumed under --leave-running); not
+            committed, each is thawed and the staging directory (every part) goes.
 """
 
 from __future__ import annotations
@@ -266,6 +269,25 @@ def _checkpoint(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> l
     return actions
 
 
+def _checkpoint_pod(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
+    d = e.data
+    actions: list[str] = []
+    wait_helpers([d.get("staging")], wait_s)
+    runtime = LowerRuntime(cfg.runtime_path())
+    finish = _committed(store, d.get("name"), e.id) and not d.get("leave_running")
+    for m in d.get("members") or []:
+        root, cid = (m.get("root"), m.get("container")) if isinstance(m, dict) else (None, None)
+        st = _state(runtime, root, cid)
+        if finish and st and root and cid:
+            runtime.stop(root, cid)  # frozen: killed before it is thawed
+            actions.append(f"stopped container {cid} (its pod checkpoint {d.get('name')} is committed)")
+        else:
+            _thaw(runtime, root, cid, st, bool(m.get("was_paused")), actions)
+    if not _committed(store, d.get("name"), e.id):
+        _rmtree(d.get("staging"), actions, "the uncommitted parts (the pod's containers run on)")
+    return actions
+
+
 def _restore(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> list[str]:
     d = e.data
     actions: list[str] = []
@@ -316,7 +338,8 @@ def _disposable(cfg: Config, store: Store, e: journal.Entry, wait_s: float) -> l
 
 
 HANDLERS = {"checkpoint": _checkpoint, "restore": _restore, "gpu-checkpoint": _gpu_checkpoint,
-            "runc-checkpoint": _runc_checkpoint, "receive": _disposable, "import": _disposable}
+            "runc-checkpoint": _runc_checkpoint, "receive": _disposable, "import": _disposable,
+            "checkpoint-pod": _checkpoint_pod}
 
 
 def recover(cfg: Config, *, wait_s: float = AUTO_WAIT_S) -> list[Outcome]:

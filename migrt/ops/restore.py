@@ -46,6 +46,7 @@ class RestoreSeams:
     supervise: Callable | None = None
     fill: object | None = None
     fill_first: float | None = None
+    criu_env: Callable[[dict | None, str], dict] | None = None  # runc's env, given the work dir (a pod's hold)
 
 
 @dataclass
@@ -89,10 +90,11 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
         _mark("recovered")
         with store.reading(name) as ckpt, journal.recording(store.root, "restore", name=name,
                                                             container=target.container_id, root=target.root) as entry:
-            if "pod" in ckpt.manifest:  # a pod's checkpoint: this container's part of it (issue 29)
-                from migrt.pods.pod_checkpoint import for_container
+            if "pod" in ckpt.manifest:  # a pod's checkpoint: this container's part of it, held (issue 29)
+                from migrt.ops.pod_checkpoint import restore_part
 
-                ckpt = for_container(ckpt, target.bundle)
+                return restore_part(cfg, ckpt, target, lambda part, tgt: _Restore(cfg, store, part, tgt, entry,
+                                                                                  progress).run())
             return _Restore(cfg, store, ckpt, target, entry, progress).run()
     except OSError as exc:
         raise MigrtError(f"restore of checkpoint {name} failed: {exc} (the checkpoint is unchanged)") from exc
@@ -269,6 +271,8 @@ class _Restore:
             env = {**os.environ, HANDLED_ENV: "1"}
         if self.checks.pending:
             env = self.checks.gate_env(env)
+        if self.target.seams.criu_env:
+            env = self.target.seams.criu_env(env, self.work)
         return env
 
     def _run(self, spec: RestoreSpec, env: dict | None, plan: pages.PagesPlan, t0: float) -> int:

@@ -161,6 +161,9 @@ def export(ckpt, out_path: str, *, verify: bool = True, progress: Progress = nul
     """Write the archive; returns {"path", "size", "sha256" ("sha256:..."), "members"}. Progress: one
     phase `export` (total_bytes: the checkpoint's size, about the archive's), bytes as they are written."""
     manifest = ckpt.manifest
+    if "pod" in manifest:  # ops/pod_checkpoint.py
+        raise UsageError(f"checkpoint {ckpt.name} is a whole pod's: the archive podman and kubelet read holds one "
+                         f"container; push it in migrt's format instead (migrt push {ckpt.name} REF)")
     files = manifest.files
     images = sorted(rel for rel in files if rel.startswith("images/"))
     if not any(rel == "images/inventory.img" for rel in images):

@@ -1,0 +1,304 @@
+"""`migrt checkpoint --pod NS/POD`: every container of a pod on this node, cut at one instant, as ONE
+checkpoint (issue 29).
+
+The rule, in order:
+  1. the pod's containers are found (pods/members.py) and checked before anything is touched: at least
+     one running, none with CUDA processes (not built for a pod yet), none with an interrupted
+     operation; each is locked against other checkpoints of it;
+  2. every running container is frozen (PodFreeze) before any is dumped; what they share (a TCP
+     connection over the pod's loopback, both ends; a file; a shared-memory segment) is seen by every
+     dump in the same state;
+  3. each is dumped while all stay frozen, by the ordinary checkpoint code (ops/checkpoint.py: CRIU
+     options, parallel dump, writable layer, its own manifest and hashes), into parts/<container>/ of
+     the pod checkpoint's staging directory (a store of its own there, nothing of it visible);
+  4. the pod checkpoint is committed once, atomically, like any checkpoint: its manifest's `pod`
+     section lists the parts {name, image, kind, container_id}, its `files` every file of every part
+     (parts/<name>/manifest.json included), so verify, rm, push and pull treat it as one checkpoint;
+  5. then all resume (--leave-running) or all are destroyed (killed while still frozen).
+A failure before the commit thaws every container it froze and leaves nothing in the store; the
+error names the container. The journal entry (op checkpoint-pod) lets recovery thaw them after a
+migrt that was killed (ops/recover.py).
+
+A part is read back as an ordinary checkpoint (`part`): its directory, its own manifest, its images.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from migrt import faults, names
+from migrt.config import Config
+from migrt.criu.version import versions
+from migrt.errors import CheckpointInvalid, Conflict, MigrtError, PreconditionFailed, RuntimeFailed, UsageError
+from migrt.oci.bundle import Bundle
+from migrt.pods.members import Member, PodFreeze, mismatch, pod_members
+from migrt.progress import Progress, null_progress
+from migrt.runtime.runc import LowerRuntime
+from migrt.store import Store
+from migrt.store import manifest as mf
+from migrt.store.store import HIDDEN, Checkpoint, Staging
+
+PARTS = "parts"
+OP = "checkpoint-pod"
+HOLD_DEADLINE_S = 300.0  # a pod restore whose last container is not created by then is given up (pods/hold.py)
+
+
+@dataclass
+class PodCheckpointRequest:
+    namespace: str
+    pod: str
+    name: str | None = None
+    leave_running: bool = False
+    tcp_established: bool = False
+
+
+def parse_pod(value: str) -> tuple[str, str]:
+    """NS/POD -> (namespace, pod); UsageError otherwise."""
+    ns, _, pod = value.partition("/")
+    if not ns or not pod or "/" in pod or not all(c.isalnum() or c in "-." for c in ns + pod):
+        raise UsageError(f"--pod {value!r}: give the pod as <namespace>/<name>, e.g. team-a/web-0")
+    return ns, pod
+
+
+def is_pod(manifest: mf.Manifest) -> bool:
+    return isinstance(manifest.raw.get("pod"), dict)
+
+
+def parts_of(manifest: mf.Manifest) -> list[dict]:
+    """The pod checkpoint's parts [{name, image, kind, container_id}], as recorded."""
+    parts = (manifest.raw.get("pod") or {}).get("parts")
+    return [p for p in parts if isinstance(p, dict) and isinstance(p.get("name"), str)] \
+        if isinstance(parts, list) else []
+
+
+def part(ckpt: Checkpoint, container: str) -> Checkpoint:
+    """Part `container` of pod checkpoint `ckpt`, read as a checkpoint of its own (same name and lock:
+    the pod's); CheckpointInvalid/NotFound-like errors name both."""
+    have = [p["name"] for p in parts_of(ckpt.manifest)]
+    if container not in have:
+        raise PreconditionFailed(f"pod checkpoint {ckpt.name} has no container {container!r} (it has "
+                                 f"{', '.join(have) or 'none'}); the new pod's containers must be the checkpointed "
+                                 "pod's, by name")
+    sub = Checkpoint(ckpt.store, ckpt.name)
+    sub.path = os.path.join(ckpt.path, PARTS, names.validate(container))
+    sub.images = os.path.join(sub.path, "images")
+    try:
+        sub._manifest = mf.load(sub.path, container)  # a part's manifest names its container
+    except CheckpointInvalid as exc:
+        raise CheckpointInvalid(f"pod checkpoint {ckpt.name}, part {container}: {exc.message}") from exc
+    return sub
+
+
+def for_container(ckpt: Checkpoint, bundle: Bundle) -> Checkpoint:
+    """What a create restores from `ckpt`: itself, or for a pod checkpoint the part named as this
+    container is (CRI's container name), refused before anything is touched when the checkpoint has no
+    such container or had another image in it."""
+    if not is_pod(ckpt.manifest):
+        return ckpt
+    meta = bundle.cri_metadata()
+    container = meta.get("container_name")
+    if not container:
+        raise PreconditionFailed(f"checkpoint {ckpt.name} is a pod's (containers "
+                                 f"{', '.join(p['name'] for p in parts_of(ckpt.manifest))}): it restores into a "
+                                 "pod's containers, by name; this container has no CRI container name")
+    entry = next((p for p in parts_of(ckpt.manifest) if p["name"] == container), None)
+    if entry is None:
+        return part(ckpt, container)  # refused there, naming the containers the checkpoint has
+    found = mismatch([Member(entry.get("container_id") or "", container, entry.get("image") or "", "", "", True)],
+                     {container: meta.get("image_name", "")})
+    if found:
+        raise PreconditionFailed(f"pod checkpoint {ckpt.name}, {found[0]}; a pod restores into the same containers "
+                                 "and images; nothing was restored")
+    return part(ckpt, container)
+
+
+def restore_part(cfg: Config, ckpt: Checkpoint, target, run: Callable[[Checkpoint, object], dict]) -> dict:
+    """A create's restore of its part of pod checkpoint `ckpt` (`run(part, target)` restores one
+    checkpoint). With several parts the pod is held (pods/hold.py): this part resumes frozen, and the
+    create that brings the pod's last part thaws them all. A part created again once the pod was
+    released (a restart) is restored on its own."""
+    from migrt.pods import hold, netlock
+
+    sub = for_container(ckpt, target.bundle)
+    expected = [p["name"] for p in parts_of(ckpt.manifest)]
+    sandbox = target.bundle.cri_metadata().get("sandbox_id")
+    if len(expected) < 2 or not sandbox:
+        return run(sub, target)
+    pod_hold = hold.Hold(target.root, sandbox, runtime=cfg.runtime_path())
+    rec = pod_hold.join(expected, HOLD_DEADLINE_S)
+    if rec.get("state") == hold.RELEASED:
+        return run(sub, target)
+    if rec.get("state") != hold.HOLDING:
+        raise PreconditionFailed(f"pod checkpoint {ckpt.name}: this pod's restore was given up ({rec.get('reason')}); "
+                                 "delete the pod and create it again")
+    netns = netlock.netns_path(target.bundle)
+    if netns:
+        netlock.lock(netns)  # from before the first part is restored (pods/netlock.py says why)
+    held = dataclasses.replace(target, seams=dataclasses.replace(target.seams, criu_env=hold.criu_env))
+    res = run(sub, held)
+    name = target.bundle.cri_metadata().get("container_name", "")
+    try:
+        last = pod_hold.arrived(name, target.container_id)
+    except MigrtError:
+        if netns:
+            netlock.unlock(netns)
+        raise
+    if last:
+        if netns:
+            netlock.unlock(netns)
+        res["pod_hold"] = {"released": [p.name for p in pod_hold.release()]}
+    else:
+        res["pod_hold"] = {"held": name, "waiting_for": sorted(set(expected) - set(rec.get("parts") or {}) - {name})}
+    return res
+
+
+def checkpoint_pod(cfg: Config, req: PodCheckpointRequest, progress: Progress = null_progress) -> dict:
+    from migrt.ops import recover
+    from migrt.ops.checkpoint import default_name
+
+    t0 = time.monotonic()
+    pod = f"{req.namespace}/{req.pod}"
+    members = [m for m in pod_members(cfg, req.namespace, req.pod) if _alive(cfg, m)]
+    if not members:
+        raise PreconditionFailed(f"pod {pod}: none of its containers runs on this node; nothing to checkpoint")
+    name = names.validate(req.name) if req.name else default_name(req.pod)
+    _no_gpu(pod, members)
+    store = Store(cfg.store)
+    store.ensure()
+    recover.recover(cfg)
+    for m in members:
+        if recover.pending_for(cfg, m.cid):
+            raise Conflict(f"pod {pod}: {m.describe()} has an interrupted operation not recovered yet; run "
+                           "'migrt recover'")
+    with contextlib.ExitStack() as locks:
+        for m in members:
+            locks.enter_context(store.container_lock(m.root, m.cid))
+        record = [{"container": m.cid, "root": m.root, "name": m.name, "was_paused": not m.running} for m in members]
+        with store.writer(name, op=OP, pod=pod, members=record, leave_running=req.leave_running) as staging:
+            return _cut(cfg, req, store, staging, members, progress, t0)
+
+
+def _alive(cfg: Config, m: Member) -> bool:
+    if m.running:
+        return True
+    return LowerRuntime(cfg.runtime_path()).status(m.root, m.cid) == "paused"
+
+
+def _no_gpu(pod: str, members: list[Member]) -> None:
+    from migrt.gpu import procs
+
+    for m in members:
+        pids = procs.runc_container_pids(m.root, m.cid)
+        if procs.cuda_pids(list(pids)):
+            raise PreconditionFailed(f"pod {pod}: {m.describe()} has CUDA processes; a pod checkpoint does not carry "
+                                     "GPU state yet: checkpoint that container on its own (migrt checkpoint ID); "
+                                     "nothing was frozen")
+
+
+def _cut(cfg: Config, req: PodCheckpointRequest, store: Store, staging: Staging, members: list[Member],
+         progress: Progress, t0: float) -> dict:
+    journal = staging.journal
+    assert journal is not None
+    runtime = LowerRuntime(cfg.runtime_path())
+    timings: dict[str, float] = {}
+    journal.update("freezing")
+    with PodFreeze(runtime, members, f"{req.namespace}/{req.pod}") as freeze:
+        timings["freeze_s"] = round(freeze.freeze_s, 3)
+        t_frozen = time.monotonic()
+        journal.update("frozen")
+        faults.point("checkpoint-pod:frozen")
+        parts = _dump_parts(cfg, req, staging, members, progress, timings)
+        timings["dump_s"] = round(time.monotonic() - t_frozen, 3)
+        data = _commit(req, staging, members, parts, timings, journal.id, runtime.path)
+        if req.leave_running:
+            freeze.thaw()
+            timings["frozen_s"] = round(time.monotonic() - t_frozen, 3)
+        else:
+            freeze.keep()  # killed while still frozen: nothing runs after the cut
+            _stop(runtime, data["name"], members, journal)
+    timings["total_s"] = round(time.monotonic() - t0, 3)
+    data["timings"] = {**data.get("timings", {}), **timings}
+    mf.write(store.get(data["name"]).path, data)
+    return data
+
+
+def _dump_parts(cfg: Config, req: PodCheckpointRequest, staging: Staging, members: list[Member],
+                progress: Progress, timings: dict[str, float]) -> list[dict]:
+    """Each member dumped by ops/checkpoint.py into a store of its own inside the staging directory; the
+    members stay frozen (a paused container is dumped as it is and left paused)."""
+    from migrt.ops.checkpoint import CheckpointRequest, checkpoint
+
+    sub = dataclasses.replace(cfg, store=os.path.join(staging.path, PARTS))
+    parts = []
+    for m in members:
+        names.validate(m.name)
+        progress("phase", name="dump", container=m.name)
+        faults.point(f"checkpoint-pod:dump:{m.name}")
+        try:
+            data = checkpoint(sub, CheckpointRequest(container_id=m.cid, root=m.root, name=m.name, leave_running=True,
+                                                     tcp_established=req.tcp_established), progress=progress)
+        except MigrtError as exc:  # its own exit code, the pod's words
+            exc.message = (f"pod {req.namespace}/{req.pod}: checkpoint of container {m.name} ({m.cid[:12]}) failed: "
+                           f"{exc.message}; every container of the pod was left running (or as it was)")
+            exc.args = (exc.message,)
+            raise
+        timings[f"dump_{m.name}_s"] = (data.get("timings") or {}).get("dump_s", 0.0)
+        parts.append({"name": m.name, "image": m.image, "kind": "container", "container_id": m.cid,
+                      "size_bytes": data.get("size_bytes")})
+    for d in HIDDEN:  # the parts' store's own bookkeeping: empty once each part is committed
+        shutil.rmtree(os.path.join(sub.store, d), ignore_errors=True)
+    return parts
+
+
+def _commit(req: PodCheckpointRequest, staging: Staging, members: list[Member], parts: list[dict],
+            timings: dict[str, float], op_id: str, runtime_path: str) -> dict:
+    """One commit for the pod: the parts' files, hashed when each part was committed, are taken as
+    they are (their manifests hold their digests); each part's manifest.json is hashed here."""
+    known = {}
+    for p in parts:
+        base = os.path.join(staging.path, PARTS, p["name"])
+        files = mf.load(base, p["name"]).files
+        known.update({f"{PARTS}/{p['name']}/{rel}": e for rel, e in files.items()})
+    src = members[0]
+    fields = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": {"cri": {"pod_namespace": req.namespace, "pod_name": req.pod}, "runtime_root": src.root},
+        "pod": {"namespace": req.namespace, "name": req.pod, "parts": parts},
+        "versions": versions(runtime_path),
+        "options": {"tcp_established": req.tcp_established, "leave_running": req.leave_running},
+        "timings": dict(timings),
+        "op_id": op_id,
+    }
+    if staging.journal:
+        staging.journal.update("committing")
+    data = staging.commit(fields, known=known)
+    if staging.journal:
+        staging.journal.update("committed")
+    return data
+
+
+def _stop(runtime: LowerRuntime, name: str, members: list[Member], journal) -> None:
+    journal.update("stopping")
+    failed = []
+    for m in members:
+        try:
+            runtime.stop(m.root, m.cid)
+        except RuntimeFailed as exc:
+            failed.append(f"{m.describe()}: {exc.message}")
+    if failed:
+        journal.keep = True
+        raise RuntimeFailed(f"pod checkpoint {name} is committed, but not every container could be stopped: "
+                            + "; ".join(failed))
+
+
+def check_parts(ckpt: Checkpoint) -> None:
+    """A pod checkpoint's parts are what its manifest lists (CheckpointInvalid otherwise)."""
+    for p in parts_of(ckpt.manifest):
+        if f"{PARTS}/{p['name']}/{mf.MANIFEST}" not in ckpt.manifest.files:
+            raise CheckpointInvalid(f"pod checkpoint {ckpt.name}: part {p['name']} has no manifest")
