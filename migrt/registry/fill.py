@@ -35,6 +35,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from migrt.errors import CheckpointInvalid, MigrtError
@@ -62,6 +63,7 @@ class RegistrySource:
         self.t0 = time.monotonic()
         self._client: Client | None = None
         self._journal: Journal | None = None
+        self._faults: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_handover(cls, handover: dict, images: str, lock_fd: int | None) -> RegistrySource:
@@ -83,7 +85,10 @@ class RegistrySource:
         blob = transfer.Blob(digest, b - a, os.path.join(self.partial, f.rel), a)
         client = self.client()
         try:
-            transfer.fetch(client, [blob], self.parallel if fault else 1, on_blob=lambda _b: None)
+            if fault:  # in ranges over this source's own threads (their connections kept for the next)
+                transfer.fetch(client, [blob], self.parallel, on_blob=lambda _b: None, pool=self._pool())
+            else:
+                transfer.fetch(client, [blob], 1, on_blob=lambda _b: None, pool=_InThread())
         except CheckpointInvalid as exc:
             self._zero(blob)
             got = exc.message.partition("the data received has ")[2].partition(";")[0]
@@ -100,6 +105,12 @@ class RegistrySource:
             self.fetched += 1
 
     # -- the rest ----------------------------------------------------------------------------------
+    def _pool(self) -> ThreadPoolExecutor:
+        with self.lock:
+            if self._faults is None:
+                self._faults = ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix="registry-fault")
+            return self._faults
+
     def client(self) -> Client:
         """One client for every thread (each keeps its own connection), its deadline the fill's."""
         with self.lock:
@@ -166,6 +177,8 @@ class RegistrySource:
             self.close()
 
     def close(self) -> None:
+        if self._faults is not None:
+            self._faults.shutdown(wait=False)
         if self._client is not None:
             self._client.close()
         if self.lock_fd is not None:
@@ -186,6 +199,18 @@ class RegistrySource:
 
     def _reference(self) -> str:
         return f"{self.spec['registry']}/{self.spec['repository']}@{self.spec['digest']}"
+
+
+class _InThread(Executor):
+    """Runs each unit in the calling thread (a sweep thread: one whole blob on its own connection)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(exc)
+        return fut
 
 
 def _client(spec: dict, total: int) -> Client:

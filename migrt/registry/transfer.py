@@ -20,11 +20,12 @@ a range request) has that blob fetched whole.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Executor, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass, field
 
 from migrt.errors import CheckpointInvalid
@@ -171,11 +172,13 @@ def _fetch_unit(client: Client, unit: tuple[Blob, _Assembly | None, int], write_
 
 
 def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable[[Blob], None],
-          write_error: WriteError = lambda exc: None, on_bytes: Callable[[int], None] = lambda n: None) -> None:
+          write_error: WriteError = lambda exc: None, on_bytes: Callable[[int], None] = lambda n: None,
+          pool: Executor | None = None) -> None:
     """Every blob into its file range over `parallel` connections; on_blob(blob) once each is whole and
     verified (from the worker thread that verified it, one call per blob). A digest listed at several
     places is fetched once and copied to the others. The first failure cancels
-    what has not started and is raised; blobs verified before it have had their on_blob."""
+    what has not started and is raised; blobs verified before it have had their on_blob. pool: the
+    caller's threads (kept: their connections are reused by its next call), else a pool of our own."""
     first: dict[str, Blob] = {}
     again: list[tuple[Blob, Blob]] = []  # (a blob, the same digest at another place)
     for b in blobs:
@@ -184,8 +187,8 @@ def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable
         else:
             first[b.digest] = b
     units = _Units(client, list(first.values()), parallel)
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        futures = {pool.submit(_one, client, u, write_error, on_blob): u for u in units}
+    with contextlib.nullcontext(pool) if pool is not None else ThreadPoolExecutor(max_workers=parallel) as run:
+        futures = {run.submit(_one, client, u, write_error, on_blob): u for u in units}
         try:
             for fut in as_completed(futures):
                 fut.result()
@@ -194,6 +197,7 @@ def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable
         except BaseException:
             for f in futures:
                 f.cancel()
+            wait(futures)  # (a pool of the caller's is not shut down: nothing of ours may still write)
             raise
     for src, dst in again:  # identical chunks (zero pages) are fetched once, then copied here
         _copy(src, dst, write_error)

@@ -1,0 +1,227 @@
+"""The pieces of a lazy restore by reference (registry/lazy.py, registry/fill.py, the Verifier's
+source) against the fake registry of tests/helpers/fake_registry.py: what the create fetches before
+the restore and what it leaves to the filler, the image lock handed over, the fallbacks said once,
+a chunk fetched verified and journaled, a corrupted one refused and zeroed, a registry gone, and
+the commit of the filled image. The whole path with CRIU and containerd:
+tests/integration/test_registry_lazy.py."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from migrt.pagefill.verify import FileChunks, Verifier, VerifyError
+from migrt.registry import lazy, pull
+from migrt.registry.fill import RegistrySource
+from migrt.store import Store
+from tests.helpers.fake_registry import archive_image, migrt_image
+from tests.unit.test_registry_pull import Log, cfg, reg, tls  # noqa: F401 - fixtures
+
+PAGES = os.urandom(1 << 20)
+FILES = {"images/inventory.img": b"inventory", "images/core-1.img": b"core" * 100, "images/pages-1.img": PAGES}
+REF = "{host}/team/ckpt:v1"
+
+
+def _prepare(cfg, host: str, log: Log, **kw):  # noqa: F811 - the fixture's value
+    return lazy.prepare(cfg, REF.format(host=host), admit=lambda ns: None, lazy_ok=kw.pop("lazy_ok", lambda *a: None),
+                        container_id="c1", log=log, **kw)
+
+
+def _locked(store: str, digest: str) -> bool:
+    fd = os.open(os.path.join(store, ".locks", f".pull-{digest.split(':', 1)[1]}.lock"), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture()
+def no_eager(monkeypatch):
+    """No CRIU images to plan here: every pages chunk counts as lazy (the filler fetches it)."""
+    monkeypatch.setattr(lazy, "_eager_chunks", lambda images, pages: {rel: [] for rel in pages})
+
+
+# -- the create's part ---------------------------------------------------------------------------
+
+def test_the_create_fetches_what_criu_reads_and_leaves_the_pages_to_the_filler(cfg, reg, no_eager):  # noqa: F811
+    registry, host, _ca = reg
+    registry.ranges = True
+    digest = migrt_image(registry, "v1", FILES)
+    log = Log()
+    out = _prepare(cfg, host, log)
+    try:
+        assert out is not None and not [e for e in log.events if e[1] == lazy.EVENT_FALLBACK]
+        pages_blob = "/v2/team/ckpt/blobs/" + registry.add_blob(PAGES)
+        assert registry.requests.count(("GET", pages_blob)) == 1      # only the one-byte range probe
+        part = out.ckpt.path
+        assert Path(part, "images", "inventory.img").read_bytes() == b"inventory"
+        assert os.path.getsize(os.path.join(part, "images", "pages-1.img")) == len(PAGES)  # allocated, not filled
+        assert (out.summary["chunks"], out.summary["present"]) == (1, 0)
+        assert out.ckpt.manifest.from_registry and out.ckpt.name == pull.default_name(pull.parse(REF.format(
+            host=host)), digest)
+        f = out.handover["files"]["pages-1.img"]
+        assert f == {"rel": "images/pages-1.img", "size": len(PAGES), "chunks": hashlib.sha256(PAGES).hexdigest()}
+        assert _locked(cfg.store, digest)                              # held for the filler
+        assert Store(cfg.store).list() == []                           # nothing committed yet
+    finally:
+        if out is not None:
+            out.release()
+    assert not _locked(cfg.store, digest)
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("refusal", "restore_pages is eager"),
+    ("archive", "cannot be read at an offset"),
+    ("no-ranges", "answers byte ranges with the whole blob"),
+    ("eager", "copied eagerly"),
+])
+def test_fallbacks_are_said_once_and_leave_the_full_pull_to_do(cfg, reg, no_eager, case, reason):  # noqa: F811
+    registry, host, _ca = reg
+    registry.ranges = case != "no-ranges"
+    if case == "archive":
+        archive_image(registry, "v1", b"not read")
+    else:
+        migrt_image(registry, "v1", FILES)
+    log = Log()
+    kw = {"refusal": reason} if case == "refusal" else {}
+    if case == "eager":
+        kw["lazy_ok"] = lambda *a: "the memory is copied eagerly (below fill_min_mib)"
+    assert _prepare(cfg, host, log, **kw) is None
+    said = [e for e in log.events if e[1] == lazy.EVENT_FALLBACK]
+    assert len(said) == 1 and reason in said[0][2]["reason"] and said[0][2]["container"] == "c1"
+    if case == "archive":
+        return
+    # what arrived is journaled: the full pull resumes it, and commits the image
+    got = pull.ensure_local(cfg, REF.format(host=host))
+    assert got[1] is True and Store(cfg.store).get(got[0]).manifest.pulled
+
+
+# -- the filler's source -------------------------------------------------------------------------
+
+def _source(out, tmp_path, **spec) -> tuple[RegistrySource, FileChunks]:
+    handover = json.loads(json.dumps(out.handover))  # as the filler reads it
+    handover["registry"].update(spec)
+    src = RegistrySource.from_handover(handover, os.path.join(out.ckpt.path, "images"), out.lock_fd)
+    out.lock_fd = -1  # the source's now
+    f = handover["files"]["pages-1.img"]
+    chunks = FileChunks(path=os.path.join(out.ckpt.path, "images", "pages-1.img"), rel=f["rel"], size=f["size"],
+                        digests=[bytes.fromhex(f["chunks"])])
+    return src, chunks
+
+
+def test_the_source_fetches_a_chunk_verified_journals_it_and_commits_the_image(cfg, reg, no_eager,  # noqa: F811
+                                                                              tmp_path):
+    registry, host, _ca = reg
+    registry.ranges = True
+    digest = migrt_image(registry, "v1", FILES)
+    out = _prepare(cfg, host, Log())
+    src, f = _source(out, tmp_path)
+    v = Verifier([f], what="checkpoint x")
+    v.source = src
+    v.ensure(f.path, 4096, 4096)                                       # a fault: fetched in ranges
+    assert Path(f.path).read_bytes() == PAGES and v.snapshot()["verified"] == 1
+    journal = Path(src.spec["journal"]).read_text()
+    assert journal.splitlines()[-1] == f"{registry.add_blob(PAGES)} 0 images/pages-1.img"  # after the create's
+    committed = src.commit()
+    ck = Store(cfg.store).get(committed["name"])
+    ck.verify()                                                        # every file's digest checks out
+    assert ck.manifest.pulled["manifest_digest"] == digest and ck.manifest.pulled["lazy"] is True
+    assert not os.path.exists(src.spec["journal"]) and not _locked(cfg.store, digest)
+
+
+def test_a_chunk_that_does_not_match_is_refused_zeroed_and_not_journaled(cfg, reg, no_eager, tmp_path):  # noqa: F811
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    out = _prepare(cfg, host, Log())
+    src, f = _source(out, tmp_path)
+    blob = registry.add_blob(PAGES)
+    registry.blobs[blob] = bytes([PAGES[0] ^ 0xFF]) + PAGES[1:]        # the registry serves other bytes
+    v = Verifier([f], what="checkpoint x")
+    v.source = src
+    with pytest.raises(VerifyError, match=f"blob {blob}.* does not match its digest"):
+        v.sweep_one()
+    with pytest.raises(VerifyError):                                   # final: every later ensure fails
+        v.ensure(f.path, 0, 4096)
+    assert Path(f.path).read_bytes() == bytes(len(PAGES))             # nothing of it left on disk
+    assert blob not in (Path(src.spec["journal"]).read_text() if os.path.exists(src.spec["journal"]) else "")
+    src.close()
+
+
+def test_a_registry_gone_mid_fill_names_the_host_the_container_and_what_is_in(cfg, reg, no_eager,  # noqa: F811
+                                                                              tmp_path):
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    out = _prepare(cfg, host, Log())
+    src, f = _source(out, tmp_path, timeout=1)
+    registry.hooks["/v2/team/ckpt/blobs/" + registry.add_blob(PAGES)] = lambda h: h.connection.close()
+    v = Verifier([f], what="checkpoint x")
+    v.source = src
+    with pytest.raises(VerifyError, match=rf"registry {host} went away while filling container c1's memory "
+                                          r"\(0 of 1 MiB in\); the container was stopped; restore again"):
+        v.ensure(f.path, 0, 4096)
+    src.close()
+
+
+# -- the Verifier's source seam ------------------------------------------------------------------
+
+class _Source:
+    def __init__(self, have: set[int], fail: str | None = None) -> None:
+        self.have, self.fail, self.calls = have, fail, []
+        self.lock = threading.Lock()
+
+    def has(self, path: str, i: int) -> bool:
+        return i in self.have
+
+    def fetch(self, f: FileChunks, i: int, *, fault: bool = False) -> None:
+        with self.lock:
+            self.calls.append((i, fault))
+        if self.fail:
+            raise VerifyError(self.fail)
+        with open(f.path, "r+b") as fh:
+            fh.seek(f.span(i)[0])
+            fh.write(b"x")
+
+
+def test_the_verifier_asks_its_source_for_chunks_not_on_disk_only(tmp_path):
+    path = tmp_path / "pages-1.img"
+    data = b"a" * 100
+    path.write_bytes(data)
+    f = FileChunks(path=str(path), rel="images/pages-1.img", size=100, digests=[hashlib.sha256(data).digest()])
+    v = Verifier([f])
+    v.source = _Source(have={0})
+    v.ensure(str(path), 0, 10)                                         # on disk: hashed from it
+    assert v.source.calls == [] and v.snapshot()["verified"] == 1
+    g = FileChunks(path=str(path), rel="images/pages-1.img", size=100, digests=[b"\0" * 32])
+    w = Verifier([g])
+    w.source = _Source(have=set())
+    w.sweep_one()                                                      # the sweep: a whole blob
+    w2 = Verifier([FileChunks(path=str(path), rel="r", size=100, digests=[b"\0" * 32])])
+    w2.source = _Source(have=set())
+    w2.ensure(str(path), 0, 1)                                         # a copy or a fault: ranges
+    assert w.source.calls == [(0, False)] and w2.source.calls == [(0, True)]
+    assert w.snapshot()["verified"] == 1                               # the source verified it
+
+
+def test_a_source_failure_is_the_verifiers_error_and_final(tmp_path):
+    path = tmp_path / "pages-1.img"
+    path.write_bytes(b"a" * 100)
+    f = FileChunks(path=str(path), rel="images/pages-1.img", size=100, digests=[b"\0" * 32])
+    v = Verifier([f])
+    v.source = _Source(have=set(), fail="registry r went away while filling container c's memory")
+    with pytest.raises(VerifyError, match="went away"):
+        v.ensure(str(path), 0, 1)
+    with pytest.raises(VerifyError, match="went away"):
+        v.ensure(str(path), 50, 1)
+    assert v.snapshot()["error"] == "registry r went away while filling container c's memory"
+    assert v.source.calls == [(0, True)]                               # not asked twice
