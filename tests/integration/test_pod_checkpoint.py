@@ -22,6 +22,7 @@ import pytest
 
 from tests.helpers.cri import CriError, read_cri_log
 from tests.integration.conftest import run_cli
+from tests.integration.test_registry import registry as registry  # the fixture
 from tests.integration.workloads import COUNTER, parse_ticks
 
 pytestmark = pytest.mark.integration
@@ -179,3 +180,44 @@ def test_a_real_dump_failure_names_the_container(cri, cri_containerd):
         assert cri.state_name(cid) == "CONTAINER_RUNNING"
     assert not _ls(name)
     cri.delete_pod(pod)
+
+
+def test_a_pod_checkpoint_travels_as_one_image_and_restores_by_reference(cri, cri_containerd, registry,
+                                                                         migrt_config):
+    """Pushed as ONE image (every part's files its layers), removed here, pulled back ahead of time
+    (`migrt pull`, as docs/registry.md advises; this rig's containerd runs in a network namespace of its
+    own, which cannot reach the registry on the host's loopback) and restored into a new pod by the pod
+    annotation migrt.io/restore=oci:REF@sha256:...: every create finds it pulled, by that digest."""
+    ctd = cri_containerd
+    pod, cids = _pod(cri, ctd, _uid("moved"))
+    _wait("echoes", lambda: len(_echoes(_log(cri, cids["sidecar"]))) >= 2)
+    name = _uid("moved-ck")
+    run_cli("checkpoint", "--pod", f"team-a/{cri.pods[pod].name}", "--name", name, "--tcp-established")
+    before = {c: _log(cri, cid) for c, cid in cids.items()}
+    cri.delete_pod(pod)
+    ref = registry.ref("team/trio", "v1")
+    pushed = json.loads(run_cli("push", name, ref, "--json").stdout)
+    res = run_cli("export", name, "-o", os.path.join(migrt_config["base"], "x.tar"), check=False)
+    assert res.returncode == 2 and "is a whole pod's" in res.stderr, res.stderr
+    run_cli("rm", name)
+    pinned = f"{ref}@{pushed['digest']}"
+    got = json.loads(run_cli("pull", pinned, "--json").stdout)
+    assert got["name"].startswith("oci-trio-")
+
+    new = cri.run_pod(_uid("moved-new"), "team-a", annotations={"migrt.io/restore": f"oci:{pinned}"})
+    restored = {}
+    for cname, _script in ORDER:
+        restored[cname] = cri.create_container(new, cname, ctd.image, ["sh", "-c", "echo fresh; sleep 1000"])
+        cri.start(restored[cname])
+    last = parse_ticks(before["app"])[-1]
+    after = _wait("app ticking again", lambda: parse_ticks(_log(cri, restored["app"])))
+    assert after[0][0] > last[0] and all(t[1] == t[2] == last[1] for t in after), (after, last)
+    last_echo = _echoes(before["sidecar"])[-1]
+    _wait("new echoes on the restored connection",
+          lambda: [e for e in _echoes(_log(cri, restored["sidecar"])) if e > last_echo])
+    pulled = [c for c in json.loads(run_cli("ls", "--json").stdout) if c.get("containers")
+              and c["name"].startswith("oci-trio-")]
+    assert len(pulled) == 1 and pulled[0]["containers"] == ["native", "app", "sidecar"], pulled
+    assert pushed["digest"].split(":")[1][:16] in pulled[0]["name"]
+    cri.delete_pod(new)
+    run_cli("rm", pulled[0]["name"])
