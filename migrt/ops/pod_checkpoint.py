@@ -211,8 +211,7 @@ def _cut(cfg: Config, req: PodCheckpointRequest, store: Store, staging: Staging,
     with PodFreeze(runtime, members, f"{req.namespace}/{req.pod}") as freeze:
         timings["freeze_s"] = round(freeze.freeze_s, 3)
         t_frozen = time.monotonic()
-        journal.update("frozen")
-        faults.point("checkpoint-pod:frozen")
+        journal.update("frozen")  # (fault point checkpoint-pod:frozen, as every journaled phase)
         parts = _dump_parts(cfg, req, staging, members, progress, timings)
         timings["dump_s"] = round(time.monotonic() - t_frozen, 3)
         data = _commit(req, staging, members, parts, timings, journal.id, runtime.path)

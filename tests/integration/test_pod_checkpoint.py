@@ -221,3 +221,28 @@ def test_a_pod_checkpoint_travels_as_one_image_and_restores_by_reference(cri, cr
     assert pushed["digest"].split(":")[1][:16] in pulled[0]["name"]
     cri.delete_pod(new)
     run_cli("rm", pulled[0]["name"])
+
+
+@pytest.mark.parametrize("phase, after", [("frozen", "CONTAINER_RUNNING"), ("committed", "CONTAINER_EXITED")])
+def test_recovery_after_a_killed_pod_checkpoint(cri, cri_containerd, phase, after):
+    """migrt killed with the pod frozen (the fault seam): the next command thaws every container and keeps
+    nothing; killed once the checkpoint is committed: it finishes the stop of all of them."""
+    ctd = cri_containerd
+    pod, cids = _pod(cri, ctd, _uid(f"kill-{phase}"))
+    name = _uid("kill-ck")
+    res = run_cli("checkpoint", "--pod", f"team-a/{cri.pods[pod].name}", "--name", name, "--tcp-established",
+                  check=False, env={**os.environ, "MIGRT_FAULT": f"checkpoint-pod:{phase}:kill"})
+    assert res.returncode == -9, (res.returncode, res.stderr)
+    rec = run_cli("recover", "--wait", "30", check=False)
+    assert rec.returncode == 0, rec.stdout + rec.stderr
+    for cid in cids.values():
+        assert (f"thawed container {cid}" if phase == "frozen" else f"stopped container {cid}") in rec.stdout, \
+            rec.stdout
+        cri.wait_state(cid, after)
+    assert bool(_ls(name)) == (phase == "committed")
+    if phase == "frozen":
+        n = len(parse_ticks(_log(cri, cids["app"])))
+        _wait("the app going on", lambda: len(parse_ticks(_log(cri, cids["app"]))) > n + 2)
+    else:
+        run_cli("rm", name)
+    cri.delete_pod(pod)
