@@ -777,7 +777,8 @@ class Filler:
                 with self.state:
                     self._fail(f"cannot map the pages images to verify them: {exc}")
             self.verifier.on_eager_done = self._eager_verified
-            sweepers = max(self.nthreads, self.verifier.source.parallel if self.verifier.source else 0)
+            # a source's sweep threads each hold a connection: as many as it may open (registry_parallel)
+            sweepers = self.verifier.source.parallel if self.verifier.source is not None else self.nthreads
             workers += [threading.Thread(target=self._sweeper, name=f"verify-{i}", daemon=True)
                         for i in range(sweepers)]
         for w in workers:
