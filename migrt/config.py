@@ -43,6 +43,9 @@ Keys (all optional):
                                      none by default. `migrt pull` is not limited (docs/registry.md)
   migration_stall_timeout: 10        seconds without progress (bytes, messages, CRIU I/O) after which a
                                      migration gives up on the peer or kills a stuck CRIU (docs/migration.md)
+  pod_pull_deadline: 30              seconds a pod-level pull waits for the new pod's last container: the
+                                     source pod stays frozen that long at most, then resumes whole and the
+                                     parts restored here are removed (docs/kubernetes.md, The pod-level pull)
   migration_streams: 0               connections a stop-and-copy migration's files travel over at once, as
                                      sender (`migrate --streams` overrides) and the most a receiver takes
                                      (`receive --streams`); 0: half the CPUs, 1 to 8 (docs/migration.md)
@@ -99,6 +102,7 @@ class Config:
     migration_tls: dict[str, str] | None = None
     migration_stall_timeout: float = 10.0
     migration_streams: int = 0
+    pod_pull_deadline: float = 30.0
     agent_listen: str = "0.0.0.0:7070"
     migrate_any_container: bool = False
     migrate_peers: list[str] = field(default_factory=list)
@@ -220,7 +224,7 @@ def load(path: str | None = None) -> Config:
              "allow_cross_namespace_restore", "allow_unbound_checkpoints", "migration_key_file", "migration_tls",
              "store_space_check",
              "migration_stall_timeout", "migration_streams", "agent_listen", "migrate_any_container",
-             "migrate_peers",
+             "migrate_peers", "pod_pull_deadline",
              "criu"}  # criu: read as one line by migrt.criu.binary (which CRIU migrt uses)
     known |= set(REGISTRY_KEYS)
     known |= set(GPU_KEYS) | set(PAGE_KEYS) | set(DUMP_KEYS)
@@ -298,6 +302,10 @@ def _load_agent(cfg: Config, data: dict, path: str) -> None:
     cfg.agent_listen = listen
     _flag(cfg, data, path, "migrate_any_container")
     _load_peers(cfg, data, path)
+    deadline = data.get("pod_pull_deadline", cfg.pod_pull_deadline)
+    if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not 1 <= deadline <= 600:
+        raise ConfigError(f"config {path}: 'pod_pull_deadline' must be a number of seconds from 1 to 600")
+    cfg.pod_pull_deadline = float(deadline)
 
 
 def _load_peers(cfg: Config, data: dict, path: str) -> None:

@@ -33,6 +33,7 @@ Records of pods that have gone are swept every minute.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from migrt import log as log_mod
 from migrt.config import Config
 from migrt.errors import Conflict, PreconditionFailed, UsageError
-from migrt.migration import migrate
+from migrt.migration import migrate, podpull
 from migrt.migration.channel import Channel
 from migrt.migration.pull import describe
 from migrt.migration.receive import ReceiveOptions, Receiver, Report
@@ -169,6 +170,7 @@ class Agent:
         self.listen = listen or cfg.agent_listen
         self.receiver = Receiver(cfg, ReceiveOptions(listen=self.listen, pulls=self.hand_over), report)
         self._busy: set[str] = set()
+        self._cuts: dict[tuple, podpull.PodCut | None] = {}  # pod-level pulls under way: (ns, pod, new pod's sandbox)
         self._lock = threading.Lock()
 
     def bind(self):
@@ -187,33 +189,120 @@ class Agent:
     def hand_over(self, ch: Channel, msg: dict, out: dict) -> None:
         t_start = time.monotonic()
         out.update(mode="pull", source=msg.get("source"))
+        if msg.get("pod_pull") is not None:  # one part of a pod-level pull (podpull.py)
+            self._hand_over_part(ch, msg, out, t_start)
+            return
         try:
             src = locate(self.cfg, msg.get("source"), msg.get("namespace"), ch.local_host)
         except Refused as exc:  # the puller reads one text; the reason stays here
-            out.update(container_id=exc.container_id, reason=exc.reason)
-            log_mod.get().warning("pull_refused", peer=ch.peer, source=msg.get("source"),
-                                  namespace=msg.get("namespace"), container=exc.container_id, reason=exc.reason)
-            # and one time: an absent id costs a stat, another namespace's container its state and bundle read
-            time.sleep(max(0.0, t_start + REFUSAL_TIME_S - time.monotonic()))
+            self._refused(ch, msg, exc, t_start, out)
             raise
         out["container_id"] = src.cid
+        to = self._target(ch, msg)
+        req = migrate.MigrateRequest(container_id=src.cid, to=to, root=src.root, lazy=True,
+                                     moved=self._moved_record(src.bundle, ch, msg))
+        with self._busy_with(src.cid, src.describe()):
+            prep = migrate.prepare(self.cfg, req)
+            res = migrate.send(self.cfg, req, prep, ch, t_start=t_start, t_connect=t_start)
+        self._report(out, to, res)
+
+    def _hand_over_part(self, ch: Channel, msg: dict, out: dict, t_start: float) -> None:
+        """The part of a pod-level pull this create asks for: the pod's cut made at its first part
+        (every check first, then one freeze), the container handed to this part's migration."""
+        want, pod = _wanted(msg.get("source")), msg["pod_pull"]
+        if "container" not in want or not isinstance(pod, dict) or not isinstance(pod.get("sandbox"), str):
+            raise UsageError(f"pull: malformed pod-level request {pod!r}")
+        parts = podpull.parse_parts(",".join(f"{k}={v}" for k, v in (pod.get("parts") or {}).items()))
+        to = self._target(ch, msg)
+        key = (want["namespace"], want["pod"], pod["sandbox"])
+        cut = self._cut(ch, msg, key, parts, to, t_start, out, first=pod.get("first") is True)
+        name = want["container"]
+        member, prep = cut.take(name)
+        out["container_id"] = member.cid
+        req = migrate.MigrateRequest(container_id=member.cid, to=to, root=member.root, lazy=True,
+                                     moved=self._moved_record(Bundle.load(member.bundle), ch, msg), prefrozen=True,
+                                     on_frozen=functools.partial(cut.hand, name))
+        error: str | None = "interrupted"
+        try:
+            with self._busy_with(member.cid, member.describe(cut.pod)):
+                res = migrate.send(self.cfg, req, prep, ch, t_start=t_start, t_connect=t_start)  # type: ignore[arg-type]
+            error = None
+        except BaseException as exc:
+            error = str(exc)
+            raise
+        finally:
+            if cut.end(name, error):
+                with self._lock:
+                    if self._cuts.get(key) is cut:
+                        del self._cuts[key]
+        self._report(out, to, res)
+        out["pod"] = {"pod": cut.pod, "part": name, "parts": sorted(parts)}
+
+    def _cut(self, ch: Channel, msg: dict, key: tuple, parts: dict, to: str, t_start: float, out: dict,
+             first: bool) -> podpull.PodCut:
+        """The pod's cut for this new pod (its sandbox): made by the first part's pull, found by the others."""
+        with self._lock:
+            if key in self._cuts and self._cuts[key] is None:
+                raise Conflict(f"pod {key[0]}/{key[1]}: its first container's pull is being prepared already")
+            cut = self._cuts.get(key)
+            if cut is not None and not (first and cut.failed):
+                return cut
+            if not first:
+                raise Conflict(f"no pod-level pull of pod {key[0]}/{key[1]} is under way for this pod here (its "
+                               "first container's pull ended, or this node's agent restarted); nothing was touched")
+            self._cuts[key] = cut = None  # reserved: one first part at a time
+        try:
+            cut = podpull.cut_pod(self.cfg, key[0], key[1], parts, to,
+                                  eligible=lambda b: ineligible(self.cfg, b, msg.get("namespace")),
+                                  prepare=lambda req: migrate.prepare(self.cfg, req))
+        except podpull.NotEligible as exc:  # no such pod, not opted in, another namespace: one text
+            with self._lock:
+                self._cuts.pop(key, None)
+            refused = Refused(dict(msg["source"]), msg.get("namespace"), ch.local_host, str(exc))
+            self._refused(ch, msg, refused, t_start, out)
+            raise refused from exc
+        except BaseException:
+            with self._lock:
+                self._cuts.pop(key, None)
+            raise
+        cut.start_deadline(self.cfg.pod_pull_deadline)
+        with self._lock:
+            self._cuts[key] = cut
+        return cut
+
+    def _refused(self, ch: Channel, msg: dict, exc: Refused, t_start: float, out: dict) -> None:
+        out.update(container_id=exc.container_id, reason=exc.reason)
+        log_mod.get().warning("pull_refused", peer=ch.peer, source=msg.get("source"),
+                              namespace=msg.get("namespace"), container=exc.container_id, reason=exc.reason)
+        # and one time: an absent id costs a stat, another namespace's container its state and bundle read
+        time.sleep(max(0.0, t_start + REFUSAL_TIME_S - time.monotonic()))
+
+    @staticmethod
+    def _target(ch: Channel, msg: dict) -> str:
         port = msg.get("agent_port")
         if not isinstance(port, int) or not 0 < port < 65536:
             raise UsageError(f"pull: the target did not say where its agent listens ({port!r})")
-        to = f"[{ch.peer_host}]:{port}" if ":" in ch.peer_host else f"{ch.peer_host}:{port}"
+        return f"[{ch.peer_host}]:{port}" if ":" in ch.peer_host else f"{ch.peer_host}:{port}"
+
+    @staticmethod
+    def _moved_record(bundle: Bundle, ch: Channel, msg: dict) -> dict | None:
+        return moved.record(bundle.annotations, to=ch.peer_host, target_container_id=msg.get("container_id"),
+                            target_pod=f"{msg.get('namespace')}/{msg.get('pod')}")
+
+    @contextlib.contextmanager
+    def _busy_with(self, cid: str, what: str):
         with self._lock:
-            if src.cid in self._busy:
-                raise Conflict(f"{src.describe()} is being handed over to another pull already")
-            self._busy.add(src.cid)
+            if cid in self._busy:
+                raise Conflict(f"{what} is being handed over to another pull already")
+            self._busy.add(cid)
         try:
-            rec = moved.record(src.bundle.annotations, to=ch.peer_host, target_container_id=msg.get("container_id"),
-                               target_pod=f"{msg.get('namespace')}/{msg.get('pod')}")
-            req = migrate.MigrateRequest(container_id=src.cid, to=to, root=src.root, lazy=True, moved=rec)
-            prep = migrate.prepare(self.cfg, req)
-            res = migrate.send(self.cfg, req, prep, ch, t_start=t_start, t_connect=t_start)
+            yield
         finally:
             with self._lock:
-                self._busy.discard(src.cid)
+                self._busy.discard(cid)
+
+    @staticmethod
+    def _report(out: dict, to: str, res: dict) -> None:
         out.update(name=res["name"], to=to, restored=res["restored"], target=res["target"],
                    downtime_s=res["downtime_s"], pages=res.get("pages"), handover=res.get("handover"),
                    timings={**res["phases"], "downtime_s": res["downtime_s"]})

@@ -29,6 +29,7 @@ import hashlib
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,11 @@ class MigrateRequest:
     # stop-and-copy without images: the memory goes from the frozen source into the restored tasks over
     # the lazy path's page streams, the target's tree held until every page is in (docs/migration.md)
     direct: bool = False
+    # one part of a pod-level pull (podpull.py): the pod's cut froze the container already, and hands
+    # it to this migration (which then resumes it on a failure, like one it froze) once its own guard
+    # is armed: on_frozen() is called then
+    prefrozen: bool = False
+    on_frozen: Callable[[], None] | None = None
 
 
 class MigrationFailed(MigrtError):
@@ -130,8 +136,10 @@ class _Source:
     """The container on this node and what may be done to it; keeps the guard's instruction in step."""
 
     def __init__(self, runtime: str, root: str, cid: str, was_paused: bool, guard: Guard,
-                 gpu: GpuSource, moved: dict | None = None) -> None:
+                 gpu: GpuSource, moved: dict | None = None, prefrozen: bool = False,
+                 on_frozen: Callable[[], None] | None = None) -> None:
         self.runtime, self.root, self.cid = runtime, root, cid
+        self.prefrozen, self.on_frozen = prefrozen, on_frozen
         self.was_paused = was_paused
         self.frozen = False
         self.guard = guard
@@ -151,9 +159,11 @@ class _Source:
         self.staging = staging
         # armed before the pause: a kill between the two leaves a container that resumes harmlessly
         self.guard.arm({"do": "settle" if self.was_paused else "resume", **self._where()})
-        if not self.was_paused:
+        if not self.was_paused and not self.prefrozen:
             control.pause(self.runtime, self.root, self.cid)
         self.frozen = True
+        if self.on_frozen:  # a pod's cut hands the container over: our guard has it now
+            self.on_frozen()
 
     def serving(self, page_server: tuple[str, int] | None) -> None:
         self.page_server = page_server
@@ -314,8 +324,8 @@ def send(cfg: Config, req: MigrateRequest, prep: _Prepared, ch: Channel, progres
                 "timings": result["phases"],
             }
             guard.arm({"do": "remove", "remove": [staging.path]})  # killed before the freeze: nothing else to undo
-            source = _Source(prep.runtime.path, root, req.container_id, state.status == "paused", guard,
-                             prep.gpu, moved=req.moved)
+            source = _Source(prep.runtime.path, root, req.container_id, state.status == "paused" and not req.prefrozen,
+                             guard, prep.gpu, moved=req.moved, prefrozen=req.prefrozen, on_frozen=req.on_frozen)
             source.staging = staging.path
             run = _Run(ch, ready, source, staging, prep.opts, fields, bundle, req, result, progress, cfg)
             run.dump_mode = prep.dump_mode

@@ -189,14 +189,16 @@ def _say(fd: int, verdict: dict) -> None:
         pass
 
 
-def _watch_create(ack_r: int, log) -> None:
+def _watch_create(ack_r: int, log, acked: threading.Event) -> None:
     """The create went away without its "ok": containerd killed it (kubelet's deadline). Nothing of
     this pull may stay: die the way a killed receiver dies; the guards undo it, the source resumes."""
     try:
         data = os.read(ack_r, 16)
     except OSError:
         data = b""
-    if data != b"ok":
+    if data == b"ok":
+        acked.set()
+    else:
         log.warning("pull_cancelled", reason="the create was killed (kubelet's deadline?)")
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -212,12 +214,14 @@ def _worker(call: Call, bundle: Bundle, request: MigrateFrom, verdict_w: int, ac
         _say(verdict_w, {"error": str(exc), "exit_code": exc.exit_code})
         return exc.exit_code
     log = log_mod.setup(cfg.log_file, cfg.log_level, component="migrt-runc").bind(pull=request.value)
-    threading.Thread(target=_watch_create, args=(ack_r, log), daemon=True, name="migrt-create-watch").start()
+    acked = threading.Event()  # the create returned to containerd: this copy is kubelet's
+    threading.Thread(target=_watch_create, args=(ack_r, log, acked), daemon=True, name="migrt-create-watch").start()
     if call.lower_warning:
         log.warning("lower_runtime_fallback", detail=call.lower_warning)
     said = {"running": False}
     cid = call.container_id or None
     what = f"pull of {request.value!r}"
+    part = None
     try:
         address, source = parse(request.value, bundle.cri_metadata().get("container_name"))
         what = f"pull of {describe(source)} from {address}"
@@ -226,7 +230,12 @@ def _worker(call: Call, bundle: Bundle, request: MigrateFrom, verdict_w: int, ac
         for flag in flags.dropped:
             log.debug("create_flag_dropped", flag=flag)
         cfg.runtime = call.lower  # the shim already resolved it (same rules)
-        result = _pull(cfg, log, flags, bundle, address, source, verdict_w, said)
+        if request.pod is not None:  # one part of a pod-level pull (podpull.py)
+            from migrt.migration.podpull import TargetPart
+
+            part = TargetPart(cfg, bundle, flags.root, request.pod, source)
+            what = f"pod-level pull of {describe(source)} from {address}"
+        result = _pull(cfg, log, flags, bundle, address, source, verdict_w, said, _Part(part, acked, log))
     except MigrtError as exc:
         result = {"error": str(exc), "exit_code": exc.exit_code}
     except Exception as exc:  # never a traceback in kubelet's events
@@ -234,6 +243,8 @@ def _worker(call: Call, bundle: Bundle, request: MigrateFrom, verdict_w: int, ac
         result = {"error": f"internal error: {exc!r}", "exit_code": 1}
     if result.get("error"):
         log.error("pull_failed", container=cid, **result)
+        if part is not None:  # the pod's other parts restored here go too; the source keeps the pod
+            part.abandon(f"container {part.name}: {result['error']}")
         if not said["running"]:
             _say(verdict_w, {"error": f"{what} failed: {result['error']}", "exit_code": result.get("exit_code") or 1})
         return result.get("exit_code") or 1
@@ -241,24 +252,56 @@ def _worker(call: Call, bundle: Bundle, request: MigrateFrom, verdict_w: int, ac
     return 0
 
 
+class _Part:
+    """What a pull does differently as one part of a pod-level pull (none: a single pull)."""
+
+    def __init__(self, part, acked: threading.Event, log) -> None:
+        self.part, self.acked, self.log = part, acked, log
+
+    def arrived(self, cid: str | None) -> bool:
+        """The copy is restored (held frozen): True when it is the pod's last part."""
+        return self.part.arrived(cid) if self.part is not None else False
+
+    def release(self) -> None:
+        """The last part's create has returned: thaw the whole pod together."""
+        if not self.acked.wait(60):  # the create was killed meanwhile: _watch_create ends this process
+            return
+        try:
+            self.part.release()
+        except MigrtError as exc:  # the pod's parts are in: thaw by hand what would not thaw
+            self.log.error("pod_release_failed", error=str(exc))
+
+    def message(self) -> dict:
+        return {"pod_pull": self.part.message()} if self.part is not None else {}
+
+    @property
+    def before_done(self):
+        return self.part.wait if self.part is not None else None
+
+
 def _pull(cfg: Config, log, flags: CreateFlags, bundle: Bundle, address: str, source: dict, verdict_w: int,
-          said: dict) -> dict:
+          said: dict, part: _Part) -> dict:
     from migrt.migration.receive import ReceiveOptions, Receiver
     from migrt.migration.tls import TLSFiles
     from migrt.migration.wire import connect, load_key, parse_address
 
     def restored(res: dict) -> None:
-        """The copy runs: kubelet may have it. Our stdio are containerd's pipes: let them go."""
+        """The copy runs (a pod's part: held frozen until the pod's last part): kubelet may have it.
+        Our stdio are containerd's pipes: let them go."""
+        last = part.arrived(cid)  # a pod given up meanwhile: refused here, the copy then removed
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         os.close(null)
         said["running"] = True
         _say(verdict_w, {"running": True, "pid": res.get("pid")})
+        if last:
+            part.release()
 
     cid = flags.container_id
     receiver = Receiver(cfg, ReceiveOptions(listen="", once=True, restore_bundle=bundle.path, root=flags.root,
-                                            container_id=cid, create=flags, on_restored=restored),
+                                            container_id=cid, create=flags, on_restored=restored,
+                                            before_done=part.before_done),
                         report=lambda out: log.info("pull_session", **out))
     key = load_key(cfg.migration_key_file)
     meta = bundle.cri_metadata()
@@ -272,7 +315,7 @@ def _pull(cfg: Config, log, flags: CreateFlags, bundle: Bundle, address: str, so
         raise PeerUnreachable(address) from exc
     ch.send({"type": "pull", "source": source, "namespace": meta.get("pod_namespace"), "pod": meta.get("pod_name"),
              "container": meta.get("container_name"), "container_id": cid,
-             "agent_port": parse_address(cfg.agent_listen)[1]})
+             "agent_port": parse_address(cfg.agent_listen)[1], **part.message()})
     out = receiver.converse(ch)
     if out.get("error"):
         return {"error": out["error"], "exit_code": out.get("exit_code") or 1}

@@ -45,6 +45,7 @@ from migrt.migration.wire import Channel, TransferError, accept, load_key, parse
 from migrt.oci.bundle import Bundle
 from migrt.ops.restore import RestoreSeams, RestoreTarget, check_target, restore_checkpoint
 from migrt.pagefill import PageFill
+from migrt.pods import hold
 from migrt.runtime.argv import CreateFlags
 from migrt.runtime.lower import default_root
 from migrt.runtime.markers import marker_path
@@ -77,6 +78,9 @@ class ReceiveOptions:
     # The node agent (agent.py): hands this node's containers over to pulls; takes no pushed offers.
     pulls: Callable[[Channel, dict, dict], None] | None = None
     streams: int | None = None         # most data streams a stop-and-copy sender may use (migration/bulk.py)
+    # A lazy copy's last step before `done` (every page in): one part of a pod-level pull waits there
+    # for the pod's last part (podpull.py); raising removes the copy and fails the migration.
+    before_done: Callable[[], None] | None = None
 
 
 def _utc(ts: float) -> str:
@@ -407,6 +411,7 @@ class Receiver:
                         continue
             except (OSError, ValueError, AttributeError):
                 continue
+            hold.wait_for_part(root, cid, DECIDE_TIMEOUT)  # a pod's part held here: once the pod is decided
             return self._alive(cid, root)
         return False
 
@@ -521,6 +526,8 @@ class Receiver:
 
                 with ch.busy("pages", info=progress, every=1.0) if connected else contextlib.nullcontext():
                     st = fill.wait(interval=0.02, stall=self.stall)
+                    if self.opts.before_done:
+                        self.opts.before_done()
                 if not self._alive(restore_id):  # deleted meanwhile (by whoever owns it here): the source resumes
                     raise RuntimeFailed("it stopped running here before all its pages were in")
             except MigrtError as exc:

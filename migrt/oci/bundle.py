@@ -21,6 +21,10 @@ GPU_RELEASE_ENV = "MIGRT_GPU_RELEASE_ON_PAUSE"
 MIGRATE_FROM_ENV = "MIGRT_MIGRATE_FROM"
 MIGRATE_FROM_ANNOTATION = "migrt.io/migrate-from"
 MIGRATABLE_ANNOTATION = "migrt.io/migratable"  # the source pod's opt-in
+# A pod-level pull (migration/podpull.py): with migrate-from naming a pod (namespace/pod), the new pod's
+# containers that pull their namesakes with one cut of the source pod, "<name>=<image>,..."; a
+# container of the pod not listed (an init container) starts fresh.
+MIGRATE_POD_ANNOTATION = "migrt.io/migrate-pod"
 
 CRI_ANNOTATIONS = {
     "pod_namespace": "io.kubernetes.cri.sandbox-namespace",
@@ -47,6 +51,7 @@ class RestoreRequest:
 class MigrateFrom:
     value: str   # as written: "<node address>/<source>"
     origin: str  # "env" or "annotation"
+    pod: str | None = None  # migrt.io/migrate-pod as written: this container is one part of a pod-level pull
 
 
 class Bundle:
@@ -166,4 +171,10 @@ class Bundle:
         parts = req.value.split("/")
         if req.origin == "annotation" and len(parts) == 4 and parts[3] != ann.get(CRI_ANNOTATIONS["container_name"]):
             return None
+        pod = ann.get(MIGRATE_POD_ANNOTATION)
+        if req.origin == "annotation" and pod is not None:  # a part, or a container that starts fresh
+            listed = {entry.partition("=")[0].strip() for entry in pod.split(",")}
+            if ann.get(CRI_ANNOTATIONS["container_name"]) not in listed:
+                return None
+            return MigrateFrom(req.value, req.origin, pod)
         return req

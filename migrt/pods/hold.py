@@ -154,18 +154,21 @@ class Hold:
         finally:
             os.close(fd)
 
-    def join(self, expected: list[str], deadline_s: float) -> dict:
-        """Create the record (the pod's first part) or check that this part expects the same pod."""
+    def join(self, expected: list[str], deadline_s: float, netns: str | None = None) -> dict:
+        """Create the record (the pod's first part) or check that this part expects the same pod;
+        with the pod's network namespace, its loopback is held from here on (lock_loopback)."""
         names = sorted({_check_name("container name", n, _NAME) for n in expected})
         if not names:
             raise UsageError("pod hold: no containers expected")
         with self._locked() as rec:
             if not rec:
                 rec.update(sandbox=self.sandbox, expected=names, deadline=time.time() + deadline_s,
-                           state=HOLDING, parts={})
+                           state=HOLDING, parts={}, netns=netns)
             elif rec.get("expected") != names:
                 raise Conflict(f"pod hold {self.sandbox}: this part expects containers {names}, the pod's first "
                                f"part {rec.get('expected')}; give every container the same list")
+            if rec.get("state") == HOLDING and rec.get("netns"):
+                lock_loopback(rec["netns"])
             return dict(rec)
 
     def arrived(self, name: str, cid: str) -> bool:
@@ -189,6 +192,9 @@ class Hold:
                 raise Conflict(f"pod hold {self.sandbox}: not every part is in ({rec.get('state')})")
             rec["state"] = RELEASED
             parts = [Part(n, p["cid"]) for n, p in sorted(rec["parts"].items())]
+            netns = rec.get("netns")
+        if netns:  # first: the frozen sockets' retransmissions now find their peers
+            unlock_loopback(netns)
         failed = []
         for part in parts:
             try:
@@ -207,7 +213,10 @@ class Hold:
                 return False
             if rec.get("state") != ABANDONED:
                 rec.update(state=ABANDONED, reason=reason)
-            return True
+            netns = rec.get("netns")
+        if netns:
+            unlock_loopback(netns)
+        return True
 
     def state(self) -> str:
         with self._locked() as rec:
@@ -218,7 +227,14 @@ class Hold:
         """Until the hold is released or abandoned (its deadline included): the state."""
         while (st := self.state()) == HOLDING:
             time.sleep(poll)
+        if st == ABANDONED:
+            self.abandon("")  # the deadline's: the pod's loopback is let go too
         return st
+
+    def reason(self) -> str:
+        with self._locked() as rec:
+            self._expire(rec)
+            return str(rec.get("reason") or rec.get("state") or "no record")
 
     def _expire(self, rec: dict) -> None:
         if rec.get("state") == HOLDING and time.time() > rec.get("deadline", 0):
@@ -244,3 +260,60 @@ def sweep(root: str, live: Callable[[str], bool]) -> None:
             with contextlib.suppress(OSError, ValueError, UsageError):
                 if Hold(root, sandbox).state() != HOLDING:
                     os.unlink(os.path.join(root, entry))
+
+
+def wait_for_part(root: str, cid: str, timeout: float) -> str | None:
+    """If container `cid` (runc root `root`) is a part of a pod's hold: wait until the hold is
+    released or abandoned (at most `timeout` s) and return its state; None for any other container.
+    A source that lost its target asks whether its part runs there: a held part does not count as
+    running until its pod is whole (an abandoned pod's parts are removed)."""
+    from migrt.pods.members import state_bundle
+
+    bundle = state_bundle(root, cid)
+    sandbox = bundle.cri_metadata().get("sandbox_id") if bundle is not None else None
+    if not isinstance(sandbox, str) or not _SAFE.fullmatch(sandbox) or \
+            not os.path.exists(os.path.join(root, f"{PREFIX}{sandbox}.json")):
+        return None
+    end = time.monotonic() + timeout
+    h = Hold(root, sandbox)
+    while (st := h.state()) == HOLDING and time.monotonic() < end:
+        time.sleep(0.05)
+    return st
+
+
+# -- the pod's loopback, held too --------------------------------------------------------------------
+# A frozen part's kernel still sends for it: a segment not yet acknowledged when the source froze is
+# retransmitted once CRIU has unlocked the connection, and its peer's socket, in a part not restored
+# yet, is not there: the pod's loopback answers RST and the connection is lost before any part runs.
+# So from before the first part's restore until the release, the pod's network namespace drops what
+# arrives on `lo` (netfilter: iptables INPUT -i lo -j DROP, as CRIU's own network lock drops a
+# connection's packets while it restores it); the release lifts it before it thaws the parts, so the
+# retransmissions then find both ends.
+_LO_RULE = ["INPUT", "-i", "lo", "-j", "DROP"]
+
+
+def _iptables(netns: str, verb: str) -> int:
+    import subprocess
+
+    argv = ["nsenter", f"--net={netns}", "iptables", "-w", "5", verb, *_LO_RULE]
+    try:
+        return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              timeout=30).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        return -1
+
+
+def lock_loopback(netns: str) -> None:
+    """Drop what arrives on the pod's loopback (once: a second part finds the rule there)."""
+    if _iptables(netns, "-C") == 0:
+        return
+    if _iptables(netns, "-I") != 0:
+        raise RuntimeFailed(f"pod hold: cannot hold the pod's loopback in network namespace {netns} (nsenter, "
+                            "iptables): its containers' connections to each other would not survive; nothing "
+                            "was frozen")
+
+
+def unlock_loopback(netns: str) -> None:
+    while _iptables(netns, "-C") == 0:
+        if _iptables(netns, "-D") != 0:
+            break
