@@ -436,7 +436,7 @@ class PagesPlan:
         if self.mode != "lazy" or not self.own:
             raise PreconditionFailed(f"checkpoint {self.name}: a lazy restore from the registry was decided "
                                      f"{self.mode} here ({self.decision.get('reason')}); restore it again")
-        self.registry, self.keep_fd = handover, keep_fd
+        self.registry, self.keep_fd = handover, (keep_fd if keep_fd >= 0 else None)  # (-1: joined another's fill)
         self.decision.update(requested="lazy", source="registry", registry=summary)
 
     @classmethod

@@ -762,9 +762,9 @@ class Filler:
             source.log("registry_fill_incomplete", error=f"committing the pulled checkpoint failed: {exc!r}",
                        **source.summary())
             return
-        self.counts["pull_committed"] = 1
+        self.counts["pull_committed"] = 0 if committed.get("joined") else 1
         source.log("registry_fill_done", checkpoint=committed["name"], fill_s=round(time.monotonic() - self.t0, 3),
-                   **source.summary())
+                   joined=bool(committed.get("joined")), **source.summary())
 
     def _start_workers(self) -> list[threading.Thread]:
         """The copying threads, and with a verifier its sweepers (the pages images mapped first)."""

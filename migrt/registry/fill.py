@@ -30,11 +30,13 @@ and lets go of the image lock, so later restores of the image on this node are l
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -64,6 +66,9 @@ class RegistrySource:
         self._client: Client | None = None
         self._journal: Journal | None = None
         self._faults: ThreadPoolExecutor | None = None
+        self._locks_fd: int | None = None
+        self._order = sorted(f["rel"] for f in spec["files"].values())
+        self.taken = 0  # chunks another filler of the image fetched
 
     @classmethod
     def from_handover(cls, handover: dict, images: str, lock_fd: int | None) -> RegistrySource:
@@ -82,7 +87,15 @@ class RegistrySource:
 
         a, b = f.span(i)
         digest = "sha256:" + f.digests[i].hex()
-        blob = transfer.Blob(digest, b - a, os.path.join(self.partial, f.rel), a)
+        with self._chunk_locked(f, i):  # one filler of the image on this node fetches a chunk
+            if self._arrived(f, i, digest):
+                return
+            self._fetch(f, i, transfer.Blob(digest, b - a, os.path.join(self.partial, f.rel), a), fault)
+
+    def _fetch(self, f: FileChunks, i: int, blob, fault: bool) -> None:
+        from migrt.registry import transfer
+
+        a, b, digest = blob.offset, blob.offset + blob.size, blob.digest
         client = self.client()
         try:
             if fault:  # in ranges over this source's own threads (their connections kept for the next)
@@ -103,6 +116,47 @@ class RegistrySource:
             self.present.add((f.path, i))
             self.arrived += b - a
             self.fetched += 1
+
+    # -- beside the other fillers of the image ------------------------------------------------------
+    @contextlib.contextmanager
+    def _chunk_locked(self, f: FileChunks, i: int) -> Iterator[None]:
+        """A byte-range lock per chunk in the image's chunk lock file, shared by every filler of the
+        image on this node (POSIX record locks: between processes; the Verifier already keeps this
+        filler's threads to one per chunk). A filler that dies lets its chunks go."""
+        path = self.spec.get("chunk_locks")
+        if not path:
+            yield
+            return
+        with self.lock:
+            if self._locks_fd is None:
+                self._locks_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fd = self._locks_fd
+        at = self._order.index(f.rel) * (1 << 20) + i
+        fcntl.lockf(fd, fcntl.LOCK_EX, 1, at)
+        try:
+            yield
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, at)
+
+    def _arrived(self, f: FileChunks, i: int, digest: str) -> bool:
+        """Another filler of the image journaled the chunk (or committed the image, its journal gone):
+        true when its bytes on disk hash to the digest (hashed again, not believed)."""
+        from migrt.registry.pull import Journal
+        from migrt.store.fsutil import hash_range
+
+        a, b = f.span(i)
+        gone = not os.path.exists(self.spec["journal"])
+        if not gone and (digest, a, f.rel) not in Journal(self.spec["journal"]).done:
+            return False
+        try:
+            ok = "sha256:" + hash_range(f.path, a, b - a).hex() == digest  # (our directory's descriptor)
+        except OSError:
+            ok = False
+        if ok:
+            with self.lock:
+                self.present.add((f.path, i))
+                self.taken += 1
+        return ok
 
     # -- the rest ----------------------------------------------------------------------------------
     def _pool(self) -> ThreadPoolExecutor:
@@ -157,7 +211,7 @@ class RegistrySource:
 
     def summary(self) -> dict:
         with self.lock:
-            return {"fetched_chunks": self.fetched, "fetched_bytes": self.arrived,
+            return {"fetched_chunks": self.fetched, "fetched_bytes": self.arrived, "taken_chunks": self.taken,
                     "seconds": round(time.monotonic() - self.t0, 3)}
 
     def commit(self) -> dict:
@@ -167,16 +221,26 @@ class RegistrySource:
 
         c = self.spec["commit"]
         store = Store(c["store"])
+        if self.spec.get("join"):  # the fill this one joined commits (or, should it fail, the next restore)
+            self.close()
+            return {"name": c["name"], "joined": True}
         try:
             with importer.importing(store, c["name"], adopt=self.partial) as imp:
                 data = pull.commit_files(imp, c["plan"], c["config"], c["pulled"])
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.spec["journal"])
+            # (a filler that joined and still looks finds the journal gone: it hashes from disk, never fetches)
+            for done in (self.spec["journal"], pull.fill_marker(store, c["pulled"]["manifest_digest"]),
+                         self.spec.get("chunk_locks") or ""):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(done)
             return {"name": c["name"], "size_bytes": data.get("size_bytes")}
         finally:
             self.close()
 
     def close(self) -> None:
+        if self._locks_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._locks_fd)
+            self._locks_fd = None
         if self._faults is not None:
             self._faults.shutdown(wait=False)
         if self._client is not None:

@@ -14,8 +14,11 @@ In the create, under the image lock (registry/pull.py lock_image), into the pull
 The restore then runs from the partial directory (ops/restore.py restore_pulling) with the page
 filler, whose Verifier fetches every other chunk from the registry before any page of it is installed
 (pagefill/registry.py: faults first, background sweeps in parallel) and, once every chunk is in,
-commits the directory as the pulled checkpoint. The filler holds the image lock until then: a second
-restore of the image on this node waits for it and restores from the store.
+commits the directory as the pulled checkpoint. The filler holds the image lock until then. A second
+restore of the image on this node while that fill runs joins it (a marker beside the journal says
+one runs): it restores from the same partial directory, its filler taking each chunk the other has
+journaled from disk (verified) and fetching only chunks no filler holds (a byte-range lock per
+chunk), so no chunk is fetched twice on a node; the first fill commits.
 
 Falls back to the full pull (`ensure_local`), said once in the node's log (`registry_lazy_fallback`,
 with the reason): a `--format cri` or CRI-O image (one archive blob), a registry that answers byte
@@ -41,6 +44,7 @@ from migrt.store import Store, importer, reserve
 from migrt.store.manifest import Manifest
 
 EVENT_FALLBACK = "registry_lazy_fallback"
+CHUNK_LOCKS = ".chunks.lock"  # <store>/.pulls/<digest>.chunks.lock: one byte-range lock per chunk
 PAGES_PREFIX = "images/pages-"
 # lazy_ok(images, files, recorded survey): None to fill lazily, else why the memory is copied eagerly
 LazyOk = Callable[[str, dict, object], str | None]
@@ -127,12 +131,18 @@ def _prepare(cfg: Config, ref: Reference, admit: pull.Admit, lazy_ok: LazyOk, ci
             raise Fallback("a --format cri or CRI-O image (one archive blob) cannot be read at an offset")
         name = pull.default_name(ref, mdigest)
         deadline.allow(pull.layer_bytes(manifest))
-        fd = pull.lock_image(store, mdigest, deadline)
+        got = pull.lock_image(store, mdigest, deadline, meanwhile=lambda: _fill_in_progress(store, mdigest))
+        if isinstance(got, dict):  # another restore of it fills it lazily: fill beside it
+            return _join(store, got, admit, cid, t0)
+        assert isinstance(got, int)
+        fd = got
+        _drop_marker(store, mdigest)  # (a fill that failed left it: ours now)
         if store.exists(name):  # pulled meanwhile (or another checkpoint: the full pull says so)
             return None
         out = _fetch_eager(cfg, client, store, manifest, mdigest, name, admit, lazy_ok, cid)
         out.lock_fd, fd = fd, -1
         out.summary["seconds"] = round(time.monotonic() - t0, 3)
+        _write_marker(store, mdigest, out)
         return out
     finally:
         client.close()
@@ -232,5 +242,57 @@ def _handover(cfg: Config, client: Client, name: str, cid: str, partial: str, jo
                 "digest": commit["pulled"]["manifest_digest"], "auth_file": cfg.registry_auth_file,
                 "ca_file": cfg.registry_ca_file, "parallel": cfg.registry_parallel, "timeout": cfg.registry_timeout,
                 "container_id": cid, "partial": partial, "journal": journal, "log_file": cfg.log_file,
+                "chunk_locks": journal[:-len(".done")] + CHUNK_LOCKS,
                 "present": {rel.rsplit("/", 1)[1]: idx for rel, idx in present.items()}, "commit": commit}
     return {"checkpoint": name, "files": files, "registry": registry}
+
+
+# -- restores of one image at once on a node -------------------------------------------------------
+
+def _write_marker(store: Store, mdigest: str, out: LazyImage) -> None:
+    """Said once the create's part is in: restores of the image that come while its fill runs join it."""
+    from migrt.store.fsutil import write_json_atomic
+
+    write_json_atomic(pull.fill_marker(store, mdigest), {"name": out.ckpt.name, "partial": out.ckpt.path,
+                                                     "handover": out.handover})
+
+
+def _drop_marker(store: Store, mdigest: str) -> None:
+    try:
+        os.unlink(pull.fill_marker(store, mdigest))
+    except FileNotFoundError:
+        pass
+
+
+def _fill_in_progress(store: Store, mdigest: str) -> dict | None:
+    """The marker of a lazy fill of the image, read while its lock is held (by that fill: whoever takes
+    the lock removes an old marker first, and only a lazy restore writes one, once its eager part is in)."""
+    from migrt import jsonsafe
+
+    try:
+        with open(pull.fill_marker(store, mdigest), encoding="utf-8") as fh:
+            data = jsonsafe.load(fh, max_bytes=64 << 20)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("handover"), dict) else None
+
+
+def _join(store: Store, marker: dict, admit: pull.Admit, cid: str, t0: float) -> LazyImage:
+    """A restore of an image another restore is filling lazily: from the same partial directory, its
+    filler taking each chunk another has fetched (journaled) from disk, verified, and fetching itself
+    only a chunk no one holds (per-chunk locks: registry/fill.py); the first fill commits the image."""
+    handover = marker["handover"]
+    reg = dict(handover["registry"])
+    config, pulled = reg["commit"]["config"], reg["commit"]["pulled"]
+    admit(image.namespace({}, config))
+    journal = pull.Journal(reg["journal"])
+    present = {}
+    for base, f in handover["files"].items():
+        digests = ["sha256:" + f["chunks"][k:k + 64] for k in range(0, len(f["chunks"]), 64)]
+        present[base] = [i for i, d in enumerate(digests) if (d, i * image.CHUNK, f["rel"]) in journal.done]
+    reg.update(present=present, container_id=cid, join=True)
+    summary = {"chunks": sum(len(f["chunks"]) // 64 for f in handover["files"].values()),
+               "present": sum(len(p) for p in present.values()), "joined": True,
+               "seconds": round(time.monotonic() - t0, 3)}
+    view = Manifest.from_dict({**config, "name": marker["name"], "pulled": pulled})
+    return LazyImage(Partial(marker["name"], marker["partial"], view), -1, {**handover, "registry": reg}, summary)

@@ -67,15 +67,23 @@ def image_lock(store: Store, manifest_digest: str, deadline: Deadline) -> Iterat
     """Lock per image and node (concurrent creates restoring one reference pull once); waited for at
     most until the deadline."""
     fd = lock_image(store, manifest_digest, deadline)
+    assert isinstance(fd, int)
     try:
         yield
     finally:
         os.close(fd)
 
 
-def lock_image(store: Store, manifest_digest: str, deadline: Deadline) -> int:
+def fill_marker(store: Store, manifest_digest: str) -> str:
+    """Where a lazy restore's fill says it runs, while it holds the image lock (registry/lazy.py)."""
+    return os.path.join(store.root, PULLS, manifest_digest.split(":", 1)[1] + ".lazy.json")
+
+
+def lock_image(store: Store, manifest_digest: str, deadline: Deadline,
+               meanwhile: Callable[[], object] | None = None) -> int | object:
     """The image lock's descriptor, locked (image_lock; a lazy restore hands it to its page filler,
-    which holds it until the fill has committed the image: registry/lazy.py)."""
+    which holds it until the fill has committed the image: registry/lazy.py). meanwhile(): asked while
+    the lock is busy; whatever it returns other than None ends the wait and is returned instead."""
     store.ensure()
     path = os.path.join(store.root, ".locks", f".pull-{manifest_digest.split(':', 1)[1]}.lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -85,6 +93,10 @@ def lock_image(store: Store, manifest_digest: str, deadline: Deadline) -> int:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return fd
             except BlockingIOError:
+                other = meanwhile() if meanwhile is not None else None
+                if other is not None:
+                    os.close(fd)
+                    return other
                 deadline.check(f"waiting for another pull of {manifest_digest} on this node")
                 time.sleep(0.1)
     except BaseException:
@@ -120,6 +132,8 @@ def pull(cfg: Config, reference: str, *, name: str | None = None, progress: Prog
         name = name or default_name(ref, mdigest)
         deadline.allow(layer_bytes(manifest))  # a wait for another pull of it moves as much (Deadline)
         with image_lock(store, mdigest, deadline):
+            with contextlib.suppress(FileNotFoundError):  # a lazy fill that failed said it runs: not any more
+                os.unlink(fill_marker(store, mdigest))
             if store.exists(name):
                 if present_as(store, name, mdigest):
                     return {"name": name, "reference": str(ref), "digest": mdigest, "already_present": True,

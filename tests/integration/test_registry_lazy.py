@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,18 @@ class Proxy:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+    def bytes_served(self) -> dict[str, int]:
+        """Bytes of each blob served with a body (whole or in ranges; the one-byte range probes not)."""
+        out: dict[str, int] = {}
+        if os.path.exists(self.log):
+            for ln in Path(self.log).read_text().splitlines():
+                rec = json.loads(ln)
+                if rec["method"] == "GET" and "/blobs/" in rec["path"] and rec["status"] in (200, 206) \
+                        and rec["bytes"] > 1:
+                    d = rec["path"].rsplit("/", 1)[1]
+                    out[d] = out.get(d, 0) + rec["bytes"]
+        return out
 
     def blobs_served(self) -> set[str]:
         """Digests of the blobs served with a body so far (whole or in ranges; the one-byte probe not)."""
@@ -185,8 +198,9 @@ def _forget(store: str, image: dict) -> None:
     run_cli("rm", image["name"], check=False)
     hexd = image["digest"].split(":", 1)[1]
     shutil.rmtree(os.path.join(store, ".pulls", hexd), ignore_errors=True)
-    if os.path.exists(os.path.join(store, ".pulls", hexd + ".done")):
-        os.unlink(os.path.join(store, ".pulls", hexd + ".done"))
+    for tail in (".done", ".lazy.json", ".chunks.lock"):
+        if os.path.exists(os.path.join(store, ".pulls", hexd + tail)):
+            os.unlink(os.path.join(store, ".pulls", hexd + tail))
 
 
 def _pages_blobs(image: dict) -> list[str]:
@@ -338,5 +352,39 @@ def test_a_registry_without_ranges_falls_back_to_the_full_pull(memhog_image, reg
         assert os.listdir(os.path.join(store, ".pulls")) == []
     finally:
         _remove(containerd, cid)
+        proxy.stop()
+        _forget(store, image)
+
+
+def test_four_restores_of_one_image_at_once_fetch_each_blob_once(memhog_image, reg, containerd, migrt_config,
+                                                                 tmp_path):
+    """Four creates restoring one reference at once on a node without it: one takes the image lock and
+    fills lazily, the others join its fill (same partial directory, each chunk fetched by one filler,
+    per-chunk locks); every blob's bytes come from the registry once, every memory checks out, the
+    image is committed once."""
+    image, store, node_log = memhog_image, migrt_config["store"], migrt_config["log"]
+    _forget(store, image)
+    proxy = Proxy(reg, str(tmp_path / "proxy.log"), "--rate", str(64 << 20))
+    cids = [_id(f"lz-4{i}") for i in range(4)]
+    logs = {cid: str(tmp_path / f"{cid}.log") for cid in cids}
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda c: _restore(containerd, c, image["proxied"], logs[c], image), cids))
+        assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+        ready = {c: _wait_event(node_log, "restore_image_ready", c, 5) for c in cids}
+        assert all(r["lazy"] for r in ready.values()), ready
+        assert sorted(bool(r["chunks"].get("joined")) for r in ready.values()) == [False, True, True, True]
+        for c in cids:
+            assert _sum(containerd, c, logs[c]) == image["ready"]
+        done = [_wait_event(node_log, "registry_fill_done", c, 120) for c in cids]
+        assert sorted(d["joined"] for d in done) == [False, True, True, True]
+        sizes = {d["digest"]: d["size"] for d in image["layers"]}
+        served = proxy.bytes_served()
+        assert {d: served.get(d, 0) for d in sizes} == sizes           # each blob's bytes once, for all four
+        run_cli("inspect", image["name"], "--verify")
+        assert os.listdir(os.path.join(store, ".pulls")) == []
+    finally:
+        for c in cids:
+            _remove(containerd, c)
         proxy.stop()
         _forget(store, image)
