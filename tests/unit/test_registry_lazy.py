@@ -173,6 +173,33 @@ def test_a_registry_gone_mid_fill_names_the_host_the_container_and_what_is_in(cf
     src.close()
 
 
+def test_a_second_restore_joins_the_fill_in_progress_and_fetches_nothing_fetched(cfg, reg, no_eager,  # noqa: F811
+                                                                                  tmp_path):
+    registry, host, _ca = reg
+    registry.ranges = True
+    digest = migrt_image(registry, "v1", FILES)
+    first = _prepare(cfg, host, Log())
+    assert os.path.exists(pull.fill_marker(Store(cfg.store), digest))  # says that a lazy fill runs
+    second = _prepare(cfg, host, Log())                                # the lock is busy: joins it
+    assert second.summary["joined"] is True and second.lock_fd == -1 and second.ckpt.path == first.ckpt.path
+    assert second.handover["registry"]["join"] is True and second.handover["registry"]["container_id"] == "c1"
+    src1, f1 = _source(first, tmp_path)
+    src2, f2 = _source(second, tmp_path)
+    v1, v2 = Verifier([f1]), Verifier([f2])
+    v1.source, v2.source = src1, src2
+    v1.ensure(f1.path, 0, 1)                                           # the first fetches it
+    blob = "/v2/team/ckpt/blobs/" + registry.add_blob(PAGES)
+    gets = registry.requests.count(("GET", blob))
+    v2.ensure(f2.path, 0, 1)                                           # the second takes it from disk
+    assert registry.requests.count(("GET", blob)) == gets
+    assert src2.summary()["taken_chunks"] == 1 and src2.summary()["fetched_chunks"] == 0
+    assert src2.commit() == {"name": second.ckpt.name, "joined": True}  # only the first commits
+    assert Store(cfg.store).list() == []
+    src1.commit()
+    assert [c.name for c in Store(cfg.store).list()] == [first.ckpt.name]
+    assert not os.path.exists(pull.fill_marker(Store(cfg.store), digest))
+
+
 # -- the Verifier's source seam ------------------------------------------------------------------
 
 class _Source:
