@@ -763,8 +763,9 @@ class Filler:
                        **source.summary())
             return
         self.counts["pull_committed"] = 0 if committed.get("joined") else 1
+        memory_in = round(self.t_done - self.t0, 3) if self.t_done is not None else None
         source.log("registry_fill_done", checkpoint=committed["name"], fill_s=round(time.monotonic() - self.t0, 3),
-                   joined=bool(committed.get("joined")), **source.summary())
+                   memory_in_s=memory_in, joined=bool(committed.get("joined")), **source.summary())
 
     def _start_workers(self) -> list[threading.Thread]:
         """The copying threads, and with a verifier its sweepers (the pages images mapped first)."""
