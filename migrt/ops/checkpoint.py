@@ -43,6 +43,9 @@ class CheckpointRequest:
     tcp_established: bool = False
     ext_unix_sk: bool = False
     file_locks: bool = False
+    # GPU state the caller suspended already and owns (a pod's cut: every GPU container locked before the
+    # pod is frozen, ops/pod_checkpoint.py): recorded as this checkpoint's, never resumed here
+    gpu: gpu_steps.GpuSuspension | None = None
 
 
 def default_name(container_id: str, now: float | None = None) -> str:
@@ -184,9 +187,10 @@ def _freeze_and_dump(job: _Job, staging: Staging, journal: Entry, undo: _Undo,
     then freeze, so that nothing changes between the dump and the stop; then the dump. Returns what the
     dump reported, the GPU suspension (None: no CUDA process) and, under --leave-running, why the GPU
     processes stayed suspended."""
-    gpu = undo.gpu = gpu_steps.suspend(
+    gpu = job.req.gpu or gpu_steps.suspend(
         job.cfg, job.cid, job.state.pid, job.bundle.config, job.progress,
         before_lock=lambda pids: journal.update("gpu-locking", gpu_pids=pids))
+    undo.gpu = None if job.req.gpu else gpu
     if gpu:
         records.write_image_file(staging.images, gpu.section)
     if job.state.status != "paused":

@@ -3,8 +3,9 @@ checkpoint (issue 29).
 
 The rule, in order:
   1. the pod's containers are found (pods/members.py) and checked before anything is touched: at least
-     one running, none with CUDA processes (not built for a pod yet), none with an interrupted
-     operation; each is locked against other checkpoints of it;
+     one running, none with an interrupted operation; each is locked against other checkpoints of it;
+     the GPU containers' CUDA processes are locked and checkpointed by the driver (GPU preflight
+     first), while they still run: the driver works through a thread of each process;
   2. every running container is frozen (PodFreeze) before any is dumped; what they share (a TCP
      connection over the pod's loopback, both ends; a file; a shared-memory segment) is seen by every
      dump in the same state;
@@ -14,7 +15,8 @@ The rule, in order:
   4. the pod checkpoint is committed once, atomically, like any checkpoint: its manifest's `pod`
      section lists the parts {name, image, kind, container_id}, its `files` every file of every part
      (parts/<name>/manifest.json included), so verify, rm, push and pull treat it as one checkpoint;
-  5. then all resume (--leave-running) or all are destroyed (killed while still frozen).
+  5. then all resume (--leave-running: thawed, then their GPU processes resumed) or all are destroyed
+     (killed while still frozen).
 A failure before the commit thaws every container it froze and leaves nothing in the store; the
 error names the container. The journal entry (op checkpoint-pod) lets recovery thaw them after a
 migrt that was killed (ops/recover.py).
@@ -31,6 +33,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from migrt import faults, names
 from migrt.config import Config
@@ -43,6 +46,9 @@ from migrt.runtime.runc import LowerRuntime
 from migrt.store import Store
 from migrt.store import manifest as mf
 from migrt.store.store import HIDDEN, Checkpoint, Staging
+
+if TYPE_CHECKING:
+    from migrt.ops.gpu_steps import GpuSuspension
 
 PARTS = "parts"
 OP = "checkpoint-pod"
@@ -140,8 +146,12 @@ def restore_part(cfg: Config, ckpt: Checkpoint, target, run: Callable[[Checkpoin
     netns = netlock.netns_path(target.bundle)
     if netns:
         netlock.lock(netns)  # from before the first part is restored (pods/netlock.py says why)
-    held = dataclasses.replace(target, seams=dataclasses.replace(target.seams, criu_env=hold.criu_env))
-    res = run(sub, held)
+    gpu = bool((sub.manifest.get("gpu") or {}).get("processes"))
+    if gpu:  # the driver restores through a thread of each process: frozen by the hold after its GPU restore
+        res = run(sub, target)
+        LowerRuntime(cfg.runtime_path()).pause(target.root, target.container_id)
+    else:
+        res = run(sub, dataclasses.replace(target, seams=dataclasses.replace(target.seams, criu_env=hold.criu_env)))
     name = target.bundle.cri_metadata().get("container_name", "")
     try:
         last = pod_hold.arrived(name, target.container_id)
@@ -168,7 +178,6 @@ def checkpoint_pod(cfg: Config, req: PodCheckpointRequest, progress: Progress = 
     if not members:
         raise PreconditionFailed(f"pod {pod}: none of its containers runs on this node; nothing to checkpoint")
     name = names.validate(req.name) if req.name else default_name(req.pod)
-    _no_gpu(pod, members)
     store = Store(cfg.store)
     store.ensure()
     recover.recover(cfg)
@@ -181,7 +190,15 @@ def checkpoint_pod(cfg: Config, req: PodCheckpointRequest, progress: Progress = 
             locks.enter_context(store.container_lock(m.root, m.cid))
         record = [{"container": m.cid, "root": m.root, "name": m.name, "was_paused": not m.running} for m in members]
         with store.writer(name, op=OP, pod=pod, members=record, leave_running=req.leave_running) as staging:
-            return _cut(cfg, req, store, staging, members, progress, t0)
+            gpus = _Gpus()
+            try:
+                gpus.suspend(cfg, members, staging.journal, progress)
+                return _cut(cfg, req, store, staging, members, progress, t0, gpus)
+            except BaseException as exc:  # the thaw has run (PodFreeze): now the GPU processes
+                problems = gpus.resume()
+                if problems and isinstance(exc, MigrtError):
+                    exc.details.extend(problems)
+                raise
 
 
 def _alive(cfg: Config, m: Member) -> bool:
@@ -190,19 +207,46 @@ def _alive(cfg: Config, m: Member) -> bool:
     return LowerRuntime(cfg.runtime_path()).status(m.root, m.cid) == "paused"
 
 
-def _no_gpu(pod: str, members: list[Member]) -> None:
-    from migrt.gpu import procs
+class _Gpus:
+    """The pod's GPU containers: suspended (the driver's lock and checkpoint, ops/gpu_steps.py, GPU
+    preflight included) before the pod is frozen, since the driver works through a thread of each
+    process; resumed after the thaw, or after any failure. Recorded in the pod's journal entry first."""
 
-    for m in members:
-        pids = procs.runc_container_pids(m.root, m.cid)
-        if procs.cuda_pids(list(pids)):
-            raise PreconditionFailed(f"pod {pod}: {m.describe()} has CUDA processes; a pod checkpoint does not carry "
-                                     "GPU state yet: checkpoint that container on its own (migrt checkpoint ID); "
-                                     "nothing was frozen")
+    def __init__(self) -> None:
+        self.held: dict[str, GpuSuspension] = {}
+
+    def suspend(self, cfg: Config, members: list[Member], journal, progress: Progress) -> None:
+        from migrt.ops import gpu_steps
+
+        runtime, pids_all = LowerRuntime(cfg.runtime_path()), []
+
+        def record(pids: list[int]) -> None:
+            pids_all.extend(pids)
+            journal.update("gpu-locking", gpu_pids=list(pids_all))
+
+        for m in members:
+            if not m.running:  # paused by its user: dumped as a lone checkpoint of it would be
+                continue
+            state = runtime.state(m.root, m.cid)
+            gpu = gpu_steps.suspend(cfg, m.cid, state.pid, Bundle.load(m.bundle).config, progress,
+                                    before_lock=record)
+            if gpu is not None:
+                self.held[m.cid] = gpu
+
+    def resume(self) -> list[str]:
+        """Resume what is held; the problems, one line per container."""
+        problems = []
+        for cid, gpu in list(self.held.items()):
+            try:
+                gpu.resume()
+            except MigrtError as exc:
+                problems.append(f"the CUDA processes of container {cid[:12]} stay suspended: {exc.message}")
+            del self.held[cid]
+        return problems
 
 
 def _cut(cfg: Config, req: PodCheckpointRequest, store: Store, staging: Staging, members: list[Member],
-         progress: Progress, t0: float) -> dict:
+         progress: Progress, t0: float, gpus: _Gpus) -> dict:
     journal = staging.journal
     assert journal is not None
     runtime = LowerRuntime(cfg.runtime_path())
@@ -212,14 +256,18 @@ def _cut(cfg: Config, req: PodCheckpointRequest, store: Store, staging: Staging,
         timings["freeze_s"] = round(freeze.freeze_s, 3)
         t_frozen = time.monotonic()
         journal.update("frozen")  # (fault point checkpoint-pod:frozen, as every journaled phase)
-        parts = _dump_parts(cfg, req, staging, members, progress, timings)
+        parts = _dump_parts(cfg, req, staging, members, progress, timings, gpus)
         timings["dump_s"] = round(time.monotonic() - t_frozen, 3)
         data = _commit(req, staging, members, parts, timings, journal.id, runtime.path)
         if req.leave_running:
             freeze.thaw()
             timings["frozen_s"] = round(time.monotonic() - t_frozen, 3)
+            stuck = gpus.resume()
+            if stuck:
+                raise RuntimeFailed(f"pod checkpoint {data['name']} is committed, but " + "; ".join(stuck))
         else:
             freeze.keep()  # killed while still frozen: nothing runs after the cut
+            gpus.held.clear()  # their processes go with them
             _stop(runtime, data["name"], members, journal)
     timings["total_s"] = round(time.monotonic() - t0, 3)
     data["timings"] = {**data.get("timings", {}), **timings}
@@ -228,7 +276,7 @@ def _cut(cfg: Config, req: PodCheckpointRequest, store: Store, staging: Staging,
 
 
 def _dump_parts(cfg: Config, req: PodCheckpointRequest, staging: Staging, members: list[Member],
-                progress: Progress, timings: dict[str, float]) -> list[dict]:
+                progress: Progress, timings: dict[str, float], gpus: _Gpus) -> list[dict]:
     """Each member dumped by ops/checkpoint.py into a store of its own inside the staging directory; the
     members stay frozen (a paused container is dumped as it is and left paused)."""
     from migrt.ops.checkpoint import CheckpointRequest, checkpoint
@@ -241,14 +289,16 @@ def _dump_parts(cfg: Config, req: PodCheckpointRequest, staging: Staging, member
         faults.point(f"checkpoint-pod:dump:{m.name}")
         try:
             data = checkpoint(sub, CheckpointRequest(container_id=m.cid, root=m.root, name=m.name, leave_running=True,
-                                                     tcp_established=req.tcp_established), progress=progress)
+                                                     tcp_established=req.tcp_established,
+                                                     gpu=gpus.held.get(m.cid)), progress=progress)
         except MigrtError as exc:  # its own exit code, the pod's words
             exc.message = (f"pod {req.namespace}/{req.pod}: checkpoint of container {m.name} ({m.cid[:12]}) failed: "
                            f"{exc.message}; every container of the pod was left running (or as it was)")
             exc.args = (exc.message,)
             raise
         timings[f"dump_{m.name}_s"] = (data.get("timings") or {}).get("dump_s", 0.0)
-        parts.append({"name": m.name, "image": m.image, "kind": "container", "container_id": m.cid,
+        parts.append({"name": m.name, "image": m.image, "kind": "gpu" if m.cid in gpus.held else "container",
+                      "container_id": m.cid,
                       "size_bytes": data.get("size_bytes")})
     for d in HIDDEN:  # the parts' store's own bookkeeping: empty once each part is committed
         shutil.rmtree(os.path.join(sub.store, d), ignore_errors=True)

@@ -283,6 +283,8 @@ def _checkpoint_pod(cfg: Config, store: Store, e: journal.Entry, wait_s: float) 
             actions.append(f"stopped container {cid} (its pod checkpoint {d.get('name')} is committed)")
         else:
             _thaw(runtime, root, cid, st, bool(m.get("was_paused")), actions)
+    if not finish:  # the GPU containers' processes, locked before the freeze, once thawed
+        _resume_gpu(cfg, d.get("gpu_pids") or [], actions)
     if not _committed(store, d.get("name"), e.id):
         _rmtree(d.get("staging"), actions, "the uncommitted parts (the pod's containers run on)")
     return actions
