@@ -57,7 +57,7 @@ from migrt.config import Config
 from migrt.errors import Conflict, PreconditionFailed, UsageError
 from migrt.migration.guard import Guard
 from migrt.oci.bundle import Bundle
-from migrt.pods import hold
+from migrt.pods import hold, netlock
 from migrt.pods.members import Member, PodFreeze, mismatch, pod_members
 from migrt.runtime import control
 from migrt.runtime.runc import LowerRuntime
@@ -97,14 +97,14 @@ class TargetPart:
         if not meta.get("sandbox_id"):
             raise UsageError(f"container {self.name}: a pod-level pull needs the pod's sandbox id (a CRI create)")
         self.hold = hold.Hold(root, meta["sandbox_id"], cfg.runtime_path())
-        netns = next((n.get("path") for n in bundle.namespaces if n.get("type") == "network" and n.get("path")), None)
-        rec = self.hold.join(list(self.parts), cfg.pod_pull_deadline, netns)
+        rec = self.hold.join(list(self.parts), cfg.pod_pull_deadline, netlock.netns_path(bundle))
         if rec.get("state") != hold.HOLDING:
             raise PreconditionFailed(f"the pod-level pull of this pod was given up earlier ({rec.get('reason')}); "
                                      "it is not tried again: delete this pod and create it anew")
         self.first = not rec.get("parts")
         self.sandbox = meta["sandbox_id"]
         self._work = tempfile.mkdtemp(prefix="migrt-pod-hold-")
+        self._env_before = os.environ.get("CRIU_CONFIG_FILE")
         os.environ.update(hold.criu_env(dict(os.environ), self._work))  # this worker's restore: held
 
     def message(self) -> dict:
@@ -112,7 +112,7 @@ class TargetPart:
 
     def arrived(self, cid: str) -> bool:
         """This part runs (frozen): True when it is the pod's last (release() then)."""
-        shutil.rmtree(self._work, ignore_errors=True)
+        self._restored()
         return self.hold.arrived(self.name, cid)
 
     def release(self) -> None:
@@ -126,8 +126,16 @@ class TargetPart:
             raise PreconditionFailed(f"the new pod's other containers did not all come: {self.hold.reason()}")
 
     def abandon(self, reason: str) -> None:
-        shutil.rmtree(self._work, ignore_errors=True)
+        self._restored()
         self.hold.abandon(reason)
+
+    def _restored(self) -> None:
+        """The restore is over: the freeze script and its config go, CRIU_CONFIG_FILE as it was."""
+        if self._env_before is None:
+            os.environ.pop("CRIU_CONFIG_FILE", None)
+        else:
+            os.environ["CRIU_CONFIG_FILE"] = self._env_before
+        shutil.rmtree(self._work, ignore_errors=True)
 
 
 class NotEligible(PreconditionFailed):

@@ -22,7 +22,11 @@ shared-memory segment would be read half-written. So:
 The record, one per new pod (its sandbox id), beside runc's state directories (runc lists
 directories only, like runtime/moved.py's records), written under an exclusive lock:
 
-    <runc root>/.migrt-hold-<sandbox id>.json   {sandbox, expected, deadline, state, parts{name: {cid}}}
+    <runc root>/.migrt-hold-<sandbox id>.json   {sandbox, expected, deadline, state, parts{name: {cid}}, netns}
+
+Given the pod's network namespace (`join(..., netns)`), the hold also drops TCP on the pod's loopback
+from the first part's join until the release (before the thaw) or the abandon (pods/netlock.py: a
+frozen part's kernel still sends, and a segment to a peer not restored yet would reset it).
 
 state: "holding" -> "released" | "abandoned"; never back. Released or abandoned records of pods
 whose sandbox is gone are removed by `sweep`.
@@ -41,6 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from migrt.errors import Conflict, PreconditionFailed, RuntimeFailed, UsageError
+from migrt.pods import netlock
 from migrt.runtime import control
 
 PREFIX = ".migrt-hold-"
@@ -156,7 +161,8 @@ class Hold:
 
     def join(self, expected: list[str], deadline_s: float, netns: str | None = None) -> dict:
         """Create the record (the pod's first part) or check that this part expects the same pod;
-        with the pod's network namespace, its loopback is held from here on (lock_loopback)."""
+        with the pod's network namespace, its loopback TCP is dropped from here on until the release
+        or the abandon (pods/netlock.py says why)."""
         names = sorted({_check_name("container name", n, _NAME) for n in expected})
         if not names:
             raise UsageError("pod hold: no containers expected")
@@ -168,7 +174,7 @@ class Hold:
                 raise Conflict(f"pod hold {self.sandbox}: this part expects containers {names}, the pod's first "
                                f"part {rec.get('expected')}; give every container the same list")
             if rec.get("state") == HOLDING and rec.get("netns"):
-                lock_loopback(rec["netns"])
+                netlock.lock(rec["netns"])
             return dict(rec)
 
     def arrived(self, name: str, cid: str) -> bool:
@@ -194,7 +200,7 @@ class Hold:
             parts = [Part(n, p["cid"]) for n, p in sorted(rec["parts"].items())]
             netns = rec.get("netns")
         if netns:  # first: the frozen sockets' retransmissions now find their peers
-            unlock_loopback(netns)
+            netlock.unlock(netns)
         failed = []
         for part in parts:
             try:
@@ -215,7 +221,7 @@ class Hold:
                 rec.update(state=ABANDONED, reason=reason)
             netns = rec.get("netns")
         if netns:
-            unlock_loopback(netns)
+            netlock.unlock(netns)
         return True
 
     def state(self) -> str:
@@ -280,40 +286,3 @@ def wait_for_part(root: str, cid: str, timeout: float) -> str | None:
         time.sleep(0.05)
     return st
 
-
-# -- the pod's loopback, held too --------------------------------------------------------------------
-# A frozen part's kernel still sends for it: a segment not yet acknowledged when the source froze is
-# retransmitted once CRIU has unlocked the connection, and its peer's socket, in a part not restored
-# yet, is not there: the pod's loopback answers RST and the connection is lost before any part runs.
-# So from before the first part's restore until the release, the pod's network namespace drops what
-# arrives on `lo` (netfilter: iptables INPUT -i lo -j DROP, as CRIU's own network lock drops a
-# connection's packets while it restores it); the release lifts it before it thaws the parts, so the
-# retransmissions then find both ends.
-_LO_RULE = ["INPUT", "-i", "lo", "-j", "DROP"]
-
-
-def _iptables(netns: str, verb: str) -> int:
-    import subprocess
-
-    argv = ["nsenter", f"--net={netns}", "iptables", "-w", "5", verb, *_LO_RULE]
-    try:
-        return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              timeout=30).returncode
-    except (OSError, subprocess.TimeoutExpired):
-        return -1
-
-
-def lock_loopback(netns: str) -> None:
-    """Drop what arrives on the pod's loopback (once: a second part finds the rule there)."""
-    if _iptables(netns, "-C") == 0:
-        return
-    if _iptables(netns, "-I") != 0:
-        raise RuntimeFailed(f"pod hold: cannot hold the pod's loopback in network namespace {netns} (nsenter, "
-                            "iptables): its containers' connections to each other would not survive; nothing "
-                            "was frozen")
-
-
-def unlock_loopback(netns: str) -> None:
-    while _iptables(netns, "-C") == 0:
-        if _iptables(netns, "-D") != 0:
-            break

@@ -1,7 +1,8 @@
 /* Two ends of one TCP connection over a pod's loopback, for the pod-level pull's test.
  *
  *   tcpticker serve PORT     listens on 127.0.0.1:PORT, takes ONE connection, echoes every line
- *   tcpticker client PORT    connects (retrying until the server listens), then every 0.25 s sends
+ *   tcpticker client PORT [MS]  connects (retrying until the server listens), then every MS ms
+ *                            (default 250) sends
  *                            "<n>\n", reads the echo, and prints "tick <n> <port> <port now>": its
  *                            local port at connect and now (getsockname), so parse_ticks() reads it
  *                            and one unchanged port means one connection, never re-made.
@@ -69,7 +70,7 @@ static int local_port(int fd)
 	return getsockname(fd, (struct sockaddr *)&a, &len) ? -1 : ntohs(a.sin_port);
 }
 
-static int client(int port)
+static int client(int port, long ms)
 {
 	struct sockaddr_in a = loopback(port);
 	int s;
@@ -91,17 +92,17 @@ static int client(int port)
 		}
 		printf("tick %lu %d %d\n", n, first, local_port(s));
 		fflush(stdout);
-		struct timespec ts = {0, 250000000};
+		struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
 		nanosleep(&ts, NULL);
 	}
 }
 
 int main(int argc, char **argv)
 {
-	if (argc != 3) {
-		fprintf(stderr, "usage: tcpticker serve|client PORT\n");
+	if (argc != 3 && argc != 4) {
+		fprintf(stderr, "usage: tcpticker serve|client PORT [MS]\n");
 		return 2;
 	}
 	int port = atoi(argv[2]);
-	return strcmp(argv[1], "serve") == 0 ? serve(port) : client(port);
+	return strcmp(argv[1], "serve") == 0 ? serve(port) : client(port, argc == 4 ? atol(argv[3]) : 250);
 }

@@ -130,3 +130,25 @@ def test_mounts_are_read_from_mountinfo():
 def test_state_of_a_missing_record_is_abandoned(tmp_path):
     h = _hold(tmp_path)
     assert h.state() == hold.ABANDONED  # nothing joined: no part may run ahead of it
+
+
+def test_the_pods_loopback_is_held_from_the_join_until_the_release_or_the_abandon(tmp_path, monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(hold.netlock, "lock", lambda netns: calls.append(f"lock {netns}"))
+    monkeypatch.setattr(hold.netlock, "unlock", lambda netns: calls.append(f"unlock {netns}"))
+    thaws = Thaws()
+    h = hold.Hold(str(tmp_path), "sb1", resume=lambda r, cid: (calls.append(f"thaw {cid}"), thaws(r, cid)))
+    h.join(["a", "b"], 30, "/run/netns/cni-1")
+    h.join(["a", "b"], 30, "/run/netns/cni-1")  # each part: idempotent in netlock
+    h.arrived("a", "c1")
+    h.arrived("b", "c2")
+    h.release()
+    assert calls == ["lock /run/netns/cni-1", "lock /run/netns/cni-1", "unlock /run/netns/cni-1", "thaw c1",
+                     "thaw c2"]  # the lock goes first: the retransmissions then find both ends
+    calls.clear()
+    other = hold.Hold(str(tmp_path), "sb2", resume=thaws)
+    other.join(["a", "b"], 0.1, "/run/netns/cni-2")
+    assert other.wait(poll=0.01) == hold.ABANDONED  # the deadline: the lock goes too
+    assert calls == ["lock /run/netns/cni-2", "unlock /run/netns/cni-2"]
+    other.join(["a", "b"], 30, "/run/netns/cni-2")  # an abandoned pod's part locks nothing again
+    assert calls == ["lock /run/netns/cni-2", "unlock /run/netns/cni-2"]
