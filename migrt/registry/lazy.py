@@ -178,12 +178,16 @@ def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdig
         pull.allocate_files(partial, plan)
         imp.space.settle()
         fetch = _fetcher(cfg, client, store, partial, journal, have)
+        marks = [time.monotonic()]  # what the create's part spent: the other files, the plan, the eager chunks
         fetch([(rel, c) for rel, chunks in plan.items() if rel not in pages for c in chunks])
+        marks.append(time.monotonic())
         why = lazy_ok(imp.images, files, config.get("pagefill"))
         if why:
             raise Fallback(why)
         eager = _eager_chunks(imp.images, pages)
+        marks.append(time.monotonic())
         fetch([(rel, pages[rel][i]) for rel, idx in eager.items() for i in idx])
+        marks.append(time.monotonic())
     present = {rel: [i for i, (off, _s, d) in enumerate(chunks) if (d, off, rel) in have]
                for rel, chunks in pages.items()}
     pulled = {"reference": str(client.ref), "registry": client.ref.registry, "repository": client.ref.repository,
@@ -193,7 +197,9 @@ def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdig
                          {"store": store.root, "name": name, "plan": plan, "config": config, "pulled": pulled})
     total = sum(len(c) for c in pages.values())
     summary = {"chunks": total, "present": sum(len(p) for p in present.values()),
-               "bytes_received": client.stats.received}
+               "bytes_received": client.stats.received,
+               **{f"{k}_s": round(b - a, 3)
+                  for k, a, b in zip(("files", "plan", "eager"), marks[:-1], marks[1:], strict=True)}}
     # as the commit will write it: our name, and `pulled` (a pulled layer is applied without setuid bits)
     view = Manifest.from_dict({**config, "name": name, "pulled": pulled})
     return LazyImage(Partial(name, partial, view), -1, handover, summary)
