@@ -131,21 +131,24 @@ def restore_part(cfg: Config, ckpt: Checkpoint, target, run: Callable[[Checkpoin
     released (a restart) is restored on its own."""
     from migrt.pods import hold, netlock
 
-    sub = for_container(ckpt, target.bundle)
     expected = [p["name"] for p in parts_of(ckpt.manifest)]
     sandbox = target.bundle.cri_metadata().get("sandbox_id")
-    if len(expected) < 2 or not sandbox:
+    pod_hold = hold.Hold(target.root, sandbox, runtime=cfg.runtime_path()) if len(expected) > 1 and sandbox else None
+    try:
+        sub = for_container(ckpt, target.bundle)
+    except PreconditionFailed as exc:  # this pod can never be whole: parts held already are given up
+        if pod_hold is not None and os.path.exists(pod_hold.path):
+            pod_hold.abandon(exc.message)
+        raise
+    if pod_hold is None:
         return run(sub, target)
-    pod_hold = hold.Hold(target.root, sandbox, runtime=cfg.runtime_path())
-    rec = pod_hold.join(expected, HOLD_DEADLINE_S)
+    netns = netlock.netns_path(target.bundle)  # its loopback's TCP dropped by the hold meanwhile (netlock.py)
+    rec = pod_hold.join(expected, HOLD_DEADLINE_S, netns=netns)
     if rec.get("state") == hold.RELEASED:
         return run(sub, target)
     if rec.get("state") != hold.HOLDING:
         raise PreconditionFailed(f"pod checkpoint {ckpt.name}: this pod's restore was given up ({rec.get('reason')}); "
                                  "delete the pod and create it again")
-    netns = netlock.netns_path(target.bundle)
-    if netns:
-        netlock.lock(netns)  # from before the first part is restored (pods/netlock.py says why)
     gpu = bool((sub.manifest.get("gpu") or {}).get("processes"))
     if gpu:  # the driver restores through a thread of each process: frozen by the hold after its GPU restore
         res = run(sub, target)
@@ -156,13 +159,11 @@ def restore_part(cfg: Config, ckpt: Checkpoint, target, run: Callable[[Checkpoin
     try:
         last = pod_hold.arrived(name, target.container_id)
     except MigrtError:
-        if netns:
+        if netns:  # given up (its deadline): nothing will release it
             netlock.unlock(netns)
         raise
     if last:
-        if netns:
-            netlock.unlock(netns)
-        res["pod_hold"] = {"released": [p.name for p in pod_hold.release()]}
+        res["pod_hold"] = {"released": [p.name for p in pod_hold.release()]}  # the loopback first, then the parts
     else:
         res["pod_hold"] = {"held": name, "waiting_for": sorted(set(expected) - set(rec.get("parts") or {}) - {name})}
     return res

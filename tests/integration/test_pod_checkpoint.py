@@ -13,6 +13,7 @@ to CRI a native sidecar is just a container created before the others):
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import time
@@ -134,11 +135,19 @@ def test_a_container_the_pod_checkpoint_lacks_is_refused_by_name(cri, cri_contai
     n = len(_echoes(_log(cri, cids["sidecar"])))
     _wait("echoes after the cut", lambda: len(_echoes(_log(cri, cids["sidecar"]))) > n + 2)
     new = cri.run_pod(_uid("other"), "team-a", annotations={"migrt.io/restore": name})
+    native = cri.create_container(new, "native", ctd.image, ["sh", "-c", "sleep 1000"])
+    cri.start(native)  # restored, and held: the pod is not whole yet
+    time.sleep(0.6)  # three ticks' time
+    assert not parse_ticks(_log(cri, native)), _log(cri, native)
     other = cri.create_container(new, "other", ctd.image, ["sh", "-c", "sleep 1000"])
     with pytest.raises(CriError) as info:
         cri.start(other)
     assert f"pod checkpoint {name} has no container 'other' (it has native, app, sidecar)" in str(info.value), \
         str(info.value)
+    (record,) = glob.glob(f"/run/containerd/runc/*/.migrt-hold-{new}.json")
+    with open(record) as fh:
+        held = json.load(fh)
+    assert held["state"] == "abandoned" and "no container 'other'" in held["reason"], held  # given up at once
     cri.delete_pod(new)
     cri.delete_pod(pod)
     run_cli("rm", name)
