@@ -171,8 +171,13 @@ class PodCut:
             return self.members[name], self.preps[name]
 
     def hand(self, name: str) -> None:
-        """The part's migration armed its own guard for the container: ours stands down."""
+        """The part's migration armed its own guard for the container: ours stands down. Refused
+        (the part's migration then rolls back) when the cut was given up meanwhile (its deadline):
+        the container was resumed, and this pull no longer belongs to one cut."""
         with self.lock:
+            if self.failed:
+                raise Conflict(f"the pod-level pull of pod {self.pod} was given up ({self.failed}) while container "
+                               f"{name} was being handed over; the source pod runs on")
             self.handed.add(name)
             guard = self.guards.pop(name, None)
         if guard:
