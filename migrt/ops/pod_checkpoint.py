@@ -33,7 +33,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from migrt import faults, names
 from migrt.config import Config
@@ -124,7 +124,7 @@ def for_container(ckpt: Checkpoint, bundle: Bundle) -> Checkpoint:
     return part(ckpt, container)
 
 
-def restore_part(cfg: Config, ckpt: Checkpoint, target, run: Callable[[Checkpoint, object], dict]) -> dict:
+def restore_part(cfg: Config, ckpt: Checkpoint, target: Any, run: Callable[[Checkpoint, Any], dict]) -> dict:
     """A create's restore of its part of pod checkpoint `ckpt` (`run(part, target)` restores one
     checkpoint). With several parts the pod is held (pods/hold.py): this part resumes frozen, and the
     create that brings the pod's last part thaws them all. A part created again once the pod was
