@@ -27,6 +27,10 @@ from migrt.runtime.markers import write_marker
 from migrt.runtime.runc import LowerRuntime, RestoreSpec
 from migrt.store import Store, journal
 
+TYPE_CHECKING = False  # typing stays off migrt-runc's restore path (tests/unit/test_restore_imports.py)
+if TYPE_CHECKING:
+    from migrt.registry.client import Deadline
+
 
 @dataclass
 class RestoreSeams:
@@ -440,7 +444,8 @@ def _lazy_refusal(cfg: Config) -> str | None:
     return pagefill.problem()
 
 
-def lazy_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, cid: str):
+def lazy_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, cid: str,
+                    deadline: Deadline | None = None):
     """A create's `oci:REF` request ready to be restored lazily (registry/lazy.py LazyImage), or None:
     restore after the full pull (pull_for_create). Failures read as pull_for_create's do."""
     from migrt.errors import RegistryError
@@ -449,7 +454,7 @@ def lazy_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, c
     try:
         return lazy.prepare(cfg, request.name, admit=_admit(cfg, request, bundle),
                             lazy_ok=_lazy_ok(cfg, request.name), container_id=cid, log=log,
-                            refusal=_lazy_refusal(cfg))
+                            refusal=_lazy_refusal(cfg), deadline=deadline)
     except (UsageError, PreconditionFailed):
         raise
     except MigrtError as exc:
@@ -458,7 +463,8 @@ def lazy_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, c
         raise RegistryError(f"cannot pull {request.name} (see the node's migrt log)") from exc
 
 
-def pull_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, cid: str) -> tuple[str, bool]:
+def pull_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, cid: str,
+                    deadline: Deadline | None = None) -> tuple[str, bool]:
     """(store name, pulled now) of a create's `oci:REF` request: pulled once per node, within the
     config's restore_registries and registry_timeout (registry/pull.py ensure_local). An image that says
     it belongs to another namespace than the pod's (or to none) is refused before any layer is
@@ -471,7 +477,7 @@ def pull_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, c
 
     admit = _admit(cfg, request, bundle)
     try:
-        name, just_pulled = pull.ensure_local(cfg, request.name, admit=admit)
+        name, just_pulled = pull.ensure_local(cfg, request.name, admit=admit, deadline=deadline)
     except (UsageError, PreconditionFailed):
         raise
     except MigrtError as exc:
@@ -533,9 +539,12 @@ def _restore_on_create(cfg: Config, log, call: Call, bundle: Bundle, request: Re
     name, just_pulled, lazy = request.name, False, None
     if reference.is_reference(name):  # oci:REF: lazily from the registry, or pulled once per node, then restored
         t0 = time.monotonic()
-        lazy = lazy_for_create(cfg, request, bundle, log, flags.container_id)
+        from migrt.registry.pull import create_deadline  # (http.client, ssl: only for oci: references)
+
+        deadline = create_deadline(cfg)  # the create's whole pull, whichever way it goes
+        lazy = lazy_for_create(cfg, request, bundle, log, flags.container_id, deadline)
         if lazy is None:
-            name, just_pulled = pull_for_create(cfg, request, bundle, log, flags.container_id)
+            name, just_pulled = pull_for_create(cfg, request, bundle, log, flags.container_id, deadline)
         else:
             name = lazy.ckpt.name
         log.info("restore_image_ready", container=flags.container_id, reference=request.name, checkpoint=name,

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from migrt.config import Config
 from migrt.registry import image, pull, transfer
-from migrt.registry.client import Client
+from migrt.registry.client import Client, Deadline
 from migrt.registry.connect import client_for
 from migrt.registry.reference import Reference
 from migrt.store import Store, importer, reserve
@@ -97,16 +97,17 @@ def is_pages(rel: str) -> bool:
 
 
 def prepare(cfg: Config, reference: str, *, admit: pull.Admit, lazy_ok: LazyOk, container_id: str,
-            log, refusal: str | None = None) -> LazyImage | None:
+            log, refusal: str | None = None, deadline: Deadline | None = None) -> LazyImage | None:
     """The image of a create's request ready to be restored lazily, or None: restore it after the full
     pull (already in the store, or a fallback, said once in `log`). refusal: why this node restores
-    after a full pull whatever the image (restore_pages eager, no filler here). Errors are MigrtErrors."""
+    after a full pull whatever the image (restore_pages eager, no filler here). deadline: the create's
+    whole one (registry_timeout; a full pull after a fallback shares it). Errors are MigrtErrors."""
     ref = pull.check_allowed(cfg, reference)
     t0 = time.monotonic()
     try:
         if refusal:
             raise Fallback(refusal)
-        return _prepare(cfg, ref, admit, lazy_ok, container_id, t0)
+        return _prepare(cfg, ref, admit, lazy_ok, container_id, t0, deadline or pull.create_deadline(cfg))
     except Fallback as exc:
         log.info(EVENT_FALLBACK, container=container_id, reference=reference, reason=str(exc),
                  detail="the image is pulled whole before the restore")
@@ -114,8 +115,7 @@ def prepare(cfg: Config, reference: str, *, admit: pull.Admit, lazy_ok: LazyOk, 
 
 
 def _prepare(cfg: Config, ref: Reference, admit: pull.Admit, lazy_ok: LazyOk, cid: str,
-             t0: float) -> LazyImage | None:
-    deadline = pull.create_deadline(cfg)
+             t0: float, deadline: Deadline) -> LazyImage | None:
     store = Store(cfg.store)
     store.ensure()
     if ref.digest and pull.present_as(store, pull.default_name(ref, ref.digest), ref.digest):

@@ -395,13 +395,13 @@ def create_deadline(cfg: Config) -> Deadline:
 
 
 def ensure_local(cfg: Config, reference: str, progress: Progress = null_progress, *,
-                 admit: Admit | None = None) -> tuple[str, bool]:
+                 admit: Admit | None = None, deadline: Deadline | None = None) -> tuple[str, bool]:
     """(store name, pulled now) of an image reference, pulled first if this node does not have it
     (the `create` path of `oci:` restore requests: a pod's request). Its registry must be in the
     config's restore_registries (PreconditionFailed before any connection otherwise); the whole pull
     ends within registry_timeout. Errors are MigrtErrors."""
     check_allowed(cfg, reference)
-    deadline = create_deadline(cfg)
+    deadline = deadline or create_deadline(cfg)  # (a create that tried a lazy restore first: the same one)
     try:
         out = pull(cfg, reference, progress=progress, deadline=deadline, admit=admit)
         return out["name"], not out["already_present"]
