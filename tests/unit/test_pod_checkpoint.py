@@ -89,3 +89,18 @@ def test_pod_must_be_namespace_slash_name(value):
     with pytest.raises(UsageError, match="give the pod as <namespace>/<name>"):
         parse_pod(value)
     assert parse_pod("team-a/web-0.x") == ("team-a", "web-0.x")
+
+
+@pytest.mark.parametrize("args, says", [
+    ([], "give a CONTAINER_ID or --pod NS/POD (one of them)"),
+    (["abc", "--pod", "a/b"], "give a CONTAINER_ID or --pod NS/POD (one of them)"),
+    (["--pod", "bad"], "give the pod as <namespace>/<name>"),
+    (["--pod", "a/b", "--root", "/x"], "--pod takes no --root, --ext-unix-sk or --file-locks"),
+])
+def test_checkpoint_takes_a_container_or_a_pod(migrt_env, args, says):
+    from click.testing import CliRunner
+
+    from migrt.cli.main import cli
+
+    res = CliRunner().invoke(cli, ["checkpoint", *args, "--json"])
+    assert res.exit_code == 2 and says in json.loads(res.stdout)["error"], res.output
