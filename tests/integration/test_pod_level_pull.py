@@ -74,10 +74,10 @@ def _containers(node, pod: str, image: str | None = None, commands: dict | None 
                                          mounts=[(node.bin_dir, BIN_DEST)]) for n in NAMES}
 
 
-def _source(node, pod_bin) -> tuple[str, str, dict[str, str]]:
+def _source(node, pod_bin, annotations: dict | None = MIGRATABLE) -> tuple[str, str, dict[str, str]]:
     node.bin_dir = pod_bin
     name = f"trio-{uuid.uuid4().hex[:6]}"
-    pod = node.cri.run_pod(name, "team-a", annotations=MIGRATABLE)
+    pod = node.cri.run_pod(name, "team-a", annotations=annotations)
     cids = {}
     for n, cmd in _commands().items():  # one after the other, as kubelet does
         cids[n] = node.cri.create_container(pod, n, node.ctd.image, cmd, mounts=[(node.bin_dir, BIN_DEST)])
@@ -173,6 +173,22 @@ def test_a_mismatched_pod_is_refused_before_anything_is_frozen(clean, pod_bin):
         assert all(_runc_status(a, c) == "running" for c in src.values())
         _all_run_on(a, src, after=last)  # never frozen: the next tick of each, the connection the same
     assert [c for c in b.runc_containers() if os.path.exists(os.path.join(b.root, c, "migrt-restored"))] == []
+
+
+def test_a_pod_that_did_not_opt_in_gets_the_one_refusal_and_is_never_frozen(clean, pod_bin):
+    a, b = clean["a"], clean["b"]
+    name, _, src = _source(a, pod_bin, annotations=None)
+    tpod = _target(b, pod_bin, name, {n: _image_name(a, src[n]) for n in NAMES})
+    cid = b.cri.create_container(tpod, "native", b.ctd.image, _commands()["native"], mounts=[(pod_bin, BIN_DEST)])
+    last = {n: _ticks(a, c)[-1][0] for n, c in src.items()}
+    with pytest.raises(CriError) as info:
+        b.cri.start(cid)
+    assert (f"no migratable container native of pod team-a/{name} for a pod of namespace 'team-a' on node "
+            f"{ADDR_A}") in info.value.details, info.value.details
+    assert "opted in to live migration (annotation" not in info.value.details  # the reason stays on node A
+    (res,) = [r for r in a.agent_results() if r.get("mode") == "pull" and r.get("reason")]
+    assert "its pod has not opted in" in res["reason"], res
+    _all_run_on(a, src, after=last)
 
 
 def _one_pod_copy(a, src: dict[str, str], b, tgt: dict[str, str], frozen_at: dict[str, int]) -> None:
