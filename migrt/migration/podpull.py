@@ -47,7 +47,6 @@ the new pod and create it again.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -59,24 +58,9 @@ from migrt.migration.guard import Guard
 from migrt.oci.bundle import Bundle
 from migrt.pods import hold, netlock
 from migrt.pods.members import Member, PodFreeze, mismatch, pod_members
+from migrt.pods.members import parse_listed as parse_parts  # migrt.io/migrate-pod's value
 from migrt.runtime import control
 from migrt.runtime.runc import LowerRuntime
-
-_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a Kubernetes container name (DNS label)
-
-
-def parse_parts(text: object) -> dict[str, str]:
-    """migrt.io/migrate-pod's value: {container name: image ("" when not given)}."""
-    usage = f"migrt.io/migrate-pod {text!r}: expected <container>=<image>[,<container>=<image>...]"
-    if not isinstance(text, str) or not text.strip():
-        raise UsageError(usage)
-    parts: dict[str, str] = {}
-    for entry in text.split(","):
-        name, _, image = (x.strip() for x in entry.partition("="))
-        if not _NAME.fullmatch(name) or name in parts or not image.isprintable() or " " in image:
-            raise UsageError(usage)
-        parts[name] = image
-    return parts
 
 
 class TargetPart:
@@ -98,6 +82,10 @@ class TargetPart:
             raise UsageError(f"container {self.name}: a pod-level pull needs the pod's sandbox id (a CRI create)")
         self.hold = hold.Hold(root, meta["sandbox_id"], cfg.runtime_path())
         rec = self.hold.join(list(self.parts), cfg.pod_pull_deadline, netlock.netns_path(bundle))
+        if rec.get("state") == hold.RELEASED:  # a container of the moved pod created again (a restart)
+            raise PreconditionFailed("this pod's pod-level pull completed earlier and its source is gone: a container "
+                                     "created again cannot pull; remove the pod's migrt.io/migrate-from and "
+                                     "migrt.io/migrate-pod annotations once the pod runs (docs/kubernetes.md)")
         if rec.get("state") != hold.HOLDING:
             raise PreconditionFailed(f"the pod-level pull of this pod was given up earlier ({rec.get('reason')}); "
                                      "it is not tried again: delete this pod and create it anew")

@@ -70,6 +70,18 @@ def test_a_part_joins_the_pod_hold_first_then_not(tmp_path, monkeypatch):
         _part(tmp_path, "side")  # kubelet's retry of a part of a pod given up
 
 
+def test_a_container_of_a_pod_already_moved_cannot_pull_again(tmp_path, monkeypatch):
+    monkeypatch.delenv("CRIU_CONFIG_FILE", raising=False)
+    h = hold.Hold(str(tmp_path / "root"), "sb42", resume=lambda r, c: None)
+    (tmp_path / "root").mkdir()
+    h.join(["native", "app", "side"], 30)
+    for n in ("native", "app", "side"):
+        h.arrived(n, f"c-{n}")
+    h.release()
+    with pytest.raises(PreconditionFailed, match="completed earlier .*remove the pod's migrt.io/migrate-from"):
+        _part(tmp_path, "app")  # kubelet restarts a container of the moved pod
+
+
 def test_a_part_checks_its_own_create(tmp_path):
     with pytest.raises(UsageError, match="names the source pod, not a container"):
         _part(tmp_path, source={"namespace": "team-a", "pod": "web-0", "container": "other"})
