@@ -33,6 +33,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -40,7 +41,7 @@ from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from migrt.errors import CheckpointInvalid, MigrtError
+from migrt.errors import CheckpointInvalid, MigrtError, RegistryError
 from migrt.pagefill.verify import FileChunks, VerifyError
 
 if TYPE_CHECKING:
@@ -66,7 +67,6 @@ class RegistrySource:
         self._client: Client | None = None
         self._journal: Journal | None = None
         self._faults: ThreadPoolExecutor | None = None
-        self._locks_fd: int | None = None
         self._order = sorted(f["rel"] for f in spec["files"].values())
         self.taken = 0  # chunks another filler of the image fetched
 
@@ -109,8 +109,12 @@ class RegistrySource:
                               f"from registry {self.spec['registry']} does not match its digest ("
                               + (f"the data received has {got}: " if got else "") + "altered in the registry or "
                               "in transit); the container was stopped, no restored process ran on it") from exc
-        except (MigrtError, OSError) as exc:
+        except RegistryError as exc:  # (the client's retries and the fill's deadline are behind it)
             raise VerifyError(self._gone(exc)) from exc
+        except (MigrtError, OSError) as exc:  # e.g. the store full: not the registry's doing
+            raise VerifyError(f"checkpoint {self.spec['commit']['name']}: {f.rel} bytes {a}-{b - 1} could not be "
+                              f"filled from registry {self.spec['registry']}: {getattr(exc, 'message', None) or exc}; "
+                              "the container was stopped; restore again") from exc
         self._journal_add(digest, a, f.rel)
         with self.lock:
             self.present.add((f.path, i))
@@ -120,23 +124,25 @@ class RegistrySource:
     # -- beside the other fillers of the image ------------------------------------------------------
     @contextlib.contextmanager
     def _chunk_locked(self, f: FileChunks, i: int) -> Iterator[None]:
-        """A byte-range lock per chunk in the image's chunk lock file, shared by every filler of the
-        image on this node (POSIX record locks: between processes; the Verifier already keeps this
-        filler's threads to one per chunk). A filler that dies lets its chunks go."""
-        path = self.spec.get("chunk_locks")
-        if not path:
+        """A lock per chunk shared by every filler of the image on this node: flock on a file of its own
+        in the image's chunk lock directory, on a descriptor of this call's (POSIX record locks would
+        belong to the whole process, and the kernel would take two fillers' threads waiting on each
+        other's chunks for a deadlock). A filler that dies lets its chunks go."""
+        top = self.spec.get("chunk_locks")
+        if not top:
             yield
             return
-        with self.lock:
-            if self._locks_fd is None:
-                self._locks_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            fd = self._locks_fd
-        at = self._order.index(f.rel) * (1 << 20) + i
-        fcntl.lockf(fd, fcntl.LOCK_EX, 1, at)
         try:
+            os.makedirs(top, mode=0o700, exist_ok=True)
+            fd = os.open(os.path.join(top, f"{self._order.index(f.rel)}-{i}"),
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise VerifyError(f"cannot lock chunk {i} of {f.rel} in {top}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            fcntl.lockf(fd, fcntl.LOCK_UN, 1, at)
+            os.close(fd)
 
     def _arrived(self, f: FileChunks, i: int, digest: str) -> bool:
         """Another filler of the image journaled the chunk (or committed the image, its journal gone):
@@ -228,19 +234,16 @@ class RegistrySource:
             with importer.importing(store, c["name"], adopt=self.partial) as imp:
                 data = pull.commit_files(imp, c["plan"], c["config"], c["pulled"])
             # (a filler that joined and still looks finds the journal gone: it hashes from disk, never fetches)
-            for done in (self.spec["journal"], pull.fill_marker(store, c["pulled"]["manifest_digest"]),
-                         self.spec.get("chunk_locks") or ""):
+            for done in (self.spec["journal"], pull.fill_marker(store, c["pulled"]["manifest_digest"])):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(done)
+            if self.spec.get("chunk_locks"):
+                shutil.rmtree(self.spec["chunk_locks"], ignore_errors=True)
             return {"name": c["name"], "size_bytes": data.get("size_bytes")}
         finally:
             self.close()
 
     def close(self) -> None:
-        if self._locks_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._locks_fd)
-            self._locks_fd = None
         if self._faults is not None:
             self._faults.shutdown(wait=False)
         if self._client is not None:

@@ -17,8 +17,8 @@ filler, whose Verifier fetches every other chunk from the registry before any pa
 commits the directory as the pulled checkpoint. The filler holds the image lock until then. A second
 restore of the image on this node while that fill runs joins it (a marker beside the journal says
 one runs): it restores from the same partial directory, its filler taking each chunk the other has
-journaled from disk (verified) and fetching only chunks no filler holds (a byte-range lock per
-chunk), so no chunk is fetched twice on a node; the first fill commits.
+journaled from disk (verified) and fetching only chunks no filler holds (a lock per chunk), so no
+chunk is fetched twice on a node; the first fill commits.
 
 Falls back to the full pull (`ensure_local`), said once in the node's log (`registry_lazy_fallback`,
 with the reason): a `--format cri` or CRI-O image (one archive blob), a registry that answers byte
@@ -44,7 +44,7 @@ from migrt.store import Store, importer, reserve
 from migrt.store.manifest import Manifest
 
 EVENT_FALLBACK = "registry_lazy_fallback"
-CHUNK_LOCKS = ".chunks.lock"  # <store>/.pulls/<digest>.chunks.lock: one byte-range lock per chunk
+CHUNK_LOCKS = ".chunks"  # <store>/.pulls/<digest>.chunks/: a lock file per chunk (registry/fill.py)
 PAGES_PREFIX = "images/pages-"
 # lazy_ok(images, files, recorded survey): None to fill lazily, else why the memory is copied eagerly
 LazyOk = Callable[[str, dict, object], str | None]
@@ -286,7 +286,7 @@ def _fill_in_progress(store: Store, mdigest: str) -> dict | None:
 def _join(store: Store, marker: dict, admit: pull.Admit, cid: str, t0: float) -> LazyImage:
     """A restore of an image another restore is filling lazily: from the same partial directory, its
     filler taking each chunk another has fetched (journaled) from disk, verified, and fetching itself
-    only a chunk no one holds (per-chunk locks: registry/fill.py); the first fill commits the image."""
+    only a chunk no one holds (a lock per chunk: registry/fill.py); the first fill commits the image."""
     handover = marker["handover"]
     reg = dict(handover["registry"])
     config, pulled = reg["commit"]["config"], reg["commit"]["pulled"]

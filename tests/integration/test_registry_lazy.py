@@ -198,7 +198,8 @@ def _forget(store: str, image: dict) -> None:
     run_cli("rm", image["name"], check=False)
     hexd = image["digest"].split(":", 1)[1]
     shutil.rmtree(os.path.join(store, ".pulls", hexd), ignore_errors=True)
-    for tail in (".done", ".lazy.json", ".chunks.lock"):
+    shutil.rmtree(os.path.join(store, ".pulls", hexd + ".chunks"), ignore_errors=True)
+    for tail in (".done", ".lazy.json"):
         if os.path.exists(os.path.join(store, ".pulls", hexd + tail)):
             os.unlink(os.path.join(store, ".pulls", hexd + tail))
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from tests.unit.test_registry_pull import Log, cfg, reg, tls  # noqa: F401 - fix
 PAGES = os.urandom(1 << 20)
 FILES = {"images/inventory.img": b"inventory", "images/core-1.img": b"core" * 100, "images/pages-1.img": PAGES}
 REF = "{host}/team/ckpt:v1"
+CHUNK = 64 << 20
 
 
 def _prepare(cfg, host: str, log: Log, **kw):  # noqa: F811 - the fixture's value
@@ -198,6 +200,51 @@ def test_a_second_restore_joins_the_fill_in_progress_and_fetches_nothing_fetched
     src1.commit()
     assert [c.name for c in Store(cfg.store).list()] == [first.ckpt.name]
     assert not os.path.exists(pull.fill_marker(Store(cfg.store), digest))
+
+
+def _filler_holding(spec: dict, f: FileChunks, mine: int, theirs: int) -> int:
+    """A filler process: one thread holds chunk `mine` a while, another then waits for `theirs`; 0 when
+    both got their lock."""
+    src = RegistrySource(spec, spec["partial"])
+    errors: list[BaseException] = []
+
+    def hold() -> None:
+        with src._chunk_locked(f, mine):
+            time.sleep(0.5)
+
+    def wait() -> None:
+        time.sleep(0.2)
+        try:
+            with src._chunk_locked(f, theirs):
+                pass
+        except BaseException as exc:  # noqa: BLE001 - reported by the exit code
+            errors.append(exc)
+    ts = [threading.Thread(target=hold), threading.Thread(target=wait)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    return 0 if not errors and not any(t.is_alive() for t in ts) else 3
+
+
+def test_chunk_locks_of_two_fillers_waiting_on_each_other_are_no_deadlock(tmp_path):
+    """Two fillers (processes), each with a thread holding one chunk and another waiting for the chunk
+    the other process holds: a wait, not EDEADLK (POSIX record locks belong to a whole process, so the
+    kernel took this for a deadlock and the fill failed in the benchmark's four restores at once)."""
+    spec = {"partial": str(tmp_path), "present": {}, "files": {"pages-1.img": {"rel": "images/pages-1.img",
+            "size": 2 * CHUNK}}, "chunk_locks": str(tmp_path / "x.chunks"), "journal": str(tmp_path / "j")}
+    f = FileChunks(path="p", rel="images/pages-1.img", size=2 * CHUNK, digests=[b"\0" * 32, b"\0" * 32])
+    pids = []
+    for mine, theirs in ((0, 1), (1, 0)):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _filler_holding(spec, f, mine, theirs)
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    assert [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids] == [0, 0]
 
 
 # -- the Verifier's source seam ------------------------------------------------------------------
