@@ -152,8 +152,19 @@ class Bundle:
             return None
         if not self.is_application_container:
             return None
+        if source == "annotation" and not self._listed(ann):  # a pod-level restore: an init container starts fresh
+            return None
         fallback = env.get(FALLBACK_ENV) or ann.get(FALLBACK_ANNOTATION) or None
         return RestoreRequest(name=name, fallback=fallback, source=source)
+
+    @staticmethod
+    def _listed(ann: dict[str, str]) -> bool:
+        """Whether this container is one of migrt.io/migrate-pod's (the new pod's containers that take a
+        part of a pod: a pod-level pull's or restore's); True where the pod lists none."""
+        pod = ann.get(MIGRATE_POD_ANNOTATION)
+        if pod is None:
+            return True
+        return ann.get(CRI_ANNOTATIONS["container_name"]) in {e.partition("=")[0].strip() for e in pod.split(",")}
 
     def migrate_request(self) -> MigrateFrom | None:
         """The pull asked for by this container, if any; never for a pod sandbox. The annotation is
@@ -173,8 +184,7 @@ class Bundle:
             return None
         pod = ann.get(MIGRATE_POD_ANNOTATION)
         if req.origin == "annotation" and pod is not None:  # a part, or a container that starts fresh
-            listed = {entry.partition("=")[0].strip() for entry in pod.split(",")}
-            if ann.get(CRI_ANNOTATIONS["container_name"]) not in listed:
+            if not self._listed(ann):
                 return None
             return MigrateFrom(req.value, req.origin, pod)
         return req

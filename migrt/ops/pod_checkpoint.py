@@ -39,8 +39,8 @@ from migrt import faults, names
 from migrt.config import Config
 from migrt.criu.version import versions
 from migrt.errors import CheckpointInvalid, Conflict, MigrtError, PreconditionFailed, RuntimeFailed, UsageError
-from migrt.oci.bundle import Bundle
-from migrt.pods.members import Member, PodFreeze, mismatch, pod_members
+from migrt.oci.bundle import MIGRATE_POD_ANNOTATION, Bundle
+from migrt.pods.members import Member, PodFreeze, mismatch, parse_listed, pod_members
 from migrt.progress import Progress, null_progress
 from migrt.runtime.runc import LowerRuntime
 from migrt.store import Store
@@ -124,6 +124,21 @@ def for_container(ckpt: Checkpoint, bundle: Bundle) -> Checkpoint:
     return part(ckpt, container)
 
 
+def _whole_pod(ckpt: Checkpoint, bundle: Bundle) -> None:
+    """With migrt.io/migrate-pod (the new pod's containers that take a part, `<name>=<image>,...`), every
+    create checks the whole new pod against the checkpoint's parts, so the first one refuses a pod that
+    does not match before anything of it is restored. Without it each create checks only itself."""
+    listed = bundle.annotations.get(MIGRATE_POD_ANNOTATION)
+    if listed is None:
+        return
+    have = [Member(p.get("container_id") or "", p["name"], p.get("image") or "", "", "", True)
+            for p in parts_of(ckpt.manifest)]
+    lines = mismatch(have, parse_listed(listed))
+    if lines:
+        raise PreconditionFailed(f"pod checkpoint {ckpt.name} does not match the new pod ({MIGRATE_POD_ANNOTATION}): "
+                                 + "; ".join(lines) + "; nothing was restored")
+
+
 def restore_part(cfg: Config, ckpt: Checkpoint, target: Any, run: Callable[[Checkpoint, Any], dict]) -> dict:
     """A create's restore of its part of pod checkpoint `ckpt` (`run(part, target)` restores one
     checkpoint). With several parts the pod is held (pods/hold.py): this part resumes frozen, and the
@@ -135,8 +150,9 @@ def restore_part(cfg: Config, ckpt: Checkpoint, target: Any, run: Callable[[Chec
     sandbox = target.bundle.cri_metadata().get("sandbox_id")
     pod_hold = hold.Hold(target.root, sandbox, runtime=cfg.runtime_path()) if len(expected) > 1 and sandbox else None
     try:
+        _whole_pod(ckpt, target.bundle)
         sub = for_container(ckpt, target.bundle)
-    except PreconditionFailed as exc:  # this pod can never be whole: parts held already are given up
+    except (PreconditionFailed, UsageError) as exc:  # this pod can never be whole: parts held already are given up
         if pod_hold is not None and os.path.exists(pod_hold.path):
             pod_hold.abandon(exc.message)
         raise

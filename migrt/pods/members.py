@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 from migrt import jsonsafe
 from migrt.config import Config
-from migrt.errors import MigrtError, PreconditionFailed, RuntimeFailed
+from migrt.errors import MigrtError, PreconditionFailed, RuntimeFailed, UsageError
 from migrt.oci.bundle import Bundle
 from migrt.runtime.runc import LowerRuntime, candidate_roots
 
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a Kubernetes container name (DNS label)
 _CREATED = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?")
 
 
@@ -113,6 +114,21 @@ def pod_members(cfg: Config, namespace: str, pod: str,
     return [Member(cid=f.cid, name=f.bundle.cri_metadata().get("container_name", f.cid),
                    image=f.bundle.cri_metadata().get("image_name", ""), root=f.root, bundle=f.bundle.path,
                    running=running(f.root, f.cid)) for f in found]
+
+
+def parse_listed(text: object) -> dict[str, str]:
+    """migrt.io/migrate-pod's value, the new pod's containers that take a part of a pod (a pod-level
+    pull's or restore's): {container name: image ("" when not given)}; UsageError otherwise."""
+    usage = f"migrt.io/migrate-pod {text!r}: expected <container>=<image>[,<container>=<image>...]"
+    if not isinstance(text, str) or not text.strip():
+        raise UsageError(usage)
+    parts: dict[str, str] = {}
+    for entry in text.split(","):
+        name, _, image = (x.strip() for x in entry.partition("="))
+        if not _NAME.fullmatch(name) or name in parts or not image.isprintable() or " " in image:
+            raise UsageError(usage)
+        parts[name] = image
+    return parts
 
 
 def mismatch(source: Sequence[Member], target: Mapping[str, str]) -> list[str]:

@@ -93,7 +93,13 @@ def test_a_pod_is_cut_at_one_instant_and_restored_into_a_new_pod(cri, cri_contai
     run_cli("inspect", "--verify", name)
     cri.delete_pod(pod)
 
-    new = cri.run_pod(_uid("trio-new"), "team-a", annotations={"migrt.io/restore": name})
+    listed = ",".join(f"{c}={ctd.image}" for c, _ in ORDER)  # the new pod's containers that take a part
+    new = cri.run_pod(_uid("trio-new"), "team-a", annotations={"migrt.io/restore": name,
+                                                               "migrt.io/migrate-pod": listed})
+    init = cri.create_container(new, "setup", ctd.image, ["sh", "-c", "echo init-ran"])  # not listed: runs fresh
+    cri.start(init)
+    cri.wait_state(init, "CONTAINER_EXITED")
+    assert cri.status(init).exit_code == 0 and "init-ran" in _log(cri, init)
     t0 = time.monotonic()
     restored = {}
     for cname, _script in ORDER:  # kubelet's order; the new command lines are ignored by a restore
@@ -148,6 +154,30 @@ def test_a_container_the_pod_checkpoint_lacks_is_refused_by_name(cri, cri_contai
     with open(record) as fh:
         held = json.load(fh)
     assert held["state"] == "abandoned" and "no container 'other'" in held["reason"], held  # given up at once
+    cri.delete_pod(new)
+    cri.delete_pod(pod)
+    run_cli("rm", name)
+
+
+def test_a_new_pod_that_does_not_match_is_refused_at_its_first_create(cri, cri_containerd):
+    """With the new pod's list (migrt.io/migrate-pod), its first create checks the whole pod: another image
+    for the sidecar refuses the native sidecar's create already, before anything is restored or held."""
+    ctd = cri_containerd
+    pod, cids = _pod(cri, ctd, _uid("mis"))
+    name = _uid("mis-ck")
+    run_cli("checkpoint", "--pod", f"team-a/{cri.pods[pod].name}", "--name", name, "--leave-running",
+            "--tcp-established")
+    listed = f"native={ctd.image},app={ctd.image},sidecar=registry.example/other:1"
+    new = cri.run_pod(_uid("mis-new"), "team-a", annotations={"migrt.io/restore": name, "migrt.io/migrate-pod": listed})
+    first = cri.create_container(new, "native", ctd.image, ["sh", "-c", "sleep 1000"])
+    with pytest.raises(CriError) as info:
+        cri.start(first)
+    said = str(info.value)
+    assert (f"pod checkpoint {name} does not match the new pod (migrt.io/migrate-pod): container sidecar: image "
+            f"'registry.example/other:1', the checkpoint's is '{ctd.image}'; nothing was restored") in said, said
+    assert not glob.glob(f"/run/containerd/runc/*/.migrt-hold-{new}.json")  # no part restored, none held
+    for cid in cids.values():
+        assert cri.state_name(cid) == "CONTAINER_RUNNING"
     cri.delete_pod(new)
     cri.delete_pod(pod)
     run_cli("rm", name)

@@ -104,3 +104,32 @@ def test_checkpoint_takes_a_container_or_a_pod(migrt_env, args, says):
 
     res = CliRunner().invoke(cli, ["checkpoint", *args, "--json"])
     assert res.exit_code == 2 and says in json.loads(res.stdout)["error"], res.output
+
+
+def _listed_bundle(name: str, listed: str | None, env: list[str] | None = None) -> Bundle:
+    ann = {"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.container-name": name,
+           "migrt.io/restore": "trio-1"}
+    if listed is not None:
+        ann["migrt.io/migrate-pod"] = listed
+    return Bundle("/nonexistent", {"annotations": ann, "process": {"env": env or []}})
+
+
+def test_a_container_the_pods_list_leaves_out_starts_fresh():
+    assert _listed_bundle("app", "native=a,app=b").restore_request().name == "trio-1"
+    assert _listed_bundle("setup", "native=a,app=b").restore_request() is None  # an init container: fresh
+    assert _listed_bundle("setup", None).restore_request().name == "trio-1"      # no list: every container
+    assert _listed_bundle("setup", "app=b", ["MIGRT_RESTORE=x"]).restore_request().name == "x"  # its own env
+
+
+def test_the_whole_new_pod_is_checked_at_each_create(tmp_path):
+    from migrt.ops.pod_checkpoint import _whole_pod
+
+    ckpt = _pod_checkpoint(tmp_path).get("trio-1")
+    _whole_pod(ckpt, _listed_bundle("native", "native=reg/n:1,app="))  # no image given: the name alone
+    _whole_pod(ckpt, _listed_bundle("native", None))
+    with pytest.raises(PreconditionFailed, match=r"does not match the new pod \(migrt.io/migrate-pod\): container "
+                                                 r"extra: the checkpoint has no container of that name .*; container "
+                                                 r"app: the new pod has no container of that name; nothing"):
+        _whole_pod(ckpt, _listed_bundle("native", "native=reg/n:1,extra=x"))
+    with pytest.raises(UsageError, match="expected <container>=<image>"):
+        _whole_pod(ckpt, _listed_bundle("native", "Not A Name"))
