@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from migrt.errors import CheckpointInvalid, MigrtError, RegistryError
+from migrt.errors import CheckpointInvalid, RegistryError
 from migrt.pagefill.verify import FileChunks, VerifyError
 
 if TYPE_CHECKING:
@@ -96,8 +96,8 @@ class RegistrySource:
         from migrt.registry import transfer
 
         a, b, digest = blob.offset, blob.offset + blob.size, blob.digest
-        client = self.client()
         try:
+            client = self.client()
             if fault:  # in ranges over this source's own threads (their connections kept for the next)
                 transfer.fetch(client, [blob], self.parallel, on_blob=lambda _b: None, pool=self._pool())
             else:
@@ -111,11 +111,13 @@ class RegistrySource:
                               "in transit); the container was stopped, no restored process ran on it") from exc
         except RegistryError as exc:  # (the client's retries and the fill's deadline are behind it)
             raise VerifyError(self._gone(exc)) from exc
-        except (MigrtError, OSError) as exc:  # e.g. the store full: not the registry's doing
+        except Exception as exc:  # e.g. the store full: not the registry's doing (and never a silent thread)
+            why = getattr(exc, "message", None) or repr(exc)
             raise VerifyError(f"checkpoint {self.spec['commit']['name']}: {f.rel} bytes {a}-{b - 1} could not be "
-                              f"filled from registry {self.spec['registry']}: {getattr(exc, 'message', None) or exc}; "
-                              "the container was stopped; restore again") from exc
-        self._journal_add(digest, a, f.rel)
+                              f"filled from registry {self.spec['registry']}: {why}; the container was stopped; "
+                              "restore again") from exc
+        with contextlib.suppress(OSError):  # (unjournaled, it is fetched again by a later restore: no harm)
+            self._journal_add(digest, a, f.rel)
         with self.lock:
             self.present.add((f.path, i))
             self.arrived += b - a
