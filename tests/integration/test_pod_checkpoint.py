@@ -90,6 +90,13 @@ def test_a_pod_is_cut_at_one_instant_and_restored_into_a_new_pod(cri, cri_contai
     before = {c: _log(cri, cid) for c, cid in cids.items()}
     last_echo = _echoes(before["sidecar"])[-1]
     assert _ls(name) and _ls(name)[0]["containers"] == ["native", "app", "sidecar"]
+    top = os.path.join(migrt_config["store"], name)
+    with open(os.path.join(top, "manifest.json")) as fh:
+        files = json.load(fh)["files"]
+    assert sorted(os.listdir(os.path.join(top, "parts"))) == ["app", "native", "sidecar"]  # no store bookkeeping
+    assert {f.split("/")[:2][1] for f in files} == {"app", "native", "sidecar"} and all(
+        f.startswith("parts/") for f in files), sorted(files)[:5]
+    assert all(f"parts/{c}/manifest.json" in files and f"parts/{c}/images/inventory.img" in files for c, _ in ORDER)
     run_cli("inspect", "--verify", name)
     cri.delete_pod(pod)
 
