@@ -232,6 +232,10 @@ class RegistrySource:
         if self.spec.get("join"):  # the fill this one joined commits (or, should it fail, the next restore)
             self.close()
             return {"name": c["name"], "joined": True}
+        from migrt.registry.lazy import commit_gate
+
+        # the creates that joined this fill are done restoring from the directory before it moves
+        gate = commit_gate(self.spec["chunk_locks"], shared=False) if self.spec.get("chunk_locks") else -1
         try:
             with importer.importing(store, c["name"], adopt=self.partial) as imp:
                 data = pull.commit_files(imp, c["plan"], c["config"], c["pulled"])
@@ -243,6 +247,8 @@ class RegistrySource:
                 shutil.rmtree(self.spec["chunk_locks"], ignore_errors=True)
             return {"name": c["name"], "size_bytes": data.get("size_bytes")}
         finally:
+            if gate >= 0:
+                os.close(gate)
             self.close()
 
     def close(self) -> None:

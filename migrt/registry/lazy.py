@@ -30,6 +30,7 @@ mode decides to copy eagerly (`lazy_ok`).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 from collections.abc import Callable
@@ -83,12 +84,28 @@ class LazyImage:
     lock_fd: int
     handover: dict
     summary: dict = field(default_factory=dict)
+    gate_fd: int = -1  # a restore that joined another's fill: keeps that fill from committing (moving the
+    # partial directory) until this create is done with it (commit_gate)
 
     def release(self) -> None:
-        """Our copy of the lock goes (the filler keeps its own)."""
-        if self.lock_fd >= 0:
-            os.close(self.lock_fd)
-            self.lock_fd = -1
+        """Our copy of the lock goes (the filler keeps its own), and a joined restore's hold on the commit."""
+        for fd in (self.lock_fd, self.gate_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.lock_fd = self.gate_fd = -1
+
+
+def commit_gate(chunk_locks: str, shared: bool) -> int:
+    """The lock the creates that joined a fill hold shared while they restore from its partial directory,
+    and that fill's commit takes exclusive before it renames that directory into the store."""
+    os.makedirs(chunk_locks, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(chunk_locks, "commit"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def is_pages(rel: str) -> bool:
@@ -133,7 +150,7 @@ def _prepare(cfg: Config, ref: Reference, admit: pull.Admit, lazy_ok: LazyOk, ci
         deadline.allow(pull.layer_bytes(manifest))
         got = pull.lock_image(store, mdigest, deadline, meanwhile=lambda: _fill_in_progress(store, mdigest))
         if isinstance(got, dict):  # another restore of it fills it lazily: fill beside it
-            return _join(store, got, admit, cid, t0)
+            return _join(store, mdigest, got, admit, cid, t0)
         assert isinstance(got, int)
         fd = got
         _drop_marker(store, mdigest)  # (a fill that failed left it: ours now)
@@ -283,14 +300,20 @@ def _fill_in_progress(store: Store, mdigest: str) -> dict | None:
     return data if isinstance(data, dict) and isinstance(data.get("handover"), dict) else None
 
 
-def _join(store: Store, marker: dict, admit: pull.Admit, cid: str, t0: float) -> LazyImage:
+def _join(store: Store, mdigest: str, marker: dict, admit: pull.Admit, cid: str, t0: float) -> LazyImage | None:
     """A restore of an image another restore is filling lazily: from the same partial directory, its
     filler taking each chunk another has fetched (journaled) from disk, verified, and fetching itself
-    only a chunk no one holds (a lock per chunk: registry/fill.py); the first fill commits the image."""
+    only a chunk no one holds (a lock per chunk: registry/fill.py); the first fill commits the image,
+    not before this create is done with the directory (commit_gate). None: committed meanwhile (restore
+    it from the store)."""
     handover = marker["handover"]
     reg = dict(handover["registry"])
     config, pulled = reg["commit"]["config"], reg["commit"]["pulled"]
     admit(image.namespace({}, config))
+    gate = commit_gate(reg["chunk_locks"], shared=True)
+    if not os.path.exists(pull.fill_marker(store, mdigest)):  # the fill committed (or failed) meanwhile
+        os.close(gate)
+        return None
     journal = pull.Journal(reg["journal"])
     present = {}
     for base, f in handover["files"].items():
@@ -301,4 +324,5 @@ def _join(store: Store, marker: dict, admit: pull.Admit, cid: str, t0: float) ->
                "present": sum(len(p) for p in present.values()), "joined": True,
                "seconds": round(time.monotonic() - t0, 3)}
     view = Manifest.from_dict({**config, "name": marker["name"], "pulled": pulled})
-    return LazyImage(Partial(marker["name"], marker["partial"], view), -1, {**handover, "registry": reg}, summary)
+    return LazyImage(Partial(marker["name"], marker["partial"], view), -1, {**handover, "registry": reg}, summary,
+                     gate_fd=gate)

@@ -197,7 +197,12 @@ def test_a_second_restore_joins_the_fill_in_progress_and_fetches_nothing_fetched
     assert src2.summary()["taken_chunks"] == 1 and src2.summary()["fetched_chunks"] == 0
     assert src2.commit() == {"name": second.ckpt.name, "joined": True}  # only the first commits
     assert Store(cfg.store).list() == []
-    src1.commit()
+    committing = threading.Thread(target=src1.commit, daemon=True)
+    committing.start()
+    committing.join(0.5)
+    assert committing.is_alive() and Store(cfg.store).list() == []     # the joined create still restores
+    second.release()                                                   # (its create is done)
+    committing.join(10)
     assert [c.name for c in Store(cfg.store).list()] == [first.ckpt.name]
     assert not os.path.exists(pull.fill_marker(Store(cfg.store), digest))
 
