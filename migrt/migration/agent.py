@@ -28,7 +28,7 @@ carries one request:
         does a container restored from checkpoint `name` run here (receive.py answers; a pull's
         guard still deciding is waited for).
 
-Records of pods that have gone are swept every minute.
+Records of pods that have gone (moved containers, pod holds) are swept every minute.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from migrt.migration.channel import Channel
 from migrt.migration.pull import describe
 from migrt.migration.receive import ReceiveOptions, Receiver, Report
 from migrt.oci.bundle import MIGRATABLE_ANNOTATION, Bundle
-from migrt.pods import members
+from migrt.pods import hold, members
 from migrt.runtime import moved
 from migrt.runtime.runc import LowerRuntime, candidate_roots
 
@@ -79,6 +79,10 @@ def _running(runtime: LowerRuntime, root: str, cid: str) -> bool:
         return runtime.state(root, cid).alive
     except Exception:  # noqa: BLE001 - gone meanwhile, unreadable: not a candidate
         return False
+
+
+def _has_state(root: str, cid: str) -> bool:
+    return os.path.exists(os.path.join(root, cid, "state.json"))
 
 
 class Refused(PreconditionFailed):
@@ -184,6 +188,7 @@ class Agent:
         while True:
             for root in candidate_roots(self.cfg.runtime_roots):
                 moved.sweep(root)
+                hold.sweep(root, live=functools.partial(_has_state, root))
             time.sleep(SWEEP_EVERY_S)
 
     def hand_over(self, ch: Channel, msg: dict, out: dict) -> None:
