@@ -24,7 +24,7 @@ Falls back to the full pull (`ensure_local`), said once in the node's log (`regi
 with the reason): a `--format cri` or CRI-O image (one archive blob), a registry that answers byte
 ranges with the whole blob (faults fetch their chunk in ranges), a GPU checkpoint (the lazy GPU
 order, the driver's host copy first, is not done from a registry yet), a node where the filler cannot
-run (`pagefill.problem()`), restore_pages eager, images the filler cannot plan, or memory the page
+run (no usable userfaultfd), restore_pages eager, images the filler cannot plan, or memory the page
 mode decides to copy eagerly (`lazy_ok`).
 """
 
