@@ -303,8 +303,8 @@ def _dump_parts(cfg: Config, req: PodCheckpointRequest, staging: Staging, member
     for m in members:
         names.validate(m.name)
         progress("phase", name="dump", container=m.name)
-        faults.point(f"checkpoint-pod:dump:{m.name}")
         try:
+            faults.point(f"checkpoint-pod:dump:{m.name}")
             data = checkpoint(sub, CheckpointRequest(container_id=m.cid, root=m.root, name=m.name, leave_running=True,
                                                      tcp_established=req.tcp_established,
                                                      gpu=gpus.held.get(m.cid)), progress=progress)

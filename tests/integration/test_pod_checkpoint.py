@@ -201,6 +201,7 @@ def test_a_failure_in_the_middle_leaves_every_container_running_and_nothing_list
                   check=False, env=env)
     assert res.returncode != 0
     assert "injected fault at checkpoint-pod:dump:sidecar" in res.stderr, res.stderr
+    assert f"pod team-a/{cri.pods[pod].name}: checkpoint of container sidecar" in res.stderr, res.stderr
     for cname, cid in cids.items():
         assert cri.state_name(cid) == "CONTAINER_RUNNING", cname
         ticks = len(parse_ticks(_log(cri, cid))) if cname != "sidecar" else len(_echoes(_log(cri, cid)))

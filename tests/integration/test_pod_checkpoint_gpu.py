@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import uuid
 
 import pytest
 
 from migrt.gpu import fakenode, records
 from tests.helpers.migration import assert_continues
+from tests.integration.conftest import CLI
 from tests.integration.test_cri_pagefill import bin_dir  # noqa: F401 - the workload's fixture
 from tests.integration.test_migrate_gpu import UA, UB
 from tests.integration.test_pod_migration import MIGRATABLE, _ticks, _wait_ticks
@@ -32,17 +34,40 @@ def clean(gnodes):  # noqa: F811
         gnodes[name].cri.cleanup()
 
 
-def test_a_gpu_pod_is_cut_with_its_gpu_state_and_restored_onto_another_gpu(clean):
-    a, b = clean["a"], clean["b"]
+def _gpu_pod(nodes) -> tuple[str, str, str, int]:
+    """On node A: (pod name, GPU app's id, CPU sidecar's id, the app's host pid), both ticking."""
+    a = nodes["a"]
     pod_name = f"gpupod-{uuid.uuid4().hex[:4]}"
     pod = a.cri.run_pod(pod_name, "team-a", annotations=MIGRATABLE)
-    app = _app(a, pod, UA, clean["marker"])
+    app = _app(a, pod, UA, nodes["marker"])
     a.cri.start(app)
     side = a.cri.create_container(pod, "sidecar", a.ctd.image, ["sh", "-c", COUNTER])
     a.cri.start(side)
     _wait_ticks(a, app, 3)
     _wait_ticks(a, side, 2)
-    app_pid = _pid(a, app)
+    return pod_name, app, side, _pid(a, app)
+
+
+def test_a_failure_after_the_gpu_lock_thaws_the_pod_then_resumes_the_gpu(clean):
+    a = clean["a"]
+    pod_name, app, side, app_pid = _gpu_pod(clean)
+    name = f"gpufail-ck-{uuid.uuid4().hex[:6]}"
+    res = subprocess.run([CLI, "checkpoint", "--pod", f"team-a/{pod_name}", "--name", name], capture_output=True,
+                         text=True, timeout=120, env={**a.env(), "MIGRT_FAULT": "checkpoint-pod:dump:sidecar:fail"})
+    assert res.returncode != 0 and "checkpoint of container sidecar" in res.stderr, res.stderr
+    calls = _calls(a, app_pid)
+    assert calls[:2] == ["lock", "checkpoint"] and calls[-2:] == ["restore", "unlock"], calls  # back on its GPU
+    assert fakenode.read(a.gpu)["processes"][str(app_pid)]["state"] == "running"
+    for cid in (app, side):
+        assert a.cri.state_name(cid) == "CONTAINER_RUNNING"
+        last = _ticks(a, cid)[-1][0]
+        _wait_ticks(a, cid, 2, after=last)  # and they go on
+    assert a.staging() == [] and name not in a.cli("ls", "--json").stdout
+
+
+def test_a_gpu_pod_is_cut_with_its_gpu_state_and_restored_onto_another_gpu(clean):
+    a, b = clean["a"], clean["b"]
+    pod_name, app, side, app_pid = _gpu_pod(clean)
 
     name = f"gpupod-ck-{uuid.uuid4().hex[:6]}"
     data = json.loads(a.cli("checkpoint", "--pod", f"team-a/{pod_name}", "--name", name, "--json").stdout)
@@ -72,6 +97,5 @@ def test_a_gpu_pod_is_cut_with_its_gpu_state_and_restored_onto_another_gpu(clean
     assert proc["state"] == "running" and proc["gpu"] == UB and proc["remap"] == [[UA, UB]], proc
     assert a.staging() == [] and b.staging() == []
     b.cri.delete_pod(new)
-    a.cri.delete_pod(pod)
     for node in (a, b):
         node.cli("rm", name)
