@@ -225,7 +225,7 @@ def cut_pod(cfg: Config, namespace: str, pod: str, parts: dict[str, str], to: st
         why = eligible(bundle) or (None if m.running else "it is not running")
         if why:
             raise NotEligible(f"container {m.name} ({m.cid[:12]}): {why}")
-    problems = mismatch(members, parts)
+    problems = mismatch(members, parts, "the source pod")
     if problems:
         raise UsageError(f"pod {namespace}/{pod} cannot be pulled by this pod: {'; '.join(problems)}; nothing was "
                          "frozen")

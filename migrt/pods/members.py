@@ -131,14 +131,15 @@ def parse_listed(text: object) -> dict[str, str]:
     return parts
 
 
-def mismatch(source: Sequence[Member], target: Mapping[str, str]) -> list[str]:
+def mismatch(source: Sequence[Member], target: Mapping[str, str], source_is: str = "the checkpoint") -> list[str]:
     """What keeps `target` (container name -> image) from taking the source's containers by name:
-    one line per difference; [] when they match."""
+    one line per difference; [] when they match. `source_is` names what the target is compared with
+    ("the checkpoint" for a pod restore, "the source pod" for a pod-level pull)."""
     have = {m.name: m.image for m in source}
-    out = [f"container {name}: the checkpoint has no container of that name (it has {', '.join(have) or 'none'})"
+    out = [f"container {name}: {source_is} has no container of that name (it has {', '.join(have) or 'none'})"
            for name in target if name not in have]
     out += [f"container {name}: the new pod has no container of that name" for name in have if name not in target]
-    out += [f"container {name}: image {target[name]!r}, the checkpoint's is {have[name]!r}"
+    out += [f"container {name}: image {target[name]!r}, {source_is}'s is {have[name]!r}"
             for name in target if name in have and target[name] and have[name] and target[name] != have[name]]
     return out
 

@@ -159,7 +159,7 @@ def test_a_mismatched_pod_is_refused_before_anything_is_frozen(clean, pod_bin):
     name, _, src = _source(a, pod_bin)
     for parts, expect in (
         ({"native": _image_name(a, src["native"]), "app": "example.org/other:1", "side": _image_name(a, src["side"])},
-         "container app: image 'example.org/other:1', the checkpoint's is"),
+         "container app: image 'example.org/other:1', the source pod's is"),
         ({"native": _image_name(a, src["native"]), "app": _image_name(a, src["app"])},
          "container side: the new pod has no container of that name"),
     ):

@@ -117,3 +117,11 @@ def test_an_exception_thaws_unless_kept_and_a_stuck_thaw_is_reported():
         pf.keep()
         raise ValueError("the caller destroys them")
     assert rt.calls == [("pause", "id-a")]
+
+
+def test_mismatch_names_what_it_compares_with_the_source_pod_for_a_pull():
+    src = [_m("app", "reg/app:1")]
+    assert mismatch(src, {"app": "reg/app:2", "extra": "x"}, "the source pod") == [
+        "container extra: the source pod has no container of that name (it has app)",
+        "container app: image 'reg/app:2', the source pod's is 'reg/app:1'",
+    ]
