@@ -81,7 +81,7 @@ def _checkpoint_pod(container_id, pod, root, name, leave_running, tcp_establishe
 
 
 def _summary(ckpt) -> dict:
-    from migrt.ops.pod_checkpoint import is_pod, parts_of
+    from migrt.ops.pod_restore import is_pod, parts_of
 
     try:
         m = ckpt.manifest
@@ -137,7 +137,7 @@ def inspect(name, verify, as_json):
     from migrt.store import Store
 
     cfg = load_config()
-    from migrt.ops.pod_checkpoint import is_pod, part, parts_of
+    from migrt.ops.pod_restore import is_pod, part, parts_of
 
     with Store(cfg.store).reading(name) as ckpt:  # shared: restores and other readers go on
         m = ckpt.manifest

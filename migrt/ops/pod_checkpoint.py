@@ -21,7 +21,7 @@ A failure before the commit thaws every container it froze and leaves nothing in
 error names the container. The journal entry (op checkpoint-pod) lets recovery thaw them after a
 migrt that was killed (ops/recover.py).
 
-A part is read back as an ordinary checkpoint (`part`): its directory, its own manifest, its images.
+A part is read back as an ordinary checkpoint, and restored, by ops/pod_restore.py.
 """
 
 from __future__ import annotations
@@ -31,28 +31,26 @@ import dataclasses
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from migrt import faults, names
 from migrt.config import Config
 from migrt.criu.version import versions
-from migrt.errors import CheckpointInvalid, Conflict, MigrtError, PreconditionFailed, RuntimeFailed, UsageError
-from migrt.oci.bundle import MIGRATE_POD_ANNOTATION, Bundle
-from migrt.pods.members import Member, PodFreeze, mismatch, parse_listed, pod_members
+from migrt.errors import Conflict, MigrtError, PreconditionFailed, RuntimeFailed, UsageError
+from migrt.oci.bundle import Bundle
+from migrt.ops.pod_restore import PARTS
+from migrt.pods.members import Member, PodFreeze, pod_members
 from migrt.progress import Progress, null_progress
 from migrt.runtime.runc import LowerRuntime
 from migrt.store import Store
 from migrt.store import manifest as mf
-from migrt.store.store import HIDDEN, Checkpoint, Staging
+from migrt.store.store import HIDDEN, Staging
 
 if TYPE_CHECKING:
     from migrt.ops.gpu_steps import GpuSuspension
 
-PARTS = "parts"
 OP = "checkpoint-pod"
-HOLD_DEADLINE_S = 300.0  # a pod restore whose last container is not created by then is given up (pods/hold.py)
 
 
 @dataclass
@@ -70,119 +68,6 @@ def parse_pod(value: str) -> tuple[str, str]:
     if not ns or not pod or "/" in pod or not all(c.isalnum() or c in "-." for c in ns + pod):
         raise UsageError(f"--pod {value!r}: give the pod as <namespace>/<name>, e.g. team-a/web-0")
     return ns, pod
-
-
-def is_pod(manifest: mf.Manifest) -> bool:
-    return isinstance(manifest.raw.get("pod"), dict)
-
-
-def parts_of(manifest: mf.Manifest) -> list[dict]:
-    """The pod checkpoint's parts [{name, image, kind, container_id}], as recorded."""
-    parts = (manifest.raw.get("pod") or {}).get("parts")
-    return [p for p in parts if isinstance(p, dict) and isinstance(p.get("name"), str)] \
-        if isinstance(parts, list) else []
-
-
-def part(ckpt: Checkpoint, container: str) -> Checkpoint:
-    """Part `container` of pod checkpoint `ckpt`, read as a checkpoint of its own (same name and lock:
-    the pod's); CheckpointInvalid/NotFound-like errors name both."""
-    have = [p["name"] for p in parts_of(ckpt.manifest)]
-    if container not in have:
-        raise PreconditionFailed(f"pod checkpoint {ckpt.name} has no container {container!r} (it has "
-                                 f"{', '.join(have) or 'none'}); the new pod's containers must be the checkpointed "
-                                 "pod's, by name")
-    sub = Checkpoint(ckpt.store, ckpt.name)
-    sub.path = os.path.join(ckpt.path, PARTS, names.validate(container))
-    sub.images = os.path.join(sub.path, "images")
-    try:
-        sub._manifest = mf.load(sub.path, container)  # a part's manifest names its container
-    except CheckpointInvalid as exc:
-        raise CheckpointInvalid(f"pod checkpoint {ckpt.name}, part {container}: {exc.message}") from exc
-    return sub
-
-
-def for_container(ckpt: Checkpoint, bundle: Bundle) -> Checkpoint:
-    """What a create restores from `ckpt`: itself, or for a pod checkpoint the part named as this
-    container is (CRI's container name), refused before anything is touched when the checkpoint has no
-    such container or had another image in it."""
-    if not is_pod(ckpt.manifest):
-        return ckpt
-    meta = bundle.cri_metadata()
-    container = meta.get("container_name")
-    if not container:
-        raise PreconditionFailed(f"checkpoint {ckpt.name} is a pod's (containers "
-                                 f"{', '.join(p['name'] for p in parts_of(ckpt.manifest))}): it restores into a "
-                                 "pod's containers, by name; this container has no CRI container name")
-    entry = next((p for p in parts_of(ckpt.manifest) if p["name"] == container), None)
-    if entry is None:
-        return part(ckpt, container)  # refused there, naming the containers the checkpoint has
-    found = mismatch([Member(entry.get("container_id") or "", container, entry.get("image") or "", "", "", True)],
-                     {container: meta.get("image_name", "")})
-    if found:
-        raise PreconditionFailed(f"pod checkpoint {ckpt.name}, {found[0]}; a pod restores into the same containers "
-                                 "and images; nothing was restored")
-    return part(ckpt, container)
-
-
-def _whole_pod(ckpt: Checkpoint, bundle: Bundle) -> None:
-    """With migrt.io/migrate-pod (the new pod's containers that take a part, `<name>=<image>,...`), every
-    create checks the whole new pod against the checkpoint's parts, so the first one refuses a pod that
-    does not match before anything of it is restored. Without it each create checks only itself."""
-    listed = bundle.annotations.get(MIGRATE_POD_ANNOTATION)
-    if listed is None:
-        return
-    have = [Member(p.get("container_id") or "", p["name"], p.get("image") or "", "", "", True)
-            for p in parts_of(ckpt.manifest)]
-    lines = mismatch(have, parse_listed(listed))
-    if lines:
-        raise PreconditionFailed(f"pod checkpoint {ckpt.name} does not match the new pod ({MIGRATE_POD_ANNOTATION}): "
-                                 + "; ".join(lines) + "; nothing was restored")
-
-
-def restore_part(cfg: Config, ckpt: Checkpoint, target: Any, run: Callable[[Checkpoint, Any], dict]) -> dict:
-    """A create's restore of its part of pod checkpoint `ckpt` (`run(part, target)` restores one
-    checkpoint). With several parts the pod is held (pods/hold.py): this part resumes frozen, and the
-    create that brings the pod's last part thaws them all. A part created again once the pod was
-    released (a restart) is restored on its own."""
-    from migrt.pods import hold, netlock
-
-    expected = [p["name"] for p in parts_of(ckpt.manifest)]
-    sandbox = target.bundle.cri_metadata().get("sandbox_id")
-    pod_hold = hold.Hold(target.root, sandbox, runtime=cfg.runtime_path()) if len(expected) > 1 and sandbox else None
-    try:
-        _whole_pod(ckpt, target.bundle)
-        sub = for_container(ckpt, target.bundle)
-    except (PreconditionFailed, UsageError) as exc:  # this pod can never be whole: parts held already are given up
-        if pod_hold is not None and os.path.exists(pod_hold.path):
-            pod_hold.abandon(exc.message)
-        raise
-    if pod_hold is None:
-        return run(sub, target)
-    netns = netlock.netns_path(target.bundle)  # its loopback's TCP dropped by the hold meanwhile (netlock.py)
-    rec = pod_hold.join(expected, HOLD_DEADLINE_S, netns=netns)
-    if rec.get("state") == hold.RELEASED:
-        return run(sub, target)
-    if rec.get("state") != hold.HOLDING:
-        raise PreconditionFailed(f"pod checkpoint {ckpt.name}: this pod's restore was given up ({rec.get('reason')}); "
-                                 "delete the pod and create it again")
-    gpu = bool((sub.manifest.get("gpu") or {}).get("processes"))
-    if gpu:  # the driver restores through a thread of each process: frozen by the hold after its GPU restore
-        res = run(sub, target)
-        LowerRuntime(cfg.runtime_path()).pause(target.root, target.container_id)
-    else:
-        res = run(sub, dataclasses.replace(target, seams=dataclasses.replace(target.seams, criu_env=hold.criu_env)))
-    name = target.bundle.cri_metadata().get("container_name", "")
-    try:
-        last = pod_hold.arrived(name, target.container_id)
-    except MigrtError:
-        if netns:  # given up (its deadline): nothing will release it
-            netlock.unlock(netns)
-        raise
-    if last:
-        res["pod_hold"] = {"released": [p.name for p in pod_hold.release()]}  # the loopback first, then the parts
-    else:
-        res["pod_hold"] = {"held": name, "waiting_for": sorted(set(expected) - set(rec.get("parts") or {}) - {name})}
-    return res
 
 
 def checkpoint_pod(cfg: Config, req: PodCheckpointRequest, progress: Progress = null_progress) -> dict:
@@ -362,9 +247,3 @@ def _stop(runtime: LowerRuntime, name: str, members: list[Member], journal) -> N
         raise RuntimeFailed(f"pod checkpoint {name} is committed, but not every container could be stopped: "
                             + "; ".join(failed))
 
-
-def check_parts(ckpt: Checkpoint) -> None:
-    """A pod checkpoint's parts are what its manifest lists (CheckpointInvalid otherwise)."""
-    for p in parts_of(ckpt.manifest):
-        if f"{PARTS}/{p['name']}/{mf.MANIFEST}" not in ckpt.manifest.files:
-            raise CheckpointInvalid(f"pod checkpoint {ckpt.name}: part {p['name']} has no manifest")

@@ -95,7 +95,7 @@ def restore_checkpoint(cfg: Config, name: str, target: RestoreTarget, progress: 
         with store.reading(name) as ckpt, journal.recording(store.root, "restore", name=name,
                                                             container=target.container_id, root=target.root) as entry:
             if "pod" in ckpt.manifest:  # a pod's checkpoint: this container's part of it, held (issue 29)
-                from migrt.ops.pod_checkpoint import restore_part
+                from migrt.ops.pod_restore import restore_part
 
                 return restore_part(cfg, ckpt, target, lambda part, tgt: _Restore(cfg, store, part, tgt, entry,
                                                                                   progress).run())

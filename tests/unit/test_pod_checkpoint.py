@@ -10,7 +10,8 @@ import pytest
 
 from migrt.errors import CheckpointInvalid, PreconditionFailed, UsageError
 from migrt.oci.bundle import Bundle
-from migrt.ops.pod_checkpoint import for_container, is_pod, parse_pod, part, parts_of
+from migrt.ops.pod_checkpoint import parse_pod
+from migrt.ops.pod_restore import for_container, is_pod, part, parts_of
 from migrt.store import Store
 
 PARTS = [{"name": "native", "image": "reg/n:1", "kind": "container", "container_id": "c1"},
@@ -122,7 +123,7 @@ def test_a_container_the_pods_list_leaves_out_starts_fresh():
 
 
 def test_the_whole_new_pod_is_checked_at_each_create(tmp_path):
-    from migrt.ops.pod_checkpoint import _whole_pod
+    from migrt.ops.pod_restore import _whole_pod
 
     ckpt = _pod_checkpoint(tmp_path).get("trio-1")
     _whole_pod(ckpt, _listed_bundle("native", "native=reg/n:1,app="))  # no image given: the name alone
