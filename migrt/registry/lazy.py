@@ -175,7 +175,7 @@ def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdig
     admit(image.namespace(manifest, config))
     if ((config.get("gpu") or {}).get("processes")) if isinstance(config.get("gpu"), dict) else None:
         raise Fallback("a GPU checkpoint (the driver's host copy first is not done from a registry yet)")
-    if isinstance(config.get("pod"), dict):  # ops/pod_checkpoint.py: every container restores its part of it
+    if isinstance(config.get("pod"), dict):  # ops/pod_restore.py: every container restores its part of it
         raise Fallback("a pod checkpoint (each container's create restores its own part from the store)")
     plan = image.plan_files(manifest, config["files"], where)
     pages = {rel: chunks for rel, chunks in plan.items() if is_pages(rel)}
