@@ -119,7 +119,10 @@ def restore_part(cfg: Config, ckpt: Checkpoint, target: Any, run: Callable[[Chec
 
     expected = [p["name"] for p in parts_of(ckpt.manifest)]
     sandbox = target.bundle.cri_metadata().get("sandbox_id")
-    pod_hold = hold.Hold(target.root, sandbox, runtime=cfg.runtime_path()) if len(expected) > 1 and sandbox else None
+    request = target.bundle.restore_request()
+    alone = request is not None and request.source == "env"  # one container asked for its part: no pod to wait for
+    pod_hold = hold.Hold(target.root, sandbox, runtime=cfg.runtime_path()) \
+        if len(expected) > 1 and sandbox and not alone else None
     try:
         _whole_pod(ckpt, target.bundle)
         sub = for_container(ckpt, target.bundle)

@@ -186,6 +186,15 @@ def test_a_new_pod_that_does_not_match_is_refused_at_its_first_create(cri, cri_c
     for cid in cids.values():
         assert cri.state_name(cid) == "CONTAINER_RUNNING"
     cri.delete_pod(new)
+    # one container asking for its part by env (MIGRT_RESTORE): restored alone, no pod to wait for
+    alone = cri.run_pod(_uid("alone"), "team-a")
+    one = cri.create_container(alone, "native", ctd.image, ["sh", "-c", "echo fresh; sleep 1000"],
+                               env={"MIGRT_RESTORE": name})
+    cri.start(one)
+    ticks = _wait("the native sidecar ticking on its own", lambda: parse_ticks(_log(cri, one)))
+    assert ticks[0][1] == ticks[0][2] == parse_ticks(_log(cri, cids["native"]))[0][1]  # its memory
+    assert not glob.glob(f"/run/containerd/runc/*/.migrt-hold-{alone}.json")
+    cri.delete_pod(alone)
     cri.delete_pod(pod)
     run_cli("rm", name)
 
