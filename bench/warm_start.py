@@ -434,7 +434,7 @@ class Bench:
             request, env = f"oci:{self.registry.ref}", self.registry.empty_store()
         bundle = self.bundle(cid, data, extra_env=[f"MIGRT_RESTORE={request}"])
         runclog = os.path.join(bundle, "log.json")
-        rid = f"{leg[0]}{k}"
+        rid = f"{'g' if leg == 'registry' else 'r'}{k}"
         self.request(data, rid, SEED)
         log(f"{leg} {k}: migrt-runc create {cid} with MIGRT_RESTORE={request} (timeout {timeout:.0f} s)")
         wall0, t0 = time.time(), time.monotonic()
