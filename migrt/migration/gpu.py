@@ -73,7 +73,7 @@ class GpuSource:
         return answer
 
     def suspend(self, progress: Progress = null_progress) -> None:
-        if self.section is None:
+        if self.section is None or self.suspension is not None:  # a pod's cut suspended it already
             return
         self.suspension = gpu_steps.suspend(self.cfg, self.cid, self.init_pid, self.config, progress, pids=self.pids)
 
@@ -106,6 +106,22 @@ class GpuSource:
             return f"; its {len(self.pids)} CUDA process(es) could NOT be resumed on the GPU ({exc}){kept}"
         self.suspension = None
         return f"; its {len(self.pids)} CUDA process(es) were resumed on their GPU"
+
+
+def suspend_together(sources: list[GpuSource], progress: Progress = null_progress) -> None:
+    """A pod's cut (podpull.py): each GPU container's CUDA processes locked and checkpointed, one
+    container after the other, before the pod is frozen (the driver works through a thread of each
+    process). On a failure those already suspended are resumed on their GPU, and the error says so."""
+    done: list[GpuSource] = []
+    try:
+        for source in sources:
+            source.suspend(progress)
+            done.append(source)
+    except BaseException as exc:
+        said = "".join(source.resume() for source in done)
+        if said and isinstance(exc, MigrtError):
+            exc.details.append(f"the pod's other GPU containers:{said[1:]}")
+        raise
 
 
 def target_preflight(cfg, section: dict | None, bundle_config: dict | None, what: str) -> dict | None:

@@ -20,11 +20,17 @@ kubelet's steps, and what each does (containers are created one after another; e
         (migrate-from)    from the source's agent with the list; the agent finds the source pod's
                           running containers, checks each (opt-in, namespace, running), the list
                           against them (names and images: members.mismatch) and every container's
-                          migration preflight (lazy dump limits; a container with CUDA processes is
-                          refused), all before anything is frozen; then freezes them all (one cut,
-                          members.PodFreeze), each under a guard that resumes it. This container's
-                          part then migrates as a single pull does (lazy dump, images, page server),
-                          restored into the create's bundle and held frozen (hold), the create returns.
+                          migration preflight (lazy dump limits; a GPU container's CUDA processes
+                          probed: the driver's checkpoint API usable, no peer state it cannot
+                          restore), all before anything is frozen; then locks and checkpoints the GPU
+                          containers' CUDA processes (migration/gpu.py suspend_together: the driver
+                          needs running tasks) and freezes them all (one cut, members.PodFreeze), each
+                          under a guard that resumes it (its GPU state too). This container's part
+                          then migrates as a single pull does (lazy dump, images, page server),
+                          restored into the create's bundle and held frozen (hold), the create
+                          returns. A GPU part is restored running (the driver restores through a
+                          thread of each process: its host copy fetched first, as a lazy GPU
+                          migration orders it), then paused before it joins the hold.
     the next creates      pull their parts from the same cut (each one's lazy dump from the frozen
                           container, its restore, held).
     the last create       its part restored, the create returns, then every part is thawed together.
@@ -34,7 +40,10 @@ kubelet's steps, and what each does (containers are created one after another; e
 Exactly one copy, always:
     - a part's pull that fails (either side) abandons the hold: the parts already restored here are
       removed, each source part resumes (its migration's rollback), and the cut resumes every
-      container no part took yet; the cut refuses later parts.
+      container no part took yet; the cut refuses later parts. A GPU container is thawed first, then
+      its CUDA processes restored and unlocked on their own GPU (a GPU part's target preflight, the
+      new container's GPUs, answers at that part's own offer, after the cut: a refusal there is such
+      a failure).
     - the rest of the pod never comes (an image that cannot be pulled, a create killed at kubelet's
       deadline, an agent gone): the hold's deadline (`pod_pull_deadline`) abandons it on the target,
       the cut's resumes the rest on the source.
@@ -54,6 +63,9 @@ from dataclasses import dataclass, field
 
 from migrt.config import Config
 from migrt.errors import Conflict, PreconditionFailed, UsageError
+from migrt.migration.earlydump import EarlyDump
+from migrt.migration.earlydump import start_all as start_early
+from migrt.migration.gpu import GpuSource, suspend_together
 from migrt.migration.guard import Guard
 from migrt.oci.bundle import Bundle
 from migrt.pods import hold, netlock
@@ -90,17 +102,28 @@ class TargetPart:
             raise PreconditionFailed(f"the pod-level pull of this pod was given up earlier ({rec.get('reason')}); "
                                      "it is not tried again: delete this pod and create it anew")
         self.first = not rec.get("parts")
+        self.gpu, self.runtime = False, cfg.runtime_path()
         self.sandbox = meta["sandbox_id"]
         self._work = tempfile.mkdtemp(prefix="migrt-pod-hold-")
         self._env_before = os.environ.get("CRIU_CONFIG_FILE")
         os.environ.update(hold.criu_env(dict(os.environ), self._work))  # this worker's restore: held
+        os.environ[hold.FILL_ENV] = self.hold.path  # its filler's background copies wait for the release
 
     def message(self) -> dict:
         return {"parts": self.parts, "sandbox": self.sandbox, "first": self.first}
 
+    def unheld(self) -> None:
+        """A GPU part (its offer has CUDA processes): the driver restores through a thread of each
+        process, so no freeze at CRIU's pre-resume; arrived() pauses it once restored, as a pod
+        restore's GPU part (ops/pod_restore.py). It runs for that moment with the loopback dropped."""
+        self.gpu = True
+        self._restored()
+
     def arrived(self, cid: str) -> bool:
         """This part runs (frozen): True when it is the pod's last (release() then)."""
         self._restored()
+        if self.gpu:
+            LowerRuntime(self.runtime).pause(self.hold.root, cid)
         return self.hold.arrived(self.name, cid)
 
     def release(self) -> None:
@@ -123,6 +146,7 @@ class TargetPart:
             os.environ.pop("CRIU_CONFIG_FILE", None)
         else:
             os.environ["CRIU_CONFIG_FILE"] = self._env_before
+        os.environ.pop(hold.FILL_ENV, None)
         shutil.rmtree(self._work, ignore_errors=True)
 
 
@@ -147,6 +171,7 @@ class PodCut:
     failed: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     timer: threading.Timer | None = None
+    early: dict[str, EarlyDump] = field(default_factory=dict)  # each container's dump, made at the cut
 
     def take(self, name: str) -> tuple[Member, object]:
         with self.lock:
@@ -189,11 +214,16 @@ class PodCut:
             guards, self.guards = self.guards, {}
         if self.timer:
             self.timer.cancel()
+        for dump in self.early.values():  # stopped first: a container is never thawed under its dump
+            dump.cancel()
         for m in mine:
             try:
                 control.resume(self.runtime, m.root, m.cid)
             except Exception:  # noqa: BLE001 - its guard tries again below
                 continue
+            gpu = _gpu(self.preps.get(m.name))
+            if gpu is not None:  # thawed: its CUDA processes back onto their own GPU
+                gpu.resume()
             if m.name in guards:
                 guards.pop(m.name).disarm()
         for guard in guards.values():  # those that could not be resumed: the guard tries on release
@@ -230,20 +260,31 @@ def cut_pod(cfg: Config, namespace: str, pod: str, parts: dict[str, str], to: st
         raise UsageError(f"pod {namespace}/{pod} cannot be pulled by this pod: {'; '.join(problems)}; nothing was "
                          "frozen")
     preps = {m.name: prepare(MigrateRequest(container_id=m.cid, to=to, root=m.root, lazy=True)) for m in members}
-    gpu = [n for n, p in preps.items() if getattr(p, "gpu_offer", None)]
-    if gpu:
-        raise PreconditionFailed(f"pod {namespace}/{pod}: containers {gpu} have CUDA processes; a pod-level pull of "
-                                 "GPU containers is not supported yet: pull its containers one at a time; nothing "
-                                 "was frozen")
     runtime = cfg.runtime_path()
     cut = PodCut(f"{namespace}/{pod}", runtime, {m.name: m for m in members}, preps)
-    for m in members:  # armed before the freeze: a kill in between resumes what was frozen
+    for m in members:  # armed before the GPU lock and the freeze: a kill in between resumes what was done
+        gpu = _gpu(preps[m.name])
         cut.guards[m.name] = Guard(f"pod-cut:{m.cid}", cfg.log_file)
-        cut.guards[m.name].arm({"do": "resume", "runtime": runtime, "root": m.root, "cid": m.cid})
-    try:
-        PodFreeze(LowerRuntime(runtime), members, cut.pod).freeze()
+        cut.guards[m.name].arm({"do": "resume", "runtime": runtime, "root": m.root, "cid": m.cid,
+                                "gpu_pids": gpu.pids if gpu else []})
+    gpus = [g for g in map(_gpu, preps.values()) if g is not None]
+    try:  # the GPU containers' CUDA processes first: the driver's lock needs running tasks
+        suspend_together(gpus)
+        try:
+            PodFreeze(LowerRuntime(runtime), members, cut.pod).freeze()
+        except BaseException:  # PodFreeze thawed what it froze: now their GPU state, onto their own GPU
+            for g in gpus:
+                g.resume()
+            raise
     except BaseException:
         for guard in cut.guards.values():
             guard.disarm()
         raise
+    cut.early = start_early(runtime, members, preps, cut.guards)  # every part's dump at once
     return cut
+
+
+def _gpu(prep: object) -> GpuSource | None:
+    """The container's CUDA processes, when it has any (the migration's preflight probed them)."""
+    gpu = getattr(prep, "gpu", None)
+    return gpu if getattr(prep, "gpu_offer", None) and isinstance(gpu, GpuSource) else None

@@ -274,6 +274,11 @@ class _Part:
     def message(self) -> dict:
         return {"pod_pull": self.part.message()} if self.part is not None else {}
 
+    def offer(self, offer: dict) -> None:
+        """The source's offer: a GPU part is restored running, then paused (TargetPart.unheld)."""
+        if self.part is not None and offer.get("gpu"):
+            self.part.unheld()
+
     @property
     def before_done(self):
         return self.part.wait if self.part is not None else None
@@ -301,7 +306,7 @@ def _pull(cfg: Config, log, flags: CreateFlags, bundle: Bundle, address: str, so
     cid = flags.container_id
     receiver = Receiver(cfg, ReceiveOptions(listen="", once=True, restore_bundle=bundle.path, root=flags.root,
                                             container_id=cid, create=flags, on_restored=restored,
-                                            before_done=part.before_done),
+                                            before_done=part.before_done, on_offer=part.offer),
                         report=lambda out: log.info("pull_session", **out))
     key = load_key(cfg.migration_key_file)
     meta = bundle.cri_metadata()

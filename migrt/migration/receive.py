@@ -81,6 +81,9 @@ class ReceiveOptions:
     # A lazy copy's last step before `done` (every page in): one part of a pod-level pull waits there
     # for the pod's last part (podpull.py); raising removes the copy and fails the migration.
     before_done: Callable[[], None] | None = None
+    # The offer, once every check passed (a pod-level pull's part: held at CRIU's pre-resume, or a GPU
+    # part restored running and paused after, podpull.py TargetPart.unheld).
+    on_offer: Callable[[dict], None] | None = None
 
 
 def _utc(ts: float) -> str:
@@ -258,6 +261,8 @@ class Receiver:
             lazy_mod.lazy_preflight("target")
         if name in self._deciding:
             raise Conflict(f"checkpoint {name} is being received from another sender")
+        if self.opts.on_offer:
+            self.opts.on_offer(offer)
         decided = self._deciding[name] = threading.Event()
         guard = Guard(f"target:{name}", self.cfg.log_file)
         try:

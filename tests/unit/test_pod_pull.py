@@ -173,3 +173,105 @@ def test_a_held_part_answers_once_its_pod_is_decided(tmp_path):
     assert hold.wait_for_part(str(root), "c1", 0.3) == hold.HOLDING and time.monotonic() - t0 >= 0.3
     h.abandon("gone")
     assert hold.wait_for_part(str(root), "c1", 5) == hold.ABANDONED
+
+
+# -- GPU containers in the cut (issue 29's GPU target) -----------------------------------------------
+class _Gpu(podpull.GpuSource):
+    """A container's CUDA processes as the migration's preflight found them; suspend/resume recorded."""
+
+    def __init__(self, cid: str, log: list, fail: bool = False) -> None:
+        super().__init__(None, cid, None, None)
+        self.pids, self.section, self.log, self.fail = [int(cid[-1]) * 100], {"processes": [{}]}, log, fail
+
+    def suspend(self, progress=None) -> None:
+        if self.fail:
+            raise PreconditionFailed(f"lock of {self.cid} timed out")
+        self.log.append(("gpu-lock", self.cid))
+        self.suspension = object()  # type: ignore[assignment]
+
+    def resume(self) -> str:
+        self.log.append(("gpu-resume", self.cid))
+        self.suspension = None
+        return f"; {self.cid}'s CUDA processes were resumed on their GPU"
+
+
+class _Prep:
+    def __init__(self, gpu: _Gpu | None) -> None:
+        self.gpu, self.gpu_offer = gpu, ({"processes": [{}]} if gpu else None)
+
+
+class _ArmedGuard(_Guard):
+    armed: list = []
+
+    def __init__(self, name: str, log_file: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def arm(self, action: dict) -> None:
+        _ArmedGuard.armed.append((self.name, action))
+
+
+def _gpu_pod(tmp_path, monkeypatch, log: list, *, fail_gpu: str = "", fail_freeze: bool = False) -> dict:
+    members = [Member(cid=f"id-{n}{i}", name=n, image=f"reg/{n}:1", root="/r",
+                      bundle=str(_bundle(tmp_path, n).path), running=True)
+               for i, n in enumerate(("app1", "app2", "side"), start=1)]
+    gpus = {m.name: _Gpu(m.cid, log, fail=m.cid == fail_gpu) for m in members if m.name != "side"}
+
+    class Freeze:
+        def __init__(self, runtime, ms, pod) -> None:
+            self.ms = ms
+
+        def freeze(self) -> float:
+            if fail_freeze:
+                raise podpull.PreconditionFailed("cannot freeze container side")
+            log.extend(("freeze", m.cid) for m in self.ms)
+            return 0.0
+
+    monkeypatch.setattr(podpull, "pod_members", lambda cfg, ns, pod: members)
+    monkeypatch.setattr(podpull, "PodFreeze", Freeze)
+    monkeypatch.setattr(podpull, "Guard", _ArmedGuard)
+    _ArmedGuard.armed = []
+    parts = {m.name: m.image for m in members}
+    return {"cfg": Config(path="x"), "namespace": "team-a", "pod": "web-0", "parts": parts, "to": "b:1",
+            "eligible": lambda b: None, "prepare": lambda req: _Prep(gpus.get(req.container_id[3:-1]))}
+
+
+def test_the_cut_locks_every_gpu_container_before_the_one_freeze(tmp_path, monkeypatch):
+    log: list = []
+    cut = podpull.cut_pod(**_gpu_pod(tmp_path, monkeypatch, log))
+    assert log == [("gpu-lock", "id-app11"), ("gpu-lock", "id-app22"),
+                   ("freeze", "id-app11"), ("freeze", "id-app22"), ("freeze", "id-side3")]
+    gpu_pids = {name.split(":")[1]: a["gpu_pids"] for name, a in _ArmedGuard.armed}
+    assert gpu_pids == {"id-app11": [100], "id-app22": [200], "id-side3": []}  # a killed agent: GPU resumed too
+    monkeypatch.setattr(podpull.control, "resume", lambda rt, root, cid: log.append(("thaw", cid)))
+    cut.take("app1")
+    cut.hand("app1")  # its migration has it: its rollback resumes its GPU (migrate.py _Source)
+    cut.fail("container app2: the target's GPU preflight refused")
+    assert log[5:] == [("thaw", "id-app22"), ("gpu-resume", "id-app22"), ("thaw", "id-side3")]
+
+
+def test_a_failed_gpu_lock_or_freeze_resumes_every_gpu_container_and_nothing_stays_frozen(tmp_path, monkeypatch):
+    log: list = []
+    with pytest.raises(PreconditionFailed, match="lock of id-app22 timed out") as info:
+        podpull.cut_pod(**_gpu_pod(tmp_path, monkeypatch, log, fail_gpu="id-app22"))
+    assert log == [("gpu-lock", "id-app11"), ("gpu-resume", "id-app11")]
+    assert any("id-app11's CUDA processes were resumed" in d for d in info.value.details)
+    log.clear()
+    with pytest.raises(PreconditionFailed, match="cannot freeze"):
+        podpull.cut_pod(**_gpu_pod(tmp_path, monkeypatch, log, fail_freeze=True))
+    assert log == [("gpu-lock", "id-app11"), ("gpu-lock", "id-app22"),
+                   ("gpu-resume", "id-app11"), ("gpu-resume", "id-app22")]
+
+
+def test_a_gpu_part_is_restored_running_then_paused_before_it_joins_the_hold(tmp_path, monkeypatch):
+    monkeypatch.delenv("CRIU_CONFIG_FILE", raising=False)
+    paused: list = []
+    monkeypatch.setattr(podpull.LowerRuntime, "pause", lambda self, root, cid: paused.append(cid))
+    cpu = _part(tmp_path, "native")
+    assert "CRIU_CONFIG_FILE" in __import__("os").environ
+    cpu.arrived("c-native")
+    gpu = _part(tmp_path, "app")
+    gpu.unheld()  # its offer had CUDA processes: no freeze at CRIU's pre-resume
+    assert "CRIU_CONFIG_FILE" not in __import__("os").environ
+    assert gpu.arrived("c-app") is False and paused == ["c-app"]  # paused, then in the hold
+    assert hold.Hold(str(tmp_path / "root"), "sb42").state() == hold.HOLDING
