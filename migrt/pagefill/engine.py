@@ -39,6 +39,11 @@ Test seams (test-only, never set in production): MIGRT_FILL_FAULT=after_bytes:N 
 SIGKILL itself once it has copied N bytes (N=0: at its first copy), to test the guard;
 MIGRT_FILL_PACE_MIBS=N slows the background copy down to N MiB/s, so that a test's workload surely
 forks, remaps and madvises while its memory is still arriving.
+
+A pod-level pull's part (MIGRT_FILL_HOLD=<its pod's hold record>, set by podpull.TargetPart for its
+restore) is held frozen until its pod's last part is in: until the hold lets go (released, given up
+or past its deadline) its copy threads take only first ranges, so that the pod's next parts restore
+without them on the CPUs; faults are served as always.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ REMOTE_CHUNK = 2 << 20          # a fetch from the source: big enough to stream,
 REMOTE_FAULT_WINDOW = 256 << 10
 BACKGROUND_NICE = 10            # copy threads; the event thread (faults) keeps the process's priority
 STATUS_EVERY_S = 0.5
+HOLD_ENV = "MIGRT_FILL_HOLD"    # pods/hold.py FILL_ENV: a held pod part's hold record
 
 
 class FillError(Exception):
@@ -257,6 +263,9 @@ class Filler:
         self.pace = int(os.environ.get("MIGRT_FILL_PACE_MIBS", "0") or 0) << 20
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._last_status = 0.0
+        # a pod's part held frozen until its pod is whole (pods/hold.py): background copies wait
+        self.hold_path: str | None = os.environ.get(HOLD_ENV) or None
+        self._hold_read = 0.0
 
     # -- ranges (all under self.state) -------------------------------------------------------------
     def _set_segs(self, t: Task, segs: list[Seg]) -> None:
@@ -361,6 +370,9 @@ class Filler:
         biggest remaining range first."""
         if not self.copying:
             return None
+        if self._held() and not ((self.heap and self.heap[0][0] == 0) or
+                                 (self.current is not None and self.current[2] == 0)):
+            return None  # only first ranges (a GPU process's host copy) go before the release
         cur = self.current
         if cur is not None and cur[1].alive and cur[1].length > 0 and self.heap and self.heap[0][0] < cur[2]:
             self._push(cur[0], cur[1])  # a first range came (a task added late): it goes before this one
@@ -383,6 +395,23 @@ class Filler:
             self._remove(t, s)
             self.current = None
         return job
+
+    def _held(self) -> bool:
+        """Under self.state: the restored tasks are a pod's part still held frozen (pods/hold.py):
+        no fault can come, and background copies would compete with the restores of the pod's next
+        parts. The record is read at most every 50 ms; once the hold has let go, never again."""
+        if self.hold_path is None:
+            return False
+        now = time.monotonic()
+        if now - self._hold_read >= 0.05:
+            from migrt.pods import hold  # only a held part's filler needs it
+
+            self._hold_read = now
+            if not hold.holding(self.hold_path):
+                self.hold_path = None
+                self.counts["held_s"] = round(now - self.t0, 3)
+                return False
+        return True
 
     def _fly(self, t: Task, start: int, end: int, offset: int, inherited: bool) -> Job:
         """Under self.state."""
@@ -432,7 +461,8 @@ class Filler:
             return  # started only with a verifier
         try:
             while not self.stop:
-                if not niced and verifier.eager_done:
+                # (a registry source's sweep is the fill's own fetching: it keeps the process's priority)
+                if not niced and verifier.eager_done and verifier.source is None:
                     niced = True
                     with contextlib.suppress(OSError):
                         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
@@ -937,7 +967,8 @@ class Filler:
                    "copied_bytes": self.copied, "left_bytes": left, "restore_finished": self.finished,
                    "seconds": round(now - self.t0, 3),
                    "fill_s": round(now - self.t_finished, 3) if self.t_finished else None,
-                   "pids": pids, "forks": forks, "counts": dict(self.counts), "filler_pid": os.getpid()}
+                   "pids": pids, "forks": forks, "counts": dict(self.counts), "filler_pid": os.getpid(),
+                   "held": self.hold_path is not None}
         if self.verifier is not None:
             out["verify"] = self.verifier.snapshot()
         if error:

@@ -170,7 +170,8 @@ class RegistrySource:
     def _pool(self) -> ThreadPoolExecutor:
         with self.lock:
             if self._faults is None:
-                self._faults = ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix="registry-fault")
+                self._faults = ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix="registry-fault",
+                                                  initializer=_not_niced)
             return self._faults
 
     def client(self) -> Client:
@@ -274,6 +275,12 @@ class RegistrySource:
 
     def _reference(self) -> str:
         return f"{self.spec['registry']}/{self.spec['repository']}@{self.spec['digest']}"
+
+
+def _not_niced() -> None:
+    """A fault's fetch runs at the process's priority, whichever (niced) copy thread made the pool."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, os.getpid()))
 
 
 class _InThread(Executor):
