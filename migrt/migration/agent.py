@@ -226,7 +226,7 @@ class Agent:
         out["container_id"] = member.cid
         req = migrate.MigrateRequest(container_id=member.cid, to=to, root=member.root, lazy=True,
                                      moved=self._moved_record(Bundle.load(member.bundle), ch, msg), prefrozen=True,
-                                     on_frozen=functools.partial(cut.hand, name))
+                                     on_frozen=functools.partial(cut.hand, name), early=cut.early.get(name))
         error: str | None = "interrupted"
         try:
             with self._busy_with(member.cid, member.describe(cut.pod)):

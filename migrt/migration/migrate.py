@@ -83,6 +83,9 @@ class MigrateRequest:
     # is armed: on_frozen() is called then
     prefrozen: bool = False
     on_frozen: Callable[[], None] | None = None
+    # with prefrozen: the container's lazy dump made at the pod's cut (migration/earlydump.py), taken
+    # instead of dumping it here
+    early: Any = None
 
 
 class MigrationFailed(MigrtError):
@@ -556,17 +559,24 @@ class _Run:
                 source.guard.arm({"do": "remove", "remove": [self.staging.path], "gpu_pids": source.gpu.pids})
             server = self._start_page_server()  # before the freeze: its start is no downtime
             source.serving_pages(server.proc.pid)
-            with ch.busy("gpu-checkpoint"):
-                source.gpu.suspend(self.progress)
-            source.freeze(self.staging.path)
-            marks = {"pause_s": time.monotonic()}
-            crit = control.loopback_page_server()  # CRIU's page server: only ended, never used
-            source.serving(crit)
-            with ch.busy("dump"):
-                dump = control.LazyCheckpoint(source.runtime, source.root, req.container_id,
-                                              image_path=self.staging.images, work_path=self.staging.work,
-                                              options=self.opts, page_server=crit, env=source.gpu.env())
-                self._lazy_dump_done(dump, server, marks)
+            if req.early is not None:  # dumped at the pod's cut: its images, taken while the cut has it
+                with ch.busy("dump"):
+                    early_s = req.early.take(self.staging.images, self.staging.work)
+                    source.freeze(self.staging.path)
+                    self._lazy_dump_done(None, server, {"early_dump_s": time.monotonic()})
+                    self.result["lazy_dump"]["early_dump_criu_s"] = early_s
+            else:
+                with ch.busy("gpu-checkpoint"):
+                    source.gpu.suspend(self.progress)
+                source.freeze(self.staging.path)
+                marks = {"pause_s": time.monotonic()}
+                crit = control.loopback_page_server()  # CRIU's page server: only ended, never used
+                source.serving(crit)
+                with ch.busy("dump"):
+                    dump = control.LazyCheckpoint(source.runtime, source.root, req.container_id,
+                                                  image_path=self.staging.images, work_path=self.staging.work,
+                                                  options=self.opts, page_server=crit, env=source.gpu.env())
+                    self._lazy_dump_done(dump, server, marks)
             files = self._send_all(release=False, streams=1)  # a few hundred KB: no more connections
         except MigrtError as exc:
             ch.error(f"source aborted: {exc}", exc.exit_code)
@@ -579,14 +589,16 @@ class _Run:
             raise
         return files, server
 
-    def _lazy_dump_done(self, dump: control.LazyCheckpoint, server: pageserve.Handle,
+    def _lazy_dump_done(self, dump: control.LazyCheckpoint | None, server: pageserve.Handle,
                         marks: dict[str, float]) -> None:
-        """CRIU's lazy dump to its end, the memory then served by migrt's page server; where the downtime
-        went, step by step; the GPU record and the dump's extras into the staging directory."""
-        dump.wait_ready(LAZY_READY_TIMEOUT)
-        marks["criu_dump_s"] = time.monotonic()
-        dump.finish(LAZY_READY_TIMEOUT)
-        marks["criu_end_s"] = time.monotonic()
+        """CRIU's lazy dump to its end (None: made at the pod's cut), the memory then served by migrt's
+        page server; where the downtime went, step by step; the GPU record and the dump's extras into
+        the staging directory."""
+        if dump is not None:
+            dump.wait_ready(LAZY_READY_TIMEOUT)
+            marks["criu_dump_s"] = time.monotonic()
+            dump.finish(LAZY_READY_TIMEOUT)
+            marks["criu_end_s"] = time.monotonic()
         self.source.serving(None)
         self._serve_pages(server)
         marks["page_server_s"] = time.monotonic()

@@ -63,6 +63,8 @@ from dataclasses import dataclass, field
 
 from migrt.config import Config
 from migrt.errors import Conflict, PreconditionFailed, UsageError
+from migrt.migration.earlydump import EarlyDump
+from migrt.migration.earlydump import start_all as start_early
 from migrt.migration.gpu import GpuSource, suspend_together
 from migrt.migration.guard import Guard
 from migrt.oci.bundle import Bundle
@@ -105,6 +107,7 @@ class TargetPart:
         self._work = tempfile.mkdtemp(prefix="migrt-pod-hold-")
         self._env_before = os.environ.get("CRIU_CONFIG_FILE")
         os.environ.update(hold.criu_env(dict(os.environ), self._work))  # this worker's restore: held
+        os.environ[hold.FILL_ENV] = self.hold.path  # its filler's background copies wait for the release
 
     def message(self) -> dict:
         return {"parts": self.parts, "sandbox": self.sandbox, "first": self.first}
@@ -143,6 +146,7 @@ class TargetPart:
             os.environ.pop("CRIU_CONFIG_FILE", None)
         else:
             os.environ["CRIU_CONFIG_FILE"] = self._env_before
+        os.environ.pop(hold.FILL_ENV, None)
         shutil.rmtree(self._work, ignore_errors=True)
 
 
@@ -167,6 +171,7 @@ class PodCut:
     failed: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     timer: threading.Timer | None = None
+    early: dict[str, EarlyDump] = field(default_factory=dict)  # each container's dump, made at the cut
 
     def take(self, name: str) -> tuple[Member, object]:
         with self.lock:
@@ -209,6 +214,8 @@ class PodCut:
             guards, self.guards = self.guards, {}
         if self.timer:
             self.timer.cancel()
+        for dump in self.early.values():  # stopped first: a container is never thawed under its dump
+            dump.cancel()
         for m in mine:
             try:
                 control.resume(self.runtime, m.root, m.cid)
@@ -273,6 +280,7 @@ def cut_pod(cfg: Config, namespace: str, pod: str, parts: dict[str, str], to: st
         for guard in cut.guards.values():
             guard.disarm()
         raise
+    cut.early = start_early(runtime, members, preps, cut.guards)  # every part's dump at once
     return cut
 
 

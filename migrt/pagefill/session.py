@@ -222,7 +222,8 @@ class PageFill:
              stall: float | None = None) -> dict:
         """Until the given processes (pids inside the container; None: all) have all their memory.
         Raises RuntimeFailed when the filler failed, the time ran out, or (stall) no byte was copied
-        for that many seconds (a lazy migration's source gone quiet)."""
+        for that many seconds (a lazy migration's source gone quiet), not counting the time a held
+        pod part's filler waits for its pod's release (engine.py: it copies nothing meanwhile)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         want = None if vpids is None else {str(p) for p in vpids}
         last, t_last = -1, time.monotonic()
@@ -241,7 +242,7 @@ class PageFill:
                 raise RuntimeFailed(f"the page filler has not finished after {timeout:.0f} s "
                                     f"({st.get('copied_bytes', 0) >> 20} of {st.get('lazy_bytes', 0) >> 20} MiB)")
             copied = st.get("copied_bytes") or 0
-            if copied != last:
+            if copied != last or st.get("held"):
                 last, t_last = copied, now
             elif stall is not None and now - t_last > stall:
                 raise RuntimeFailed(f"no memory page arrived for {stall:.0f} s "

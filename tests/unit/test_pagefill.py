@@ -413,3 +413,62 @@ def test_wait_gives_up_when_no_page_arrives_for_the_stall_time(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_held_pod_parts_filler_copies_nothing_in_the_background_until_its_pod_is_released(tmp_path, uffd_ok,
+                                                                                          rigs, monkeypatch):
+    from migrt.pods import hold
+
+    assert hold.FILL_ENV == engine.HOLD_ENV
+    pod = hold.Hold(str(tmp_path), "sb1", resume=lambda root, cid: None)
+    pod.join(["app", "side"], 60)
+    monkeypatch.setenv(engine.HOLD_ENV, pod.path)
+    rigs.append(rig := Rig(tmp_path, 16 * MiB))
+    rig.guard.send(b"F")  # the restore finished: background copies would start now
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("v", rig.read_faulting(3 * MiB, 100)), daemon=True)
+    t.start()
+    t.join(10)
+    assert got.get("v") == rig.data[3 * MiB:3 * MiB + 100]  # a fault is served while held
+    time.sleep(0.5)
+    assert 0 < rig.filler.copied <= engine.FAULT_WINDOW  # the fault's window, nothing else
+    assert "held_s" not in rig.filler.counts
+    pod.arrived("app", "c1")
+    pod.arrived("side", "c2")
+    pod.release()
+    rig.thread.join(30)
+    assert not rig.thread.is_alive() and rig.rc == 0
+    assert rig.read(0, rig.size) == rig.data and rig.filler.copied == rig.size
+    assert rig.filler.counts["held_s"] >= 0.5
+
+
+def test_wait_does_not_count_a_held_pod_parts_wait_for_its_release_as_a_stall(tmp_path):
+    """The held part's filler copies nothing until its pod is released: no stall meanwhile; the stall
+    time counts from the release."""
+    import json
+    import subprocess
+
+    from migrt.errors import RuntimeFailed
+    from migrt.pagefill.session import PageFill
+
+    status = tmp_path / "status.json"
+    status.write_text(json.dumps({"state": "filling", "copied_bytes": 0, "lazy_bytes": 8 * MiB, "pids": {},
+                                  "held": True}))
+
+    def released_later() -> None:
+        time.sleep(0.8)
+        status.write_text(json.dumps({"state": "filling", "copied_bytes": 0, "lazy_bytes": 8 * MiB, "pids": {},
+                                      "held": False}))
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        fill = PageFill(str(tmp_path), proc, -1, 2)
+        fill.control_w = None
+        threading.Thread(target=released_later, daemon=True).start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeFailed, match=r"no memory page arrived for 0 s \(0 of 8 MiB in\)"):
+            fill.wait(stall=0.3, interval=0.02)
+        assert 1.0 <= time.monotonic() - t0 < 5  # 0.8 s held, then 0.3 s without a byte
+    finally:
+        proc.kill()
+        proc.wait()

@@ -152,3 +152,21 @@ def test_the_pods_loopback_is_held_from_the_join_until_the_release_or_the_abando
     assert calls == ["lock /run/netns/cni-2", "unlock /run/netns/cni-2"]
     other.join(["a", "b"], 30, "/run/netns/cni-2")  # an abandoned pod's part locks nothing again
     assert calls == ["lock /run/netns/cni-2", "unlock /run/netns/cni-2"]
+
+
+def test_holding_is_read_without_writing_and_ends_with_the_release_the_abandon_or_the_deadline(tmp_path):
+    h = _hold(tmp_path)
+    assert hold.holding(h.path) is False  # no record
+    assert not os.path.exists(h.path)
+    h.join(["app"], 30)
+    assert hold.holding(h.path) is True
+    h.arrived("app", "c1")
+    h.release()
+    assert hold.holding(h.path) is False
+    late = _hold(tmp_path, sandbox="sb2")
+    late.join(["app"], -1)  # its deadline passed already
+    assert hold.holding(late.path) is False
+    gone = _hold(tmp_path, sandbox="sb3")
+    gone.join(["app"], 30)
+    gone.abandon("an image could not be pulled")
+    assert hold.holding(gone.path) is False
