@@ -25,9 +25,11 @@ def k8s() -> None:
 @click.option("--name", help="The copy's name (default: <name>-moved; a StatefulSet's pod: <name>-moving, then "
                              "its own name in the second pull).")
 @click.option("--container", metavar="NAME", help="Move only this container of a pod of several (the others start "
-                                                  "fresh on the target).")
+                                                  "fresh on the target). Default for a pod of several: the "
+                                                  "pod-level pull (migrt.io/migrate-pod, one cut of the pod).")
 @click.option("--separate-cuts", is_flag=True,
-              help="Pull every container of a pod of several, each frozen and dumped on its own (no common cut).")
+              help="Pull every container of a pod of several, each frozen and dumped on its own (no common cut; "
+                   "no migrt.io/migrate-pod).")
 @click.option("--runtime-class", metavar="NAME", default=None,
               help="runtimeClassName of the copy (default: the source's; '' for none, where migrt-runc is the "
                    "nodes' default runtime).")
@@ -43,7 +45,8 @@ def k8s() -> None:
 def move_manifest(manifest, to_node, from_node, name, container, separate_cuts, runtime_class, drop_labels,
                   any_owner, fmt, as_json):
     """Write the pod that pulls MANIFEST's pod (a file, or - for stdin: `kubectl get pod X -o yaml |
-    migrt k8s move-manifest --to-node N`) onto node N: pinned there, migrt.io/migrate-from set, what the API
+    migrt k8s move-manifest --to-node N`) onto node N: pinned there, migrt.io/migrate-from set (and for a pod
+    of several containers migrt.io/migrate-pod: the pod-level pull), what the API
     server and the controllers own stripped, the owner's selector labels dropped. The copy goes to stdout;
     what to do next, step by step (docs/kubernetes.md), to stderr."""
     from migrt.pods import move_manifest as mm

@@ -25,14 +25,17 @@ kubelet's steps, and what each does (containers are created one after another; e
                           restore), all before anything is frozen; then locks and checkpoints the GPU
                           containers' CUDA processes (migration/gpu.py suspend_together: the driver
                           needs running tasks) and freezes them all (one cut, members.PodFreeze), each
-                          under a guard that resumes it (its GPU state too). This container's part
-                          then migrates as a single pull does (lazy dump, images, page server),
+                          under a guard that resumes it (its GPU state too); then every CPU
+                          container's lazy dump starts at once (migration/earlydump.py). This
+                          container's part then migrates as a single pull does (its images from
+                          its dump made at the cut, page server),
                           restored into the create's bundle and held frozen (hold), the create
                           returns. A GPU part is restored running (the driver restores through a
                           thread of each process: its host copy fetched first, as a lazy GPU
                           migration orders it), then paused before it joins the hold.
-    the next creates      pull their parts from the same cut (each one's lazy dump from the frozen
-                          container, its restore, held).
+    the next creates      pull their parts from the same cut (each one's images dumped at the cut,
+                          its restore, held; a held part's filler copies nothing in the background
+                          until the release: pagefill/engine.py, hold.FILL_ENV).
     the last create       its part restored, the create returns, then every part is thawed together.
     pages                 every part's memory follows from its page server; a part's pull ends (and its
                           source container is destroyed) only once the pod is whole and its pages in.
@@ -40,7 +43,8 @@ kubelet's steps, and what each does (containers are created one after another; e
 Exactly one copy, always:
     - a part's pull that fails (either side) abandons the hold: the parts already restored here are
       removed, each source part resumes (its migration's rollback), and the cut resumes every
-      container no part took yet; the cut refuses later parts. A GPU container is thawed first, then
+      container no part took yet (its dumps made at the cut stopped first); the cut refuses later
+      parts. A GPU container is thawed first, then
       its CUDA processes restored and unlocked on their own GPU (a GPU part's target preflight, the
       new container's GPUs, answers at that part's own offer, after the cut: a refusal there is such
       a failure).

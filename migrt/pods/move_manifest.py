@@ -9,12 +9,16 @@ the controllers own, plus what makes it pull:
   affinity, topology spread, volume binding, scheduling gates: refused with nodeName). kubelet's own
   admission still applies (resources, host ports, required node affinity and nodeSelector,
   NoExecute taints): a target that fails them is rejected (pod Failed), never left Pending.
-- `migrt.io/migrate-from` as the pull reads it today (migrt/oci/bundle.py, migration/pull.py): one
-  moving container: `<agent>/<ns>/<pod>/<container>` (only that container pulls; the others and the
-  init containers start fresh). Several (native sidecars count): refused, since each would be frozen
-  and dumped on its own (no common cut); --separate-cuts writes `<agent>/<ns>/<pod>` (every
-  application container pulls its namesake, one after the other), refused with init containers that
-  are not sidecars (the annotation reaches them too, and their namesakes have exited).
+- `migrt.io/migrate-from` as the pull reads it (migrt/oci/bundle.py, migration/pull.py). One running
+  container: `<agent>/<ns>/<pod>/<container>`. Several (native sidecars count): the pod-level pull,
+  `<agent>/<ns>/<pod>` with `migrt.io/migrate-pod` listing every application container and native
+  sidecar with its image as the spec gives it (`name=image,...`: what kubelet passes containerd as
+  the user's image, io.kubernetes.cri.image-name), so that the source pod is cut at one instant
+  (migration/podpull.py); regular init containers are not listed and run again on the target.
+  --container NAME writes the per-container form (only that one pulls; the others start fresh);
+  --separate-cuts writes `<agent>/<ns>/<pod>` without the list (each container pulls its namesake
+  with a freeze of its own), refused with init containers that are not sidecars (the annotation
+  reaches them too, and their namesakes have exited).
 - Stripped: status, uid, resourceVersion, creationTimestamp, deletion fields, generation, selfLink,
   managedFields, generateName, the controller's ownerReference, finalizers, kubectl's
   last-applied-configuration, ephemeral containers, scheduling gates, priority and preemptionPolicy
@@ -42,6 +46,7 @@ from migrt.oci.bundle import (
     MIGRATABLE_ANNOTATION,
     MIGRATE_FROM_ANNOTATION,
     MIGRATE_FROM_ENV,
+    MIGRATE_POD_ANNOTATION,
     RESTORE_ANNOTATION,
     RESTORE_ENV,
 )
@@ -51,8 +56,8 @@ from migrt.pods.move_owners import MOVE_NAME, MOVE_SET, Names, Plan
 MAX_BYTES = 4 << 20  # a pod's manifest; the API server's own limit on an object is 1.5 MiB
 _META_DROPPED = ("uid", "resourceVersion", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
                  "generation", "selfLink", "managedFields", "generateName", "finalizers")
-_ANN_DROPPED = (MIGRATE_FROM_ANNOTATION, RESTORE_ANNOTATION, FALLBACK_ANNOTATION, MOVE_NAME, MOVE_SET,
-                move_owners.DELETION_COST, "kubectl.kubernetes.io/last-applied-configuration")
+_ANN_DROPPED = (MIGRATE_FROM_ANNOTATION, MIGRATE_POD_ANNOTATION, RESTORE_ANNOTATION, FALLBACK_ANNOTATION, MOVE_NAME,
+                MOVE_SET, move_owners.DELETION_COST, "kubectl.kubernetes.io/last-applied-configuration")
 _SPEC_DROPPED = ("nodeName", "ephemeralContainers", "schedulingGates", "priority", "preemptionPolicy")
 _ENV_DROPPED = (MIGRATE_FROM_ENV, RESTORE_ENV, FALLBACK_ENV)
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
@@ -85,13 +90,15 @@ class Move:
     containers: list[str]             # the containers that pull
     plan: Plan
     warnings: list[str] = field(default_factory=list)
+    migrate_pod: str | None = None    # the pod-level pull's list (migrt.io/migrate-pod), if one
 
     def report(self) -> dict:
         p = self.plan
         return {"pod": self.pod, "source": self.source, "target": f"{self.pod['metadata']['namespace']}/"
                 f"{self.pod['metadata']['name']}", "node": self.pod["spec"]["nodeName"], "migrate_from":
-                self.migrate_from, "containers": self.containers, "owner": {"kind": p.kind, "name": p.owner},
-                "dropped_labels": p.drop_labels, "steps": p.steps, "warnings": self.warnings + p.warnings}
+                self.migrate_from, "migrate_pod": self.migrate_pod, "containers": self.containers,
+                "owner": {"kind": p.kind, "name": p.owner}, "dropped_labels": p.drop_labels, "steps": p.steps,
+                "warnings": self.warnings + p.warnings}
 
 
 def read(text: str) -> tuple[dict, str]:
@@ -156,13 +163,8 @@ def _movers(where: str, spec: dict, opts: MoveOptions) -> tuple[list[str], bool]
         return [opts.container], False
     if len(running) == 1:
         return running, False
-    if not opts.separate_cuts:
-        raise ManifestError(
-            f"{where} runs {len(running)} containers ({', '.join(running)}): today a pull moves one container, and "
-            "containers pulled together are each frozen and dumped on their own (what they share, a localhost "
-            "connection, a shared memory segment, a file in an emptyDir, is not cut at one instant); pass "
-            "--container NAME to move one (the others start fresh on the target) or --separate-cuts to pull "
-            "every one, one after the other")
+    if not opts.separate_cuts:  # the pod-level pull: every running container, one cut (_pod_list)
+        return _sidecars(spec) + [c["name"] for c in spec["containers"]], True
     inits = [c["name"] for c in spec.get("initContainers") or [] if c.get("restartPolicy") != "Always"]
     if inits:
         raise ManifestError(
@@ -282,23 +284,37 @@ def move(obj: dict, opts: MoveOptions, fmt: str = "yaml") -> Move:
     value = f"{agent}/{ns}/{src}" + ("" if whole else f"/{movers[0]}")
     metadata, notes = _metadata(meta, plan, name)
     metadata["annotations"][MIGRATE_FROM_ANNOTATION] = value
+    listed = _pod_list(where, src_spec, movers) if whole and not opts.separate_cuts else None
+    if listed is not None:
+        metadata["annotations"][MIGRATE_POD_ANNOTATION] = listed
     spec, spec_notes = _spec(src_spec, where, opts, src)
     notes += spec_notes + _volume_notes(src_spec, src_spec.get("nodeName") != opts.to_node)
-    notes += _opt_in_notes(meta, where, src_spec, movers, whole)
+    notes += _opt_in_notes(meta, where, src_spec, movers, whole and listed is None)
     pod = {"apiVersion": obj.get("apiVersion") or "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
     names = Names(ns, src, name, f"{name}.{fmt}", opts.to_node)
     job_uid = (move_owners.controller_of(meta) or {}).get("uid") if plan.kind == "Job" else None
     plan.steps = move_owners.steps(plan, names, meta.get("labels") or {}, job_uid)
-    return Move(pod, f"{ns}/{src}", value, movers, plan, notes)
+    return Move(pod, f"{ns}/{src}", value, movers, plan, notes, listed)
 
 
-def _opt_in_notes(meta: dict, where: str, spec: dict, movers: list[str], whole: bool) -> list[str]:
+def _pod_list(where: str, spec: dict, movers: list[str]) -> str:
+    """migrt.io/migrate-pod's value: `name=image` of every container that pulls, as the spec names its
+    image (kubelet passes containerd that string as the user's image)."""
+    images = {c["name"]: c.get("image") for c in list(spec.get("initContainers") or []) + spec["containers"]}
+    missing = [n for n in movers if not isinstance(images.get(n), str) or not images[n]]
+    if missing:
+        raise ManifestError(f"{where}: containers {', '.join(missing)} have no image; the pod-level pull lists each "
+                            "container with its image (pass the pod as kubectl get pod NAME -o yaml prints it)")
+    return ",".join(f"{n}={images[n]}" for n in movers)
+
+
+def _opt_in_notes(meta: dict, where: str, spec: dict, movers: list[str], separate: bool) -> list[str]:
     notes = []
     if str((meta.get("annotations") or {}).get(MIGRATABLE_ANNOTATION, "")).lower() not in _TRUE:
         notes.append(f"{where} has not opted in ({MIGRATABLE_ANNOTATION}: \"true\"): its node's agent refuses the "
                      "pull unless its config has migrate_any_container: true; the opt-in counts only if the pod "
                      "carried it when its containers were created")
-    if whole:
+    if separate:
         notes.append(f"containers {', '.join(movers)} pull one after the other, each frozen and dumped on its own: "
                      "state they share is not cut at one instant")
     rest = [c["name"] for c in spec["containers"]] + _sidecars(spec)

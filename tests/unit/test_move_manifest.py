@@ -17,6 +17,7 @@ from migrt.pods import move_manifest as mm
 from migrt.pods.move_owners import MOVE_NAME, MOVE_SET, MoveRefused
 
 FROM = "migrt.io/migrate-from"
+POD = "migrt.io/migrate-pod"
 
 
 def _pod(name: str = "web-7d9f8b6c5-abcde", owner: dict | None = None, labels: dict | None = None, **spec) -> dict:
@@ -182,19 +183,36 @@ def test_bare_pod_and_non_controller_owner_references_kept():
     assert m.plan.steps[-1] == "kubectl -n team-a delete pod solo"
 
 
-def test_several_containers_refused_clearly_and_the_two_forms_that_work():
+def test_several_containers_are_one_pod_level_pull_by_default_and_the_two_other_forms():
     pod = _pod("duo", containers=[{"name": "app", "image": "a"}],
                initContainers=[{"name": "proxy", "image": "p", "restartPolicy": "Always"}])
-    with pytest.raises(mm.ManifestError, match=r"runs 2 containers \(app, proxy\).*--container NAME.*--separate-cuts"):
-        _move(pod)
+    whole = _move(pod)  # one cut of the pod: every container listed with its image, the native sidecar first
+    ann = whole.pod["metadata"]["annotations"]
+    assert ann[FROM] == "10.0.0.5/team-a/duo" and ann[POD] == "proxy=p,app=a" == whole.migrate_pod
+    assert whole.containers == ["proxy", "app"] and whole.report()["migrate_pod"] == "proxy=p,app=a"
+    assert not any("one after the other" in w for w in whole.warnings)
     one = _move(pod, container="app")
+    assert POD not in one.pod["metadata"]["annotations"] and one.migrate_pod is None
     assert one.pod["metadata"]["annotations"][FROM] == "10.0.0.5/team-a/duo/app" and one.containers == ["app"]
     assert any("proxy start fresh" in w for w in one.report()["warnings"])
     both = _move(pod, separate_cuts=True)
     assert both.pod["metadata"]["annotations"][FROM] == "10.0.0.5/team-a/duo"  # each pulls its namesake
+    assert POD not in both.pod["metadata"]["annotations"]
     assert both.containers == ["app", "proxy"] and any("one after the other" in w for w in both.warnings)
     with pytest.raises(mm.ManifestError, match="no running container 'nope'"):
         _move(pod, container="nope")
+
+
+def test_the_pod_level_pull_leaves_init_containers_out_and_needs_every_image():
+    pod = _pod("trio", containers=[{"name": "app", "image": "reg/app:3"}, {"name": "log", "image": "reg/log:1"}],
+               initContainers=[{"name": "setup", "image": "s"}])
+    pod["metadata"]["annotations"][POD] = "old=list"  # a previous request's: replaced
+    m = _move(pod)
+    assert m.pod["metadata"]["annotations"][POD] == "app=reg/app:3,log=reg/log:1" and m.containers == ["app", "log"]
+    assert any("setup run again" in w for w in m.warnings)
+    del pod["spec"]["containers"][1]["image"]
+    with pytest.raises(mm.ManifestError, match="containers log have no image"):
+        _move(pod)
 
 
 def test_separate_cuts_refused_with_init_containers_that_already_ran():
