@@ -7,6 +7,8 @@ would make them (name, namespace, hostname, annotations, the container)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from migrt.pods import move_manifest as mm
@@ -139,6 +141,34 @@ def test_two_containers_separate_cuts_each_pulls_its_namesake(clean, bin_dir):  
     for name, cid in scids.items():
         a.cri.wait_state(cid, "CONTAINER_EXITED", timeout=60)
         assert_continues(_ticks(a, cid), _wait_ticks(b, tcids[name], 2))
+
+
+def test_two_containers_by_default_move_as_one_pod_level_pull(clean, bin_dir):  # noqa: F811
+    """No option: the manifest lists both containers with their images (migrt.io/migrate-pod), and the
+    copy's two creates pull them from one cut of the source pod: both go on with their next tick."""
+    a, b = clean["a"], clean["b"]
+    src = _duo("duo-pod")
+    for c in src["spec"]["containers"]:  # the image the rig's creates give (io.kubernetes.cri.image-name)
+        c["image"] = a.ctd.image
+    _, scids = _run_all(a, src, bin_dir)
+    for cid in scids.values():
+        _wait_ticks(a, cid, 3)
+    moved = mm.move(_as_listed(src, ADDR_A), mm.MoveOptions(to_node="node-b"))
+    assert moved.migrate_from == f"{ADDR_A}/team-a/duo-pod" and moved.containers == ["app", "side"]
+    assert moved.pod["metadata"]["annotations"]["migrt.io/migrate-pod"] == f"app={a.ctd.image},side={a.ctd.image}"
+    _, tcids = _run_all(b, moved.pod, bin_dir)
+    for name, cid in scids.items():
+        a.cri.wait_state(cid, "CONTAINER_EXITED", timeout=60)
+        assert_continues(_ticks(a, cid), _wait_ticks(b, tcids[name], 2))
+    deadline = time.monotonic() + 30
+    while len(parts := _pod_parts(a, "team-a/duo-pod")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sorted(parts) == ["app", "side"]  # the two parts of one pod-level pull, each handed over
+
+
+def _pod_parts(node, pod: str) -> list[str]:
+    return [r["pod"]["part"] for r in node.agent_results()
+            if r.get("mode") == "pull" and not r.get("error") and (r.get("pod") or {}).get("pod") == pod]
 
 
 def test_two_containers_one_named_pulls_and_the_other_starts_fresh(clean, bin_dir):  # noqa: F811
