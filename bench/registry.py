@@ -14,9 +14,9 @@ Per size (GiB of anonymous memory held by bench/memhog.c under plain runc), per 
     the restored memory re-hashed to memhog's checksum, then deleted.
  5. restore by reference: the raw GET pump of the image, then `migrt-runc create` with
     MIGRT_RESTORE=oci:REG/bench:a on a node store that does not have it (lazily from the registry,
-    or pull + restore in the create), checksum again; then four such creates at
-    once on a store without it (one pull: each create's time against the single one's); then `migrt
-    pull` alone into a fresh name, timed (pull MB/s).
+    or pull + restore in the create), checksum again; then four such creates at once on a store
+    without it (one fetches, the others join its fill or wait for it: each against the single one);
+    then `migrt pull` alone into a fresh name, timed (pull MB/s).
  6. the wire: push and pull beside a raw HTTP pump (plain http.client GET/PUT of the same blobs,
     same registry, same four connections), and four `migrt pull` processes of one image at once.
 The registry is Debian's docker-registry on 127.0.0.1 with TLS (CA made here) and htpasswd basic
@@ -37,7 +37,10 @@ restore got its pages is read from its own records in migrt's log (restore_path)
 then a restore from the store, or a lazy restore from the registry.
 
 Run as root (runc, CRIU 4.2+, gcc, docker-registry, htpasswd, openssl, migrt and migrt-runc on PATH
-or MIGRT_BINDIR). Everything it starts is removed.
+or MIGRT_BINDIR). Everything it starts is removed. To measure one commit of a checkout that holds
+uncommitted edits: `git archive COMMIT migrt | tar -x -C DIR`, the node's two launchers copied into
+DIR/bin, then MIGRT_BINDIR=DIR/bin PYTHONPATH=DIR, started outside the checkout (the page filler is
+started with `python -m`, which puts its working directory first on its path).
 """
 
 from __future__ import annotations
