@@ -18,6 +18,7 @@ COLUMNS = [
     ("checkpoint_total_s", "checkpoint total s"), ("restore_total_s", "restore total s"),
     ("app_hook_s", "hook post-restore s"), ("hook_down_s", "app teardown s"), ("hook_up_s", "app rebuild s"),
     ("refused", "refused"),
+    ("pod_downtime_s", "pod downtime s"), ("app_gap_s", "app gap s"), ("side_gap_s", "sidecar gap s"),
 ]
 
 

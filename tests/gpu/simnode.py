@@ -48,6 +48,18 @@ class SimNode:
     def migrt(self) -> str:
         return str(self.bin / "migrt")
 
+    @property
+    def shim(self) -> str:
+        return str(self.bin / "migrt-runc")
+
+    def record(self, test: str, **figures) -> None:
+        with open(self.base / "results.jsonl", "a") as fh:
+            fh.write(json.dumps({"test": test, "gpu": self.gpus[0].name, "driver": self.driver, **figures}) + "\n")
+
+    def tail_logs(self, n: int = 40) -> str:
+        logs = sorted(self.base.glob("**/migrt.log"))
+        return "\n".join(f"--- {f}\n" + "\n".join(f.read_text().splitlines()[-n:]) for f in logs)
+
     def node_env(self, name: str) -> dict[str, str]:
         """Node `name`'s migrt processes see that node's simulated driver."""
         return {fakenode.ENV: self.files[name]}
@@ -58,8 +70,9 @@ class SimNode:
         path = self.base / "bundles" / name
         if path.exists():
             shutil.rmtree(path)
-        envs = ["PATH=/usr/bin:/bin", "HOME=/tmp", "PYTHONUNBUFFERED=1", self.marker,
+        envs = ["PATH=/usr/bin:/bin", "HOME=/tmp", "PYTHONUNBUFFERED=1",
                 f"NVIDIA_VISIBLE_DEVICES={','.join(self.gpus[i].uuid for i in gpu_indices)}"]
+        envs += [self.marker] if gpu_indices else []  # a container given no GPU runs no CUDA process
         return rig.make_bundle(str(path), args=args, data_dir=str(data), needed=self.needed, gpu_minors=None,
                                env=envs + list(env or []), annotations=annotations, mounts=mounts, netns=netns,
                                criu_config=criu_config)
@@ -79,6 +92,7 @@ def make(base: Path) -> SimNode:
     binp = base / "bin"
     binp.mkdir(exist_ok=True)
     harness._wrapper(binp / "migrt", "from migrt.cli.main import main\nmain()")
+    harness._wrapper(binp / "migrt-runc", "from migrt.shim.__main__ import main\nsys.exit(main())")
     marker = f"FAKE_CUDA={uuid.uuid4().hex}"
     gpus = [SimGpu(0, "GPU-aaaaaaaa-0000-0000-0000-00000000000a"), SimGpu(1, "GPU-bbbbbbbb-0000-0000-0000-00000000000b")]
     files = {}
