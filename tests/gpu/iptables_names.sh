@@ -8,3 +8,11 @@ for _t in iptables ip6tables; do
     fi
 done
 unset _t _d
+# The extensions (libxt_standard.so: ACCEPT/DROP, ...) unpacked beside the binary, not where the build
+# looks for them: without this, `iptables -j DROP` (the pod hold's loopback lock, pods/netlock.py) reads
+# as a jump to a chain named DROP.
+_x=/opt/migrt-deps/usr/lib/x86_64-linux-gnu/xtables
+if [ -d $_x ] && [ ! -e /usr/lib/x86_64-linux-gnu/xtables/libxt_standard.so ]; then
+    export XTABLES_LIBDIR=$_x
+fi
+unset _x
