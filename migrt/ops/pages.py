@@ -330,16 +330,48 @@ def _raise_verify(fill, name: str | None, exc: Exception) -> None:
         raise verify_failed(name, error) from exc
 
 
-def wait_all(fill, decision: dict, timings: dict, name: str | None = None) -> None:
-    """Until every page is in (the fill's figures go into the decision)."""
+def wait_all(fill, decision: dict, timings: dict, name: str | None = None, progress=None) -> None:
+    """Until every page is in (the fill's figures go into the decision). progress: told of the bytes
+    copied as the fill goes (`migrt restore --wait-pages` on a terminal)."""
     t0 = time.monotonic()
+    stop = _report_fill(fill, progress) if progress is not None else None
     try:
         st = fill.wait()
     except RuntimeFailed as exc:
         _raise_verify(fill, name, exc)
         raise
+    finally:
+        if stop is not None:
+            stop()
+    if progress is not None:
+        progress("done", name="pages", seconds=round(time.monotonic() - t0, 3))
     timings["pages_wait_s"] = round(time.monotonic() - t0, 3)
     decision["fill"] = {k: st.get(k) for k in ("copied_bytes", "fill_s", "counts", "verify") if k in st}
+
+
+def _report_fill(fill, progress, every: float = 0.5):
+    """A thread telling `progress` of the bytes the filler copied, from its status file; returns its stop."""
+    import threading
+
+    st = fill.status()
+    progress("phase", name="pages", total_bytes=st.get("lazy_bytes") or 0)
+    done = threading.Event()
+
+    def report() -> None:
+        sent = 0
+        while not done.wait(every):
+            copied = fill.status().get("copied_bytes") or 0
+            if copied > sent:
+                progress("bytes", name="pages", bytes=copied - sent)
+                sent = copied
+
+    thread = threading.Thread(target=report, name="fill-progress", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        done.set()
+        thread.join()
+    return stop
 
 
 class MemoryReady:
@@ -517,10 +549,10 @@ class PagesPlan:
         """The fill as a GPU restore waits on it (None: every page is in already)."""
         return MemoryReady(self.fill, early) if self.fill else None
 
-    def wait_all(self, timings: dict) -> None:
+    def wait_all(self, timings: dict, progress=None) -> None:
         """Until every page is in (a lazy restore asked to wait: --wait-pages, a migration)."""
         if self.fill:
-            wait_all(self.fill, self.decision, timings, self.name)
+            wait_all(self.fill, self.decision, timings, self.name, progress)
 
     def failed(self, exc: BaseException) -> CheckpointInvalid | None:
         """The restore failed: the filler stopped; a chunk that did not verify is the reason to report."""

@@ -292,7 +292,7 @@ class _Restore:
         if self.gpu_section:
             self._gpu_resume(pid, plan)
         if t.wait_pages:
-            plan.wait_all(self.timings)
+            plan.wait_all(self.timings, self.progress)
         return pid
 
     def _runc_globals(self) -> tuple[list[str], str | None]:
@@ -447,7 +447,7 @@ def _lazy_refusal(cfg: Config) -> str | None:
 
 
 def lazy_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, cid: str,
-                    deadline: Deadline | None = None):
+                    deadline: Deadline | None = None, *, operator: bool = False):
     """A create's `oci:REF` request ready to be restored lazily (registry/lazy.py LazyImage), or None:
     restore after the full pull (pull_for_create). Failures read as pull_for_create's do."""
     from migrt.errors import RegistryError
@@ -456,33 +456,40 @@ def lazy_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, c
     try:
         return lazy.prepare(cfg, request.name, admit=_admit(cfg, request, bundle),
                             lazy_ok=_lazy_ok(cfg, request.name), container_id=cid, log=log,
-                            refusal=_lazy_refusal(cfg), deadline=deadline)
+                            refusal=_lazy_refusal(cfg), deadline=deadline, any_registry=operator)
     except (UsageError, PreconditionFailed):
         raise
     except MigrtError as exc:
+        if operator:  # the node's operator sees the registry's own error, with its exit code (as `migrt pull`)
+            raise
         log.error("restore_pull_failed", container=cid, reference=request.name, error=str(exc),
                   exit_code=exc.exit_code)
         raise RegistryError(f"cannot pull {request.name} (see the node's migrt log)") from exc
 
 
 def pull_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, cid: str,
-                    deadline: Deadline | None = None) -> tuple[str, bool]:
+                    deadline: Deadline | None = None, *, operator: bool = False,
+                    progress: Progress = null_progress) -> tuple[str, bool]:
     """(store name, pulled now) of a create's `oci:REF` request: pulled once per node, within the
     config's restore_registries and registry_timeout (registry/pull.py ensure_local). An image that says
     it belongs to another namespace than the pod's (or to none) is refused before any layer is
     fetched; one that says so only once pulled is removed again. A failed pull reaches the runc log, which containerd
     shows to the pod's author, as one generic line: the registry's answer (or its silence, a closed
     port, plain HTTP, TLS) would tell that author about the node's network; the detail goes to
-    migrt's own log. Refusals of the request itself (reference, registry, namespace) say what they are."""
+    migrt's own log. Refusals of the request itself (reference, registry, namespace) say what they are.
+    operator: `migrt restore oci:REF` (image_for_restore), any registry and the pull's own errors."""
     from migrt.errors import RegistryError
     from migrt.registry import pull  # http.client, ssl: only for oci: references
 
     admit = _admit(cfg, request, bundle)
     try:
-        name, just_pulled = pull.ensure_local(cfg, request.name, admit=admit, deadline=deadline)
+        name, just_pulled = pull.ensure_local(cfg, request.name, progress, admit=admit, deadline=deadline,
+                                              any_registry=operator)
     except (UsageError, PreconditionFailed):
         raise
     except MigrtError as exc:
+        if operator:
+            raise
         log.error("restore_pull_failed", container=cid, reference=request.name, error=str(exc),
                   exit_code=exc.exit_code)
         raise RegistryError(f"cannot pull {request.name} (see the node's migrt log)") from exc
@@ -497,6 +504,81 @@ def pull_for_create(cfg: Config, request: RestoreRequest, bundle: Bundle, log, c
                 log.warning("refused_pull_kept", checkpoint=name, error=str(exc))
             raise
     return name, just_pulled
+
+
+@dataclass
+class ImageReady:
+    """A restore by reference's image, ready: `lazy` (registry/lazy.py LazyImage: the memory comes from
+    the registry while the container runs) or the store checkpoint `name`, there already or pulled whole
+    now (`pulled`); `fallback`: why not lazily, as the node's log said it; what it took (seconds, bytes)."""
+
+    name: str
+    lazy: object | None = None
+    pulled: bool = False
+    fallback: str | None = None
+    seconds: float = 0.0
+    bytes_received: int = 0
+
+    @property
+    def path(self) -> str:
+        return "lazy" if self.lazy is not None else ("pull" if self.pulled else "store")
+
+    def seams(self) -> RestoreSeams:
+        # every byte of a checkpoint pulled a moment ago was checked against its digest on arrival (and a
+        # lazy one's files are, its pages images as the filler fetches them)
+        return RestoreSeams(verified=self.pulled or self.lazy is not None, registry=self.lazy)
+
+
+class _Heard:
+    """The log and progress of a restore by reference's image steps, noting for the caller's report the
+    fallback's reason (said once, in the log) and the bytes a full pull received."""
+
+    def __init__(self, log, progress: Progress) -> None:
+        self.log, self.told = log, progress
+        self.fallback: str | None = None
+        self.received = 0
+
+    def __getattr__(self, attr: str):
+        return getattr(self.log, attr)
+
+    def info(self, event: str, **fields) -> None:
+        from migrt.registry.lazy import EVENT_FALLBACK
+
+        if event == EVENT_FALLBACK:
+            self.fallback = fields.get("reason")
+        self.log.info(event, **fields)
+
+    def progress(self, event: str, **fields) -> None:
+        if event == "bytes" and fields.get("name") == "download":
+            self.received += int(fields.get("bytes") or 0)
+        self.told(event, **fields)
+
+
+def image_for_restore(cfg: Config, request: RestoreRequest, bundle: Bundle, log, cid: str, deadline: Deadline, *,
+                      operator: bool = False, progress: Progress = null_progress) -> ImageReady:
+    """The image of an `oci:REF` restore, lazily from the registry or pulled once per node, within
+    `deadline`: the create's path and `migrt restore oci:REF`'s (operator: any registry, as `migrt pull`,
+    and the registry's own errors rather than the create's one generic line)."""
+    t0 = time.monotonic()
+    heard = _Heard(log, progress)
+    lazy = lazy_for_create(cfg, request, bundle, heard, cid, deadline, operator=operator)
+    if lazy is not None:
+        out = ImageReady(lazy.ckpt.name, lazy=lazy, bytes_received=int(lazy.summary.get("bytes_received") or 0))
+    else:
+        name, pulled = pull_for_create(cfg, request, bundle, log, cid, deadline, operator=operator,
+                                       progress=heard.progress)
+        out = ImageReady(name, pulled=pulled, fallback=heard.fallback, bytes_received=heard.received)
+    out.seconds = round(time.monotonic() - t0, 3)
+    log.info("restore_image_ready", container=cid, reference=request.name, checkpoint=out.name, pulled=out.pulled,
+             lazy=lazy is not None, seconds=out.seconds, **({"chunks": lazy.summary} if lazy is not None else {}))
+    return out
+
+
+def restore_image(cfg: Config, image: ImageReady, target: RestoreTarget, progress: Progress = null_progress) -> dict:
+    """Restore what image_for_restore made ready (target.seams from image.seams())."""
+    if image.lazy is not None:
+        return restore_pulling(cfg, image.lazy, target, progress)
+    return restore_checkpoint(cfg, image.name, target, progress)
 
 
 @dataclass(frozen=True)
@@ -538,32 +620,19 @@ def _restore_on_create(cfg: Config, log, call: Call, bundle: Bundle, request: Re
     if policy not in POLICIES:
         raise UsageError(f"MIGRT_RESTORE_FALLBACK must be one of {POLICIES}, got {policy!r}")
     flags = call.create_flags()  # refused: no container id, a flag restore cannot honour
-    name, just_pulled, lazy = request.name, False, None
-    if reference.is_reference(name):  # oci:REF: lazily from the registry, or pulled once per node, then restored
-        t0 = time.monotonic()
+    image = ImageReady(request.name)
+    if reference.is_reference(request.name):  # oci:REF: lazily from the registry, or pulled once per node
         from migrt.registry.pull import create_deadline  # (http.client, ssl: only for oci: references)
 
-        deadline = create_deadline(cfg)  # the create's whole pull, whichever way it goes
-        lazy = lazy_for_create(cfg, request, bundle, log, flags.container_id, deadline)
-        if lazy is None:
-            name, just_pulled = pull_for_create(cfg, request, bundle, log, flags.container_id, deadline)
-        else:
-            name = lazy.ckpt.name
-        log.info("restore_image_ready", container=flags.container_id, reference=request.name, checkpoint=name,
-                 pulled=just_pulled, lazy=lazy is not None, seconds=round(time.monotonic() - t0, 3),
-                 **({"chunks": lazy.summary} if lazy is not None else {}))
-    names.validate(name)
+        # the create's whole pull, whichever way it goes
+        image = image_for_restore(cfg, request, bundle, log, flags.container_id, create_deadline(cfg))
+    names.validate(image.name)
     for flag in flags.dropped:
         log.debug("create_flag_dropped", flag=flag)
     cfg.runtime = call.lower  # the shim already resolved it (same rules)
-    # every byte of a checkpoint pulled a moment ago was checked against its digest on arrival (and a
-    # lazy one's files are, its pages images as the filler fetches them)
-    target = RestoreTarget.for_create(flags, bundle, RestoreSeams(verified=just_pulled or lazy is not None,
-                                                                  registry=lazy))
+    target = RestoreTarget.for_create(flags, bundle, image.seams())
     try:
-        if lazy is not None:
-            return restore_pulling(cfg, lazy, target)
-        return restore_checkpoint(cfg, name, target)
+        return restore_image(cfg, image, target)
     except MigrtError:
         raise
     except Exception as exc:  # never leak a traceback to the container's stderr

@@ -779,6 +779,9 @@ class Filler:
             if w.name.startswith("verify-"):
                 w.join()
         st = self.verifier.snapshot() if self.verifier is not None else {}
+        fetched = source.summary()  # in the final status: `migrt restore oci:REF --wait-pages` reports them
+        self.counts.update(registry_fetched_bytes=fetched["fetched_bytes"], registry_fetched_chunks=fetched[
+            "fetched_chunks"], registry_taken_chunks=fetched["taken_chunks"])
         error = self.pull_error or st.get("error")
         if error is None and st.get("verified") != st.get("chunks"):
             error = "not every chunk was fetched"

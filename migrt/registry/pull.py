@@ -395,12 +395,15 @@ def create_deadline(cfg: Config) -> Deadline:
 
 
 def ensure_local(cfg: Config, reference: str, progress: Progress = null_progress, *,
-                 admit: Admit | None = None, deadline: Deadline | None = None) -> tuple[str, bool]:
+                 admit: Admit | None = None, deadline: Deadline | None = None,
+                 any_registry: bool = False) -> tuple[str, bool]:
     """(store name, pulled now) of an image reference, pulled first if this node does not have it
     (the `create` path of `oci:` restore requests: a pod's request). Its registry must be in the
-    config's restore_registries (PreconditionFailed before any connection otherwise); the whole pull
-    ends within registry_timeout. Errors are MigrtErrors."""
-    check_allowed(cfg, reference)
+    config's restore_registries (PreconditionFailed before any connection otherwise) unless
+    `any_registry` (the operator's `migrt restore oci:REF`, as `migrt pull`); the whole pull ends
+    within registry_timeout (or the caller's deadline). Errors are MigrtErrors."""
+    if not any_registry:
+        check_allowed(cfg, reference)
     deadline = deadline or create_deadline(cfg)  # (a create that tried a lazy restore first: the same one)
     try:
         out = pull(cfg, reference, progress=progress, deadline=deadline, admit=admit)
