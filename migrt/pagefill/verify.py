@@ -13,6 +13,12 @@ that was not verified against the manifest.
   tree until they are all verified (status `verify.eager_done`: ops/pages.py EagerVerified).
 - The sweep threads then verify the remaining chunks ahead of the copies, in the copy order (a
   process's first ranges, then the biggest segments), so that copies seldom wait.
+- The "first" chunks (those holding a process's first ranges: the GPU driver's host copy of its GPU
+  memory, images.py) come right after the eager ones. With a source (a restore by reference) each
+  is fetched in byte ranges over all of the source's connections, as a fault's chunk is, and the
+  sweep claims no other chunk before they are all in (`t_first`, status `verify.first_s`), so the
+  host copy arrives at the wire's speed and each process's GPU restore starts as soon as it can;
+  faults are still served meanwhile.
 - Each chunk is hashed once: the first caller that needs it claims it; any other (a copy thread, a
   fault, the sweep) waits for that verdict. A mismatch is final: every later `ensure()` fails too,
   and the filler fails (the guard kills the restored tasks before they can touch the chunk).
@@ -69,14 +75,21 @@ def mmap_reader(base: int) -> Callable[[int, int], bytes | memoryview]:
 class Verifier:
     def __init__(self, files: list[FileChunks], *, what: str = "the checkpoint",
                  eager: list[tuple[FileChunks, int]] | None = None,
-                 order: list[tuple[FileChunks, int]] | None = None) -> None:
+                 order: list[tuple[FileChunks, int]] | None = None,
+                 first: list[tuple[FileChunks, int]] | None = None) -> None:
         self.files = {f.path: f for f in files}
         self.what = what
         self.lock = threading.Lock()
         self.error: str | None = None
         self.readers: dict[str, Callable[[int, int], bytes | memoryview]] = {}
         self.eager = list(eager or [])
-        todo = self.eager + list(order or []) + [(f, i) for f in files for i in range(len(f.digests))]
+        eager_keys = {(id(f), i) for f, i in self.eager}
+        self._firsts = list({(id(f), i): (f, i) for f, i in first or [] if (id(f), i) not in eager_keys}.values())
+        self.first = {(id(f), i) for f, i in self._firsts}  # (a chunk both eager and first stays eager)
+        self._eager_keys = eager_keys  # the sweep claims them while the first chunks arrive too
+        self._first_in = threading.Event()  # every first chunk is in (or the fill failed)
+        todo = self.eager + list(first or []) + list(order or []) + [(f, i) for f in files
+                                                                     for i in range(len(f.digests))]
         seen: set[tuple[int, int]] = set()
         self.order = []  # the sweep's order: eager chunks first, then as the copies will need them
         for f, i in todo:
@@ -88,6 +101,7 @@ class Verifier:
                        "waits": 0, "by_sweep": 0, "by_copy": 0}
         self.hash_s = 0.0
         self.t_eager: float | None = None
+        self.t_first: float | None = None
         self.t_all: float | None = None
         self.on_eager_done: Callable[[], None] | None = None
         # where chunks not on disk yet come from (a lazy restore by reference: pagefill/registry.py):
@@ -96,6 +110,9 @@ class Verifier:
         self._t0 = time.monotonic()
         if not self.eager:
             self.t_eager = self._t0
+        if not self.first:
+            self.t_first = self._t0
+            self._first_in.set()
 
     def reader(self, path: str, read: Callable[[int, int], bytes | memoryview]) -> None:
         """Where the bytes of `path` are read from (the filler's mapping of it)."""
@@ -145,7 +162,8 @@ class Verifier:
         t0 = time.monotonic()
         try:
             if self.source is not None and not self.source.has(f.path, i):
-                self.source.fetch(f, i, fault=who == "by_copy")  # hashed as it arrives, or VerifyError
+                # a fault's chunk and a first one in ranges over every connection; hashed as it arrives
+                self.source.fetch(f, i, fault=who == "by_copy" or (id(f), i) in self.first)
                 ok = True
             else:
                 read = self.readers.get(f.path)
@@ -171,6 +189,11 @@ class Verifier:
                 eager_now = ok and self.t_eager is None and all(g.state[j] is True for g, j in self.eager)
                 if eager_now:
                     self.t_eager = time.monotonic()
+                if ok and self.t_first is None and (id(f), i) in self.first and self._firsts_in():
+                    self.t_first = time.monotonic()
+                    self._first_in.set()
+                if self.error:
+                    self._first_in.set()  # (no sweep waits for first chunks that will never come)
                 if ok and self.counts["verified"] == len(self.order):
                     self.t_all = time.monotonic()
                 ev.set()
@@ -180,11 +203,21 @@ class Verifier:
         if not ok:
             raise VerifyError(error)
 
+    def _firsts_in(self) -> bool:
+        """Under self.lock: every first chunk verified."""
+        return all(f.state[i] is True for f, i in self._firsts)
+
     # -- the sweep ---------------------------------------------------------------------------------
-    def _claim(self) -> tuple[FileChunks, int, threading.Event] | None:
+    def _claim(self) -> tuple[FileChunks, int, threading.Event] | None | bool:
+        """The next chunk to verify; None: none left; False: the first chunks are still arriving from
+        the source, wait before claiming any other."""
         with self.lock:
             while self._next < len(self.order) and not self.error:
                 f, i = self.order[self._next]
+                key = (id(f), i)
+                if self.source is not None and self.t_first is None and key not in self.first \
+                        and key not in self._eager_keys:
+                    return False
                 self._next += 1
                 if f.state[i] is None:
                     ev = f.state[i] = threading.Event()
@@ -195,11 +228,15 @@ class Verifier:
         """Verify the next unclaimed chunk in the sweep's order; False when none is left (run it in
         several threads). VerifyError on a mismatch."""
         got = self._claim()
+        if got is False:
+            self._first_in.wait(0.05)
+            return True
         if got is None:
             with self.lock:
                 if self.error:
                     raise VerifyError(self.error)
             return False
+        assert got is not True
         self._hash(*got, "by_sweep")
         return True
 
@@ -213,6 +250,10 @@ class Verifier:
                                       "hash_s": round(self.hash_s, 3), "files": len(self.files)}
             if self.t_eager is not None:
                 out["eager_s"] = round(self.t_eager - self._t0, 3)
+            if self.first:
+                out["first"] = len(self.first)
+                if self.t_first is not None:
+                    out["first_s"] = round(self.t_first - self._t0, 3)
             if self.t_all is not None:
                 out["all_s"] = round(self.t_all - self._t0, 3)
             if self.error:
@@ -238,7 +279,8 @@ def build(plan, spec: dict) -> Verifier | None:
     """The verifier of a restore from its plan (images.py) and the restore's hand-over (`spec`:
     {"checkpoint": name, "files": {basename: {"rel", "size", "chunks": hex concatenated}}}); None when
     nothing is handed over. Eager chunks: those with a byte outside every process's lazy segments;
-    then the chunks in the copy order (first ranges, then the biggest segments)."""
+    first chunks: those holding a process's first ranges; then the chunks in the copy order (first
+    ranges, then the biggest segments)."""
     files: dict[str, FileChunks] = {}
     for base, rec in (spec.get("files") or {}).items():
         if os.path.basename(base) != base or not base:
@@ -254,13 +296,17 @@ def build(plan, spec: dict) -> Verifier | None:
         return None
     lazy: dict[str, list[tuple[int, int]]] = {p: [] for p in files}
     ranked = []
+    firsts: list[tuple[FileChunks, int]] = []
     for proc in plan.processes.values():
         if proc.pages_file not in files:
             continue
+        f = files[proc.pages_file]
         for s in proc.segments:
             lazy[proc.pages_file].append((s.offset, s.offset + s.length))
-            first = any(a < s.end and s.start < b for a, b in proc.first)
+            first = any(a < s.end and s.start < b for a, b in proc.first)  # (segments are cut at their edges)
             ranked.append((0 if first else 1, -s.length, s.offset, proc.pages_file))
+            if first and s.length:
+                firsts += [(f, i) for i in range(s.offset // TREE_CHUNK, (s.offset + s.length - 1) // TREE_CHUNK + 1)]
     eager = []
     for path, f in files.items():
         eager += [(f, i) for i in eager_chunks(f.size, lazy[path])]
@@ -269,7 +315,7 @@ def build(plan, spec: dict) -> Verifier | None:
         f = files[path]
         order += [(f, i) for i in range(off // TREE_CHUNK, (off - neg - 1) // TREE_CHUNK + 1)]
     return Verifier(list(files.values()), what=f"checkpoint {spec.get('checkpoint') or '?'}", eager=eager,
-                    order=order)
+                    order=order, first=firsts)
 
 
 def eager_chunks(size: int, lazy: list[tuple[int, int]]) -> list[int]:

@@ -22,10 +22,18 @@ chunk is fetched twice on a node; the first fill commits.
 
 Falls back to the full pull (`ensure_local`), said once in the node's log (`registry_lazy_fallback`,
 with the reason): a `--format cri` or CRI-O image (one archive blob), a registry that answers byte
-ranges with the whole blob (faults fetch their chunk in ranges), a GPU checkpoint (the lazy GPU
-order, the driver's host copy first, is not done from a registry yet), a node where the filler cannot
+ranges with the whole blob (faults fetch their chunk in ranges), a node where the filler cannot
 run (no usable userfaultfd), restore_pages eager, images the filler cannot plan, or memory the page
 mode decides to copy eagerly (`lazy_ok`).
+
+A GPU checkpoint restores lazily too, in the order of lazy GPU migration: the GPU record
+(migrt-gpu.json, fetched with the other files CRIU reads) says where each CUDA process's host copy of
+its GPU memory lies (`gpu_backing`); the filler's Verifier fetches the chunks holding it right after
+the eager ones, each in byte ranges over registry_parallel connections and verified before any page
+of it goes in, and fetches no other chunk in the background until they are all in (faults are still
+served); each process's GPU restore starts once its host copy is in (ops/pages.py MemoryReady), the
+rest fills behind it. Should the fill fail before then, the GPU restore never starts: the create
+fails, the container goes, and the GPU is left unlocked with the process.
 """
 
 from __future__ import annotations
@@ -175,8 +183,6 @@ def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdig
     where = str(client.ref)
     config = pull.fetch_config(client, manifest, where)
     admit(image.namespace(manifest, config))
-    if ((config.get("gpu") or {}).get("processes")) if isinstance(config.get("gpu"), dict) else None:
-        raise Fallback("a GPU checkpoint (the driver's host copy first is not done from a registry yet)")
     if isinstance(config.get("pod"), dict):  # ops/pod_restore.py: every container restores its part of it
         raise Fallback("a pod checkpoint (each container's create restores its own part from the store)")
     plan = image.plan_files(manifest, config["files"], where)

@@ -127,10 +127,11 @@ class Registry:
 
 
 def migrt_image(reg: Registry, tag: str, files: dict[str, bytes], *, namespace: str | None = None,
-                name: str = "src") -> str:
+                name: str = "src", extra: dict | None = None) -> str:
     """A migrt-format checkpoint image of `files` (each below 64 MiB: one blob each) in reg under tag;
-    returns the manifest digest. namespace: the pod namespace its checkpoint manifest records."""
-    ckpt = {"schema": mf.SCHEMA, "name": name, "created": "2026-01-02T03:04:05Z",
+    returns the manifest digest. namespace: the pod namespace its checkpoint manifest records; extra:
+    more sections of that manifest (e.g. "gpu")."""
+    ckpt = {**(extra or {}), "schema": mf.SCHEMA, "name": name, "created": "2026-01-02T03:04:05Z",
             "files": {rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
                       for rel, data in sorted(files.items())},
             "source": {"container_id": "c0ffee", **({"cri": {"pod_namespace": namespace}} if namespace else {})}}
