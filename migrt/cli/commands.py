@@ -224,15 +224,28 @@ def rm(name, wait_s, as_json):
               help="File receiving the restored container's stdout and stderr.")
 @click.option("--pages", type=click.Choice(["auto", "lazy", "eager"]), default=None,
               help="How to fill the restored memory (default: the config's restore_pages).")
-@click.option("--wait-pages", is_flag=True, help="Lazy restore: return only once all memory is in.")
+@click.option("--wait-pages", is_flag=True, help="Lazy restore: return only once all memory is in (by reference: "
+              "once the fill has committed the image to the store, or failed to; its outcome reported).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+              help="NAME oci:REF only: give up when the image's part (manifest, config, what CRIU reads, or the "
+                   "full pull) takes longer; the fill's own deadline starts from it. Default: registry_timeout.")
 @JSON
 @handle_errors
-def restore(name, container_id, bundle, root, output, pages, wait_pages, as_json):
-    """Restore checkpoint NAME as container CONTAINER_ID from an OCI bundle (outside containerd)."""
+def restore(name, container_id, bundle, root, output, pages, wait_pages, timeout, as_json):
+    """Restore checkpoint NAME as container CONTAINER_ID from an OCI bundle (outside containerd). NAME is a
+    store name, or oci:REF: the image restored from its registry as a create's migrt.io/restore=oci:REF is
+    (lazily, or after a full pull; docs/registry.md)."""
+    from migrt.cli import restore_ref
     from migrt.oci.bundle import Bundle
     from migrt.ops.restore import RestoreTarget, restore_checkpoint
+    from migrt.registry.reference import is_reference
     from migrt.runtime.lower import default_root
 
+    by_ref = is_reference(name)
+    if by_ref:
+        restore_ref.parse_reference(name)
+    else:
+        restore_ref.refuse_timeout(name, timeout)
     names.container_id(container_id)
     cfg = load_config()
     if pages:
@@ -245,12 +258,16 @@ def restore(name, container_id, bundle, root, output, pages, wait_pages, as_json
     except OSError as exc:
         raise UsageError(f"--output {output}: cannot open: {exc.strerror}") from exc
     with open(os.devnull, "rb") as devnull, out:
-        result = restore_checkpoint(cfg, name, RestoreTarget(
-            container_id=container_id, bundle=Bundle.load(os.path.abspath(bundle)),
-            root=root or default_root(runtime), stdio=(devnull, out, out), wait_pages=wait_pages,
-        ), progress=progress)
+        target = RestoreTarget(container_id=container_id, bundle=Bundle.load(os.path.abspath(bundle)),
+                               root=root or default_root(runtime), stdio=(devnull, out, out), wait_pages=wait_pages)
+        if by_ref:
+            result = restore_ref.restore_by_reference(cfg, name, target, timeout=timeout, progress=progress)
+        else:
+            result = restore_checkpoint(cfg, name, target, progress=progress)
     if as_json:
         emit_json(result)
+    elif by_ref:
+        restore_ref.render(result)
     else:
         click.echo(f"restored {name} as {container_id} (pid {result['pid']}) in {result['timings']['total_s']:.2f} s")
 
