@@ -117,12 +117,12 @@ class EarlyDump:
 def start_all(runtime: str, members: list[Member], preps: dict, guards: dict[str, Guard]) -> dict[str, EarlyDump]:
     """Every container's early dump started, keyed by its name: those prepared by migrate.prepare,
     running, without CUDA processes (the others dump in their own pulls)."""
-    from migrt.migration.migrate import _Prepared
+    from migrt.migration.migrate import Prepared
 
     dumps = {}
     for m in members:
         prep = preps[m.name]
-        if not isinstance(prep, _Prepared) or prep.gpu_offer or not m.running:
+        if not isinstance(prep, Prepared) or prep.gpu_offer or not m.running:
             continue
         tmp = os.path.join(prep.store.root, ".tmp")
         try:

@@ -213,7 +213,7 @@ class _Source:
 
 
 @dataclass
-class _Prepared:
+class Prepared:
     """What migrate() found out before connecting: nothing of the container is touched yet."""
     runtime: LowerRuntime
     root: str
@@ -238,7 +238,7 @@ def staging_name(name: str) -> str:
     return names.validate(f"{name[:110].rstrip('._-')}.out-{digest}")
 
 
-def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
+def prepare(cfg: Config, req: MigrateRequest) -> Prepared:
     """Every check that needs no peer, before the container is touched: its state, the lazy dump's
     limits, a lazy restore still filling it, its CUDA processes; the store made ready."""
     runtime = LowerRuntime(cfg.runtime_path())
@@ -279,7 +279,7 @@ def prepare(cfg: Config, req: MigrateRequest) -> _Prepared:
     store = Store(cfg.store)
     store.ensure()
     store.gc()
-    return _Prepared(runtime, root, state, name, mode, plan, bundle_dir, bundle, opts, gpu, gpu_offer, store,
+    return Prepared(runtime, root, state, name, mode, plan, bundle_dir, bundle, opts, gpu, gpu_offer, store,
                      dump_mode)
 
 
@@ -294,7 +294,7 @@ def migrate(cfg: Config, req: MigrateRequest, progress: Progress = null_progress
     return send(cfg, req, prep, ch, progress, t_start=t_start, t_connect=t0)
 
 
-def send(cfg: Config, req: MigrateRequest, prep: _Prepared, ch: Channel, progress: Progress = null_progress, *,
+def send(cfg: Config, req: MigrateRequest, prep: Prepared, ch: Channel, progress: Progress = null_progress, *,
          t_start: float, t_connect: float) -> dict:
     """The migration over an authenticated channel to the target's receiving side: `migrt migrate`'s
     own connection, or the one a target's pull opened to this node's agent (agent.py). Closes it."""

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from migrt.kernel import mm
 from migrt.kernel.files import atomic_file
 from migrt.kernel.libc import libc
-from migrt.pagefill import uffd
+from migrt.pagefill import held, uffd
 from migrt.pagefill.images import PAGE, Plan, in_ranges
 from migrt.pagefill.remote import FetchError, RemotePages
 from migrt.pagefill.verify import Verifier, VerifyError, mmap_reader
@@ -76,7 +76,6 @@ REMOTE_CHUNK = 2 << 20          # a fetch from the source: big enough to stream,
 REMOTE_FAULT_WINDOW = 256 << 10
 BACKGROUND_NICE = 10            # copy threads; the event thread (faults) keeps the process's priority
 STATUS_EVERY_S = 0.5
-HOLD_ENV = "MIGRT_FILL_HOLD"    # pods/hold.py FILL_ENV: a held pod part's hold record
 
 
 class FillError(Exception):
@@ -264,7 +263,7 @@ class Filler:
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._last_status = 0.0
         # a pod's part held frozen until its pod is whole (pods/hold.py): background copies wait
-        self.hold_path: str | None = os.environ.get(HOLD_ENV) or None
+        self.hold_path: str | None = os.environ.get(held.HOLD_ENV) or None
         self._hold_read = 0.0
 
     # -- ranges (all under self.state) -------------------------------------------------------------
@@ -404,10 +403,8 @@ class Filler:
             return False
         now = time.monotonic()
         if now - self._hold_read >= 0.05:
-            from migrt.pods import hold  # only a held part's filler needs it
-
             self._hold_read = now
-            if not hold.holding(self.hold_path):
+            if not held.holding(self.hold_path):
                 self.hold_path = None
                 self.counts["held_s"] = round(now - self.t0, 3)
                 return False

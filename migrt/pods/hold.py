@@ -45,14 +45,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from migrt.errors import Conflict, PreconditionFailed, RuntimeFailed, UsageError
+from migrt.pagefill.held import HOLD_ENV, HOLDING
+from migrt.pagefill.held import holding as holding  # read by a held part's filler; here for the hold's callers
 from migrt.pods import netlock
 from migrt.runtime import control
 
 PREFIX = ".migrt-hold-"
 # set for a held part's restore (podpull.TargetPart): its page filler's background copies wait while
 # the hold record it names holds the pod (pagefill/engine.py; `holding`)
-FILL_ENV = "MIGRT_FILL_HOLD"  # pagefill/engine.py HOLD_ENV
-HOLDING, RELEASED, ABANDONED = "holding", "released", "abandoned"
+FILL_ENV = HOLD_ENV  # a held part's filler reads its record (pagefill/held.py)
+RELEASED, ABANDONED = "released", "abandoned"
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,252}")
 
@@ -253,25 +255,6 @@ class Hold:
     def _ended(self, rec: dict) -> str:
         return (f"pod hold {self.sandbox}: the pod's restore was given up ({rec.get('reason') or rec.get('state')}); "
                 "the parts restored here are removed, the source keeps the pod")
-
-
-def holding(path: str) -> bool:
-    """Whether the hold record at `path` still holds its pod (its deadline not passed): read under a
-    shared lock, never written. False for a record that is absent or unreadable. A held part's filler
-    asks: its tasks are frozen (no fault can come), so its background copies would only compete with
-    the restores of the pod's next parts for the node's CPUs."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        rec = json.loads(os.pread(fd, 1 << 20, 0) or b"{}")
-    except (OSError, ValueError):
-        return False
-    finally:
-        os.close(fd)
-    return isinstance(rec, dict) and rec.get("state") == HOLDING and time.time() <= rec.get("deadline", 0)
 
 
 def sweep(root: str, live: Callable[[str], bool]) -> None:

@@ -16,7 +16,7 @@ import pytest
 from migrt.config import Config
 from migrt.errors import PreconditionFailed
 from migrt.ops import pages as pages_mod
-from migrt.pagefill import engine, images, uffd
+from migrt.pagefill import engine, held, images, uffd
 
 PAGE = 4096
 MiB = 1 << 20
@@ -419,10 +419,10 @@ def test_a_held_pod_parts_filler_copies_nothing_in_the_background_until_its_pod_
                                                                                           rigs, monkeypatch):
     from migrt.pods import hold
 
-    assert hold.FILL_ENV == engine.HOLD_ENV
+    assert hold.FILL_ENV == held.HOLD_ENV
     pod = hold.Hold(str(tmp_path), "sb1", resume=lambda root, cid: None)
     pod.join(["app", "side"], 60)
-    monkeypatch.setenv(engine.HOLD_ENV, pod.path)
+    monkeypatch.setenv(held.HOLD_ENV, pod.path)
     rigs.append(rig := Rig(tmp_path, 16 * MiB))
     rig.guard.send(b"F")  # the restore finished: background copies would start now
     got = {}
