@@ -5,6 +5,8 @@ the network between may:
   --rate BYTES/S      throttle every response body (a slow registry: a lazy fill takes seconds)
   --flip DIGEST       flip one byte in the middle of every body served for that blob (200 or 206)
   --no-ranges         drop the Range header: the registry answers 200 with the whole blob
+  --exit-on DIGEST    exit at the first request for that blob's bytes (the one-byte range probe
+                      aside): the registry goes away right then
 
 Every request is logged as a JSON line to --log: method, path, range asked, status, bytes sent,
 time, so a test sees what the client fetched and when.
@@ -18,6 +20,7 @@ import argparse
 import http.client
 import http.server
 import json
+import os
 import ssl
 import threading
 import time
@@ -47,6 +50,9 @@ class Proxy(http.server.BaseHTTPRequestHandler):
         self._forward()
 
     def _forward(self) -> None:
+        if self.opts.exit_on and self.opts.exit_on in self.path and self.headers.get("Range") != "bytes=0-0":
+            self._log(0, 0)
+            os._exit(0)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
         if self.opts.no_ranges:
             headers.pop("Range", None)
@@ -108,6 +114,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0)
     p.add_argument("--flip", default="")
     p.add_argument("--no-ranges", action="store_true")
+    p.add_argument("--exit-on", default="")
     opts = p.parse_args()
     Proxy.opts = opts
     Proxy.ctx = ssl.create_default_context(cafile=opts.ca)
