@@ -583,7 +583,9 @@ class Bench:
             steps.append(f"restored {k}: request file, migrt-runc create (MIGRT_RESTORE) + start, answer vs fresh 1; removed")
             if self.args.from_registry:
                 steps.append(f"registry {k}: the restores' store emptied, migrt-runc create with MIGRT_RESTORE=oci:REF "
-                             "(pulled from the registry in the create), answer vs fresh 1; removed")
+                             "(lazily: what CRIU reads in the create, the rest by range while it runs, a GPU "
+                             "checkpoint's host copy first; a full pull where it falls back), answer vs fresh 1; "
+                             "removed")
         if self.args.from_registry:
             steps.insert(2, "registry: docker-registry on 127.0.0.1 (TLS, CA made here; htpasswd basic auth), "
                             "migrt push of the checkpoint (timed)")
