@@ -27,6 +27,10 @@ carries one request:
     query {name, container_id}
         does a container restored from checkpoint `name` run here (receive.py answers; a pull's
         guard still deciding is waited for).
+    pull {source, namespace, init_ran {image, parts}}
+        a pod-level pull's init container on the target: did the source pod's container of that name
+        run to completion (initran.py)? Under the pull's rules (every container of the pod opted in,
+        the namespace binding; the same refusal); answered `ran {ran, why}`.
 
 Records of pods that have gone (moved containers, pod holds) are swept every minute.
 """
@@ -45,7 +49,7 @@ from dataclasses import dataclass
 from migrt import log as log_mod
 from migrt.config import Config
 from migrt.errors import Conflict, PreconditionFailed, UsageError
-from migrt.migration import migrate, podpull
+from migrt.migration import initran, migrate, podpull
 from migrt.migration.channel import Channel
 from migrt.migration.pull import describe
 from migrt.migration.receive import ReceiveOptions, Receiver, Report
@@ -194,6 +198,9 @@ class Agent:
     def hand_over(self, ch: Channel, msg: dict, out: dict) -> None:
         t_start = time.monotonic()
         out.update(mode="pull", source=msg.get("source"))
+        if msg.get("init_ran") is not None:  # a pod-level pull's init container: did it run here? (initran.py)
+            self._answer_ran(ch, msg, out, t_start)
+            return
         if msg.get("pod_pull") is not None:  # one part of a pod-level pull (podpull.py)
             self._hand_over_part(ch, msg, out, t_start)
             return
@@ -242,6 +249,27 @@ class Agent:
                         del self._cuts[key]
         self._report(out, to, res)
         out["pod"] = {"pod": cut.pod, "part": name, "parts": sorted(parts)}
+
+    def _answer_ran(self, ch: Channel, msg: dict, out: dict, t_start: float) -> None:
+        """Whether the source pod's container of that name ran to completion (initran.ran), under the
+        pull's rules (the pod's containers opted in, bound to the namespace; one refusal text)."""
+        want, query = _wanted(msg.get("source")), msg["init_ran"]
+        if "container" not in want or not isinstance(query, dict) or not isinstance(query.get("image", ""), str):
+            raise UsageError(f"pull: malformed init container request {query!r}")
+        parts = podpull.parse_parts(",".join(f"{k}={v}" for k, v in (query.get("parts") or {}).items()))
+        try:
+            found = members.pod_members(self.cfg, want["namespace"], want["pod"])
+            why = next((f"container {m.name}: {w}" for m in found
+                        if (w := ineligible(self.cfg, Bundle.load(m.bundle), msg.get("namespace")))), None)
+        except PreconditionFailed as exc:
+            why = str(exc)
+        if why:
+            refused = Refused(want, msg.get("namespace"), ch.local_host, why)
+            self._refused(ch, msg, refused, t_start, out)
+            raise refused
+        ran, because = initran.ran(found, want["container"], query.get("image") or "", parts)
+        out.update(init_ran=ran, reason=because)
+        ch.send({"type": "ran", "ran": ran, "why": because})
 
     def _cut(self, ch: Channel, msg: dict, key: tuple, parts: dict, to: str, t_start: float, out: dict,
              first: bool) -> podpull.PodCut:

@@ -166,6 +166,16 @@ class Bundle:
             return True
         return ann.get(CRI_ANNOTATIONS["container_name"]) in {e.partition("=")[0].strip() for e in pod.split(",")}
 
+    def unlisted_pod_part(self) -> MigrateFrom | None:
+        """A pod-level pull's (annotations migrt.io/migrate-from=<node>/<ns>/<pod> and migrt.io/migrate-pod)
+        container that the list leaves out (a regular init container: migration/initran.py), else None."""
+        ann = self.annotations
+        value, pod = ann.get(MIGRATE_FROM_ANNOTATION), ann.get(MIGRATE_POD_ANNOTATION)
+        if not value or pod is None or self.env.get(MIGRATE_FROM_ENV) or not self.is_application_container \
+                or self._listed(ann) or len(value.split("/")) != 3:
+            return None
+        return MigrateFrom(value, "annotation", pod)
+
     def migrate_request(self) -> MigrateFrom | None:
         """The pull asked for by this container, if any; never for a pod sandbox. The annotation is
         pod-wide (containerd copies pod annotations into every container): one naming a container

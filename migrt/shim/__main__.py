@@ -78,6 +78,13 @@ def _create(call: Call) -> int | None:
         from migrt.migration.pull import pull_on_create  # heavy imports only from here on
 
         return pull_on_create(call, bundle, pull)
+    unlisted = bundle.unlisted_pod_part()
+    if unlisted is not None and unlisted.pod is not None:  # an init container: did it run on the source?
+        from migrt.migration import initran
+
+        args = initran.on_create(call, bundle, unlisted.value, unlisted.pod)
+        if args is not None:
+            _exec(call.lower, args)
     request = bundle.restore_request()
     if request is None:
         if not bundle.gpu_release_on_pause:
