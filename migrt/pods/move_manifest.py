@@ -14,7 +14,8 @@ the controllers own, plus what makes it pull:
   `<agent>/<ns>/<pod>` with `migrt.io/migrate-pod` listing every application container and native
   sidecar with its image as the spec gives it (`name=image,...`: what kubelet passes containerd as
   the user's image, io.kubernetes.cri.image-name), so that the source pod is cut at one instant
-  (migration/podpull.py); regular init containers are not listed and run again on the target.
+  (migration/podpull.py); regular init containers are not listed: each is created as an immediate
+  exit 0 on the target once the source's agent says its namesake ran (migration/initran.py).
   --container NAME writes the per-container form (only that one pulls; the others start fresh);
   --separate-cuts writes `<agent>/<ns>/<pod>` without the list (each container pulls its namesake
   with a freeze of its own), refused with init containers that are not sidecars (the annotation
@@ -289,7 +290,7 @@ def move(obj: dict, opts: MoveOptions, fmt: str = "yaml") -> Move:
         metadata["annotations"][MIGRATE_POD_ANNOTATION] = listed
     spec, spec_notes = _spec(src_spec, where, opts, src)
     notes += spec_notes + _volume_notes(src_spec, src_spec.get("nodeName") != opts.to_node)
-    notes += _opt_in_notes(meta, where, src_spec, movers, whole and listed is None)
+    notes += _opt_in_notes(meta, where, src_spec, movers, whole and listed is None, listed is not None)
     pod = {"apiVersion": obj.get("apiVersion") or "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
     names = Names(ns, src, name, f"{name}.{fmt}", opts.to_node)
     job_uid = (move_owners.controller_of(meta) or {}).get("uid") if plan.kind == "Job" else None
@@ -308,7 +309,8 @@ def _pod_list(where: str, spec: dict, movers: list[str]) -> str:
     return ",".join(f"{n}={images[n]}" for n in movers)
 
 
-def _opt_in_notes(meta: dict, where: str, spec: dict, movers: list[str], separate: bool) -> list[str]:
+def _opt_in_notes(meta: dict, where: str, spec: dict, movers: list[str], separate: bool,
+                   pod_level: bool = False) -> list[str]:
     notes = []
     if str((meta.get("annotations") or {}).get(MIGRATABLE_ANNOTATION, "")).lower() not in _TRUE:
         notes.append(f"{where} has not opted in ({MIGRATABLE_ANNOTATION}: \"true\"): its node's agent refuses the "
@@ -322,7 +324,11 @@ def _opt_in_notes(meta: dict, where: str, spec: dict, movers: list[str], separat
     inits = [c["name"] for c in spec.get("initContainers") or [] if c.get("restartPolicy") != "Always"]
     if fresh:
         notes.append(f"containers {', '.join(fresh)} start fresh on the target (only {movers[0]} pulls)")
-    if inits:
+    if inits and pod_level:
+        notes.append(f"init containers {', '.join(inits)} are not run again on the target: each exits 0 at once "
+                     "if the source's agent says its namesake ran (else it runs); what they wrote into volumes "
+                     "does not move")
+    elif inits:
         notes.append(f"init containers {', '.join(inits)} run again on the target before the pull (kubelet runs "
                      "them first): they must be safe to re-run")
     return notes
