@@ -11,7 +11,8 @@ each); `migrate-pod` makes it pod-level. The list is what the target's side cann
 (kubelet creates the containers one at a time and a create sees only its own bundle): it names
 every container that pulls, with its image as the new pod's containers give it, so the source pod is
 checked against the whole new pod before anything is frozen. A container of the new pod that is
-not listed (a regular init container) starts fresh: init containers run again on the target.
+not listed (a regular init container) is created as an immediate exit 0 when the source's agent says
+its namesake ran there, else it starts fresh (initran.py).
 `migrt k8s move-manifest` writes the list.
 
 kubelet's steps, and what each does (containers are created one after another; each create waits):

@@ -1,6 +1,6 @@
 """migration/initran.py: a pod-level pull's init container that ran on the source is created as an
 exit(0) on the target (the program's bytes, the bundle copy, the source's answer, the agent's rules).
-Through CRI on two nodes: tests/integration/test_pod_level_pull.py."""
+Through CRI on two nodes: tests/integration/test_pod_init_ran.py."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from migrt.errors import PreconditionFailed
 from migrt.migration import agent, initran
 from migrt.oci.bundle import Bundle
 from migrt.pods.members import Member
+from tests.unit.test_pull import _pod_annotations, _pull_config
+from tests.unit.test_shim import bundle_argv, last_log_line, sh_shim  # noqa: F401 - the fixture
 
 from .support import write_bundle
 
@@ -138,3 +140,17 @@ def test_the_agent_answers_under_the_pulls_rules(tmp_path, monkeypatch):
         with pytest.raises(agent.Refused, match="no migratable container init-db of pod team-a/web-0") as exc:
             _ask(tmp_path, monkeypatch, migratable, ns)
         assert reason in exc.value.reason and isinstance(exc.value, PreconditionFailed)
+
+
+def test_sh_an_init_container_whose_source_agent_is_not_there_fails_its_create(sh_shim, tmp_path):  # noqa: F811
+    _pull_config(sh_shim.env, "127.0.0.1:1")
+    bundle = write_bundle(tmp_path / "bundle", annotations=_pod_annotations(
+        "setup", **{"migrt.io/migrate-from": "127.0.0.1:1/team-a/web-0", "migrt.io/migrate-pod": "app=reg/app:1"}))
+    cfg = json.loads((bundle / "config.json").read_text())
+    cfg["mounts"] = [{"destination": "/dev", "type": "tmpfs", "source": "tmpfs"}]
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    argv, _ = bundle_argv(tmp_path, bundle, "--bundle")
+    r = sh_shim.run(argv)
+    assert (r.returncode, r.stdout, r.stderr) == (9, b"", b"")  # TransferError, as a pull's
+    assert sh_shim.env.fake.calls() == []  # neither run fresh nor as an exit 0
+    assert last_log_line(bundle / "log.json")["msg"] == "migrt: cannot pull from 127.0.0.1:1 (see the node's migrt log)"
