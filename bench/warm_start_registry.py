@@ -103,6 +103,8 @@ class RegistryLeg:
         config = Path(node.env["MIGRT_CONFIG"])
         lines = (f"registry_auth_file: {self.reg.auth_file}\nregistry_ca_file: {self.reg.ca_file}\n"
                  f"restore_registries: ['{self.reg.host}']\nregistry_timeout: 600\n")
+        if os.environ.get("WARM_START_REGISTRY_PARALLEL"):  # connections per transfer (default the config's)
+            lines += f"registry_parallel: {int(os.environ['WARM_START_REGISTRY_PARALLEL'])}\n"
         text = config.read_text()
         config.write_text(text + ("" if text.endswith("\n") else "\n") + lines)
         self.config = base / "config-registry.yaml"
