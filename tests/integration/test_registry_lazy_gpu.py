@@ -30,7 +30,8 @@ from tests.integration.test_runc import Piped
 pytestmark = pytest.mark.integration
 GIB = 1 << 30
 U0 = "GPU-11111111-2222-3333-4444-555555555555"
-DATA_MIB, COPY_MIB = 200, 64  # above fill_min_mib (auto: lazy); the data bigger than the copy (biggest first alone takes it first)
+# above fill_min_mib (auto: lazy); the data bigger than the copy (biggest first alone would take it first)
+DATA_MIB, COPY_MIB = 200, 64
 SOCKET = "migrt-reglazy-gpu"
 
 
