@@ -224,7 +224,7 @@ class Agent:
         want, pod = _wanted(msg.get("source")), msg["pod_pull"]
         if "container" not in want or not isinstance(pod, dict) or not isinstance(pod.get("sandbox"), str):
             raise UsageError(f"pull: malformed pod-level request {pod!r}")
-        parts = podpull.parse_parts(",".join(f"{k}={v}" for k, v in (pod.get("parts") or {}).items()))
+        parts = members.listed_parts(pod.get("parts"))
         to = self._target(ch, msg)
         key = (want["namespace"], want["pod"], pod["sandbox"])
         cut = self._cut(ch, msg, key, parts, to, t_start, out, first=pod.get("first") is True)
@@ -256,7 +256,7 @@ class Agent:
         want, query = _wanted(msg.get("source")), msg["init_ran"]
         if "container" not in want or not isinstance(query, dict) or not isinstance(query.get("image", ""), str):
             raise UsageError(f"pull: malformed init container request {query!r}")
-        parts = podpull.parse_parts(",".join(f"{k}={v}" for k, v in (query.get("parts") or {}).items()))
+        parts = members.listed_parts(query.get("parts"))
         try:
             found = members.pod_members(self.cfg, want["namespace"], want["pod"])
             why = next((f"container {m.name}: {w}" for m in found

@@ -122,13 +122,31 @@ def parse_listed(text: object) -> dict[str, str]:
     usage = f"migrt.io/migrate-pod {text!r}: expected <container>=<image>[,<container>=<image>...]"
     if not isinstance(text, str) or not text.strip():
         raise UsageError(usage)
-    parts: dict[str, str] = {}
-    for entry in text.split(","):
-        name, _, image = (x.strip() for x in entry.partition("="))
-        if not _NAME.fullmatch(name) or name in parts or not image.isprintable() or " " in image:
+    pairs = [tuple(x.strip() for x in entry.partition("=")[::2]) for entry in text.split(",")]
+    return _checked_parts(pairs, usage)
+
+
+def listed_parts(parts: object) -> dict[str, str]:
+    """The same list as it travels in a pull's request ({container name: image}), held to the rules
+    of parse_listed; UsageError otherwise."""
+    usage = f"pull: malformed list of the pod's containers {parts!r}"
+    if not isinstance(parts, dict) or not all(isinstance(v, str) for v in parts.values()):
+        raise UsageError(usage)
+    return _checked_parts(list(parts.items()), usage)
+
+
+def _checked_parts(pairs: list, usage: str) -> dict[str, str]:
+    """{name: image} of (name, image) pairs: every name a container name, once; images printable, no
+    blank, no comma (the list's separator); at least one pair."""
+    out: dict[str, str] = {}
+    for name, image in pairs:
+        if (not isinstance(name, str) or not _NAME.fullmatch(name) or name in out or not image.isprintable()
+                or " " in image or "," in image):
             raise UsageError(usage)
-        parts[name] = image
-    return parts
+        out[name] = image
+    if not out:
+        raise UsageError(usage)
+    return out
 
 
 def mismatch(source: Sequence[Member], target: Mapping[str, str], source_is: str = "the checkpoint") -> list[str]:

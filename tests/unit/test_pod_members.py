@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from migrt.config import Config
-from migrt.errors import PreconditionFailed, RuntimeFailed
+from migrt.errors import PreconditionFailed, RuntimeFailed, UsageError
+from migrt.pods import members
 from migrt.pods.members import Member, PodFreeze, mismatch, pod_members
 
 from .support import write_bundle
@@ -125,3 +126,12 @@ def test_mismatch_names_what_it_compares_with_the_source_pod_for_a_pull():
         "container extra: the source pod has no container of that name (it has app)",
         "container app: image 'reg/app:2', the source pod's is 'reg/app:1'",
     ]
+
+
+def test_the_list_from_a_pull_request_is_held_to_the_annotations_rules():
+    assert members.listed_parts({"native": "reg/n:1", "app": ""}) == {"native": "reg/n:1", "app": ""}
+    assert members.listed_parts({"app": "x"}) == members.parse_listed("app=x")
+    for bad in (None, {}, [], "app=x", {"app": 1}, {"../x": "i"}, {"app": "a b"}, {"app": "a,side=b"},
+                {"app": "\x1b[2J"}, {1: "x"}):
+        with pytest.raises(UsageError):
+            members.listed_parts(bad)
