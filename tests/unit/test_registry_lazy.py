@@ -7,7 +7,6 @@ tests/integration/test_registry_lazy.py."""
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +20,7 @@ from migrt.pagefill.verify import FileChunks, Verifier, VerifyError
 from migrt.registry import lazy, pull
 from migrt.registry.fill import RegistrySource
 from migrt.store import Store
+from migrt.store.fsutil import lock_is_free
 from tests.helpers.fake_registry import archive_image, migrt_image
 from tests.unit.test_registry_pull import Log, cfg, reg, tls  # noqa: F401 - fixtures
 
@@ -36,14 +36,9 @@ def _prepare(cfg, host: str, log: Log, **kw):  # noqa: F811 - the fixture's valu
 
 
 def _locked(store: str, digest: str) -> bool:
-    fd = os.open(os.path.join(store, ".locks", f".pull-{digest.split(':', 1)[1]}.lock"), os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    path = os.path.join(store, ".locks", f".pull-{digest.split(':', 1)[1]}.lock")
+    assert os.path.exists(path), path  # the image's lock file is there, held or not
+    return not lock_is_free(path)
 
 
 @pytest.fixture()
