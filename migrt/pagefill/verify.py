@@ -162,8 +162,9 @@ class Verifier:
         t0 = time.monotonic()
         try:
             if self.source is not None and not self.source.has(f.path, i):
-                # a fault's chunk and a first one in ranges over every connection; hashed as it arrives
-                self.source.fetch(f, i, fault=who == "by_copy" or (id(f), i) in self.first)
+                # a fault's chunk in ranges over the source's connections, hashed as it arrives; a sweep's
+                # (the first chunks too: several at once) whole
+                self.source.fetch(f, i, fault=who == "by_copy")
                 ok = True
             else:
                 read = self.readers.get(f.path)
@@ -280,8 +281,10 @@ def build(plan, spec: dict) -> Verifier | None:
     {"checkpoint": name, "files": {basename: {"rel", "size", "chunks": hex concatenated}}}); None when
     nothing is handed over. Eager chunks: those with a byte outside every process's lazy segments;
     first chunks: those holding a process's first ranges; then the chunks in the copy order (first
-    ranges, then the biggest segments)."""
+    ranges, then the biggest segments). A file record's "partly" (verified_ranges) takes those ranges'
+    chunks out of the eager ones where every byte CRIU reads of them lies in the ranges."""
     files: dict[str, FileChunks] = {}
+    held: dict[str, list[tuple[int, int]]] = {}
     for base, rec in (spec.get("files") or {}).items():
         if os.path.basename(base) != base or not base:
             raise VerifyError(f"bad file name {base!r} in the restore's verify hand-over")
@@ -292,6 +295,7 @@ def build(plan, spec: dict) -> Verifier | None:
             raise VerifyError(f"{rec.get('rel') or base}: {len(digests)} chunk digests for {size} bytes")
         path = os.path.join(plan.images, base)
         files[path] = FileChunks(path=path, rel=rec.get("rel") or base, size=size, digests=digests)
+        held[path] = [r for ranges in verified_ranges(rec).values() for r in ranges]
     if not files:
         return None
     lazy: dict[str, list[tuple[int, int]]] = {p: [] for p in files}
@@ -309,7 +313,7 @@ def build(plan, spec: dict) -> Verifier | None:
                 firsts += [(f, i) for i in range(s.offset // TREE_CHUNK, (s.offset + s.length - 1) // TREE_CHUNK + 1)]
     eager = []
     for path, f in files.items():
-        eager += [(f, i) for i in eager_chunks(f.size, lazy[path])]
+        eager += [(f, i) for i in eager_chunks(f.size, lazy[path] + held[path])]
     order = []
     for _rank, neg, off, path in sorted(ranked):
         f = files[path]
@@ -335,4 +339,22 @@ def eager_chunks(size: int, lazy: list[tuple[int, int]]) -> list[int]:
         # covered iff one merged range spans [a, b) (merged ranges never touch each other)
         if not (k < len(merged) and merged[k][0] <= a and merged[k][1] >= b) or a == b:
             out.append(i)
+    return out
+
+
+def verified_ranges(rec: dict) -> dict[int, list[tuple[int, int]]]:
+    """A hand-over file record's "partly": {chunk index: [start, end) ranges of the file} of chunks only
+    those bytes of which are on disk, verified by the restore (registry/blocks.py: the blocks holding
+    the bytes CRIU reads); VerifyError if malformed."""
+    size = int(rec["size"])
+    out: dict[int, list[tuple[int, int]]] = {}
+    for key, ranges in (rec.get("partly") or {}).items():
+        i = int(key) if isinstance(key, str) and key.isdigit() else -1
+        a, b = i * TREE_CHUNK, min(size, (i + 1) * TREE_CHUNK)
+        ok = 0 <= a < b and isinstance(ranges, list)
+        got = [(r[0], r[1]) for r in ranges if isinstance(r, list) and len(r) == 2
+               and all(isinstance(x, int) and not isinstance(x, bool) for x in r)] if ok else []
+        if not ok or len(got) != len(ranges) or any(not a <= s < e <= b for s, e in got):
+            raise VerifyError(f"{rec.get('rel')}: bad verified ranges of chunk {key!r} in the restore's verify hand-over")
+        out[i] = sorted(got)
     return out

@@ -38,14 +38,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from migrt.errors import CheckpointInvalid, RegistryError
 from migrt.pagefill.verify import FileChunks, VerifyError
+from migrt.registry.fillwork import Workers
 
 if TYPE_CHECKING:
-    from migrt.registry.client import Client
+    from migrt.registry.client import Client, Deadline
     from migrt.registry.pull import Journal
 
 ZEROS = bytes(4 << 20)
@@ -65,6 +66,8 @@ class RegistrySource:
         self.fetched = 0  # chunks fetched here
         self.t0 = time.monotonic()
         self._client: Client | None = None
+        self._workers: Workers | None = None
+        self._fill_deadline: Deadline | None = None
         self._journal: Journal | None = None
         self._faults: ThreadPoolExecutor | None = None
         self._order = sorted(f["rel"] for f in spec["files"].values())
@@ -97,11 +100,10 @@ class RegistrySource:
 
         a, b, digest = blob.offset, blob.offset + blob.size, blob.digest
         try:
-            client = self.client()
             if fault:  # in ranges over this source's own threads (their connections kept for the next)
-                transfer.fetch(client, [blob], self.parallel, on_blob=lambda _b: None, pool=self._pool())
-            else:
-                transfer.fetch(client, [blob], 1, on_blob=lambda _b: None, pool=_InThread())
+                transfer.fetch(self.client(), [blob], self.parallel, on_blob=lambda _b: None, pool=self._pool())
+            else:  # whole, by a fetching process (registry/fillwork.py)
+                self.workers().fetch(digest, b - a, blob.path, a)
         except CheckpointInvalid as exc:
             self._zero(blob)
             got = exc.message.partition("the data received has ")[2].partition(";")[0]
@@ -178,8 +180,21 @@ class RegistrySource:
         """One client for every thread (each keeps its own connection), its deadline the fill's."""
         with self.lock:
             if self._client is None:
-                self._client = _client(self.spec, self.total)
+                self._client = make_client(self.spec, self._deadline())
             return self._client
+
+    def workers(self) -> Workers:
+        """The fill's fetching processes (started at the first whole chunk), under the same deadline."""
+        with self.lock:
+            if self._workers is None:
+                self._workers = Workers(self.spec, self._deadline(), self.parallel)
+            return self._workers
+
+    def _deadline(self) -> Deadline:
+        """(under self.lock) The fill's one deadline, from its first fetch."""
+        if self._fill_deadline is None:
+            self._fill_deadline = fill_deadline(self.spec, self.total)
+        return self._fill_deadline
 
     def _gone(self, exc: BaseException) -> str:
         in_bytes = self.total - self._missing_bytes()
@@ -255,6 +270,8 @@ class RegistrySource:
     def close(self) -> None:
         if self._faults is not None:
             self._faults.shutdown(wait=False)
+        if self._workers is not None:
+            self._workers.close()
         if self._client is not None:
             self._client.close()
         if self.lock_fd is not None:
@@ -283,33 +300,28 @@ def _not_niced() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, os.getpid()))
 
 
-class _InThread(Executor):
-    """Runs each unit in the calling thread (a sweep thread: one whole blob on its own connection)."""
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        fut: Future = Future()
-        try:
-            fut.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-            fut.set_exception(exc)
-        return fut
-
-
-def _client(spec: dict, total: int) -> Client:
-    """A registry client for the image pinned by digest, with the node's credentials and CA bundle, under
-    the fill's whole deadline: registry_timeout plus the pages at connect.WHOLE_RATE."""
-    from migrt.registry import auth
-    from migrt.registry.client import Client, Deadline
+def fill_deadline(spec: dict, total: int) -> Deadline:
+    """The fill's whole deadline: registry_timeout plus the pages at connect.WHOLE_RATE."""
+    from migrt.registry.client import Deadline
     from migrt.registry.connect import WHOLE_RATE
+
+    deadline = Deadline.after(float(spec.get("timeout") or 60), "registry_timeout in the migrt config, plus the "
+                              f"pages at {WHOLE_RATE >> 20} MiB/s", rate=WHOLE_RATE,
+                              then="what arrived is kept and the next restore of the image resumes it")
+    deadline.allow(total)
+    return deadline
+
+
+def make_client(spec: dict, deadline: Deadline) -> Client:
+    """A registry client for the image pinned by digest, with the node's credentials and CA bundle, under
+    the fill's deadline (in the filler, and in each of its fetching processes)."""
+    from migrt.registry import auth
+    from migrt.registry.client import Client
     from migrt.registry.reference import Reference
 
     ref = Reference(spec["registry"], spec["repository"], None, spec["digest"])
     creds = auth.load(spec.get("auth_file"), ref.registry) or (
         auth.load(spec.get("auth_file"), ref.api_host) if ref.api_host != ref.registry else None)
-    deadline = Deadline.after(float(spec.get("timeout") or 60), "registry_timeout in the migrt config, plus the "
-                              f"pages at {WHOLE_RATE >> 20} MiB/s", rate=WHOLE_RATE,
-                              then="what arrived is kept and the next restore of the image resumes it")
-    deadline.allow(total)
     return Client(ref, credentials=creds, ca_file=spec.get("ca_file"), deadline=deadline)
 
 

@@ -25,7 +25,7 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor, as_completed, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass, field
 
 from migrt.errors import CheckpointInvalid
@@ -222,3 +222,15 @@ def _copy(src: Blob, dst: Blob, write_error: WriteError) -> None:
             os.close(fout)
     finally:
         os.close(fin)
+
+
+class InThread(Executor):
+    """Runs each unit in the calling thread (a fill's fetching process: one whole blob on its connection)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(exc)
+        return fut

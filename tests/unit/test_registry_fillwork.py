@@ -1,0 +1,125 @@
+"""The fill's fetching processes (registry/fillwork.py) against the fake TLS registry of
+tests/helpers/fake_registry.py: a chunk the sweep fetches comes through a process of its own (the
+filler's interpreter receives none of it), verified; a process that dies fails the fetch with its
+pid and how it ended; the processes end when their pipes close, and when the filler dies while they
+wait on the network."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from migrt.pagefill.verify import Verifier
+from migrt.registry.fill import fill_deadline
+from migrt.registry.fillwork import FetchFailed, Workers
+from tests.helpers.fake_registry import migrt_image
+from tests.unit.test_registry_lazy import FILES, PAGES, REF, _prepare, _source, no_eager  # noqa: F401 - fixture
+from tests.unit.test_registry_pull import Log, cfg, reg, tls  # noqa: F401 - fixtures
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if _gone(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_sweep_fetches_a_chunk_through_a_fetching_process_verified(cfg, reg, no_eager, tmp_path):  # noqa: F811
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    out = _prepare(cfg, host, Log())
+    src, f = _source(out, tmp_path)
+    v = Verifier([f], what="checkpoint x")
+    v.source = src
+    try:
+        assert v.sweep_one() and v.snapshot()["verified"] == 1
+        assert Path(f.path).read_bytes() == PAGES
+        procs = [p.popen for p in src.workers()._all]
+        assert len(procs) == src.parallel and os.getpid() not in [p.pid for p in procs]
+        assert src._client is None  # the filler's own client never fetched a byte of it
+        assert Path(src.spec["journal"]).read_text().splitlines()[-1].endswith(" 0 images/pages-1.img")
+    finally:
+        src.close()
+    assert [p.returncode for p in procs] == [0] * len(procs)  # ended at the end of their pipes, none killed
+
+
+def test_a_fetching_process_that_dies_fails_the_fetch_with_its_pid_and_signal(cfg, reg, no_eager,  # noqa: F811
+                                                                              tmp_path):
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    out = _prepare(cfg, host, Log())
+    src, f = _source(out, tmp_path)
+    try:
+        workers = Workers(src.spec, fill_deadline(src.spec, len(PAGES)), 1)
+        pid = workers._all[0].popen.pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(FetchFailed, match=rf"a fetching process of the fill \(pid {pid}\) ended \(signal 9\)"):
+            workers.fetch(registry.add_blob(PAGES), len(PAGES), f.path, 0)
+        with pytest.raises(FetchFailed, match=rf"pid {pid}"):  # and every later fetch on it
+            workers.fetch(registry.add_blob(PAGES), len(PAGES), f.path, 0)
+        workers.close()
+        assert Path(f.path).read_bytes() == bytes(len(PAGES))
+    finally:
+        src.close()
+
+
+_ORPHAN = """
+import json, sys
+from migrt.registry.fill import fill_deadline
+from migrt.registry.fillwork import Workers
+spec, path, digest, size = json.loads(sys.argv[1])
+w = Workers(spec, fill_deadline(spec, size), 1)
+print(w._all[0].popen.pid, flush=True)
+w.fetch(digest, size, path, 0)
+"""
+
+
+def test_fetching_processes_end_when_the_filler_dies_while_they_wait_on_the_registry(cfg, reg, no_eager,  # noqa: F811
+                                                                                    tmp_path):
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    out = _prepare(cfg, host, Log())
+    src, f = _source(out, tmp_path)
+    blob = registry.add_blob(PAGES)
+    asked, release = threading.Event(), threading.Event()
+
+    def stall(h) -> None:  # the registry never answers this blob (until the test ends)
+        asked.set()
+        release.wait(30)
+        h.connection.close()
+    registry.hooks[f"/v2/team/ckpt/blobs/{blob}"] = stall
+    filler = subprocess.Popen([sys.executable, "-c", _ORPHAN, json.dumps([src.spec, f.path, blob, len(PAGES)])],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(filler.stdout.readline())
+        assert asked.wait(20)                           # the process waits on the registry now
+        filler.kill()
+        filler.wait()
+        assert _wait_gone(pid, 5), f"fetching process {pid} outlived its filler"
+    finally:
+        release.set()
+        if filler.poll() is None:
+            filler.kill()
+            filler.wait()
+        src.close()
