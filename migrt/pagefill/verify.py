@@ -355,6 +355,7 @@ def verified_ranges(rec: dict) -> dict[int, list[tuple[int, int]]]:
         got = [(r[0], r[1]) for r in ranges if isinstance(r, list) and len(r) == 2
                and all(isinstance(x, int) and not isinstance(x, bool) for x in r)] if ok else []
         if not ok or len(got) != len(ranges) or any(not a <= s < e <= b for s, e in got):
-            raise VerifyError(f"{rec.get('rel')}: bad verified ranges of chunk {key!r} in the restore's verify hand-over")
+            raise VerifyError(f"{rec.get('rel')}: bad verified ranges of chunk {key!r} in the restore's verify "
+                              "hand-over")
         out[i] = sorted(got)
     return out

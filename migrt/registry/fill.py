@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from migrt.errors import CheckpointInvalid, RegistryError
 from migrt.pagefill.verify import FileChunks, VerifyError
+from migrt.registry import blocks
 from migrt.registry.fillwork import Workers
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class RegistrySource:
         self.lock_fd = lock_fd
         self.parallel = max(1, int(spec.get("parallel") or 1))
         self.present = {(os.path.join(images, base), int(i)) for base, idx in spec["present"].items() for i in idx}
+        self.partly = blocks.partly_of(spec["files"], images)  # eager chunks the create fetched blocks of
         self.lock = threading.Lock()
         self.total = sum(int(f["size"]) for f in spec["files"].values())
         self.arrived = 0  # bytes of chunks fetched here
@@ -93,6 +95,8 @@ class RegistrySource:
         with self._chunk_locked(f, i):  # one filler of the image on this node fetches a chunk
             if self._arrived(f, i, digest):
                 return
+            if (f.path, i) in self.partly:  # only the rest of it, then the whole chunk hashed
+                return blocks.fill_chunk(self, f, i, fault)
             self._fetch(f, i, transfer.Blob(digest, b - a, os.path.join(self.partial, f.rel), a), fault)
 
     def _fetch(self, f: FileChunks, i: int, blob, fault: bool) -> None:

@@ -8,7 +8,9 @@ Format "migrt" (the default; large checkpoints):
           path in the checkpoint and the chunk's offset. 64 MiB is the store's digest tree chunk: a
           chunk's blob digest IS the leaf of the file's sha256_tree, so a pulled file's manifest
           digest follows from the blobs verified on arrival, with no second pass; unchanged chunks
-          have unchanged digests, so a second push sends only what changed.
+          have unchanged digests, so a second push sends only what changed. A pages image's chunk
+          that CRIU reads a few bytes of itself also carries its 1 MiB blocks' digests
+          (io.migrt.checkpoint.blocks, registry/blocks.py): a lazy restore fetches only those blocks.
 
 Format "cri" (`--format cri`; what CRI-O, Podman and checkpointctl use): one
 application/vnd.oci.image.layer.v1.tar layer holding the checkpoint archive layout (`migrt export`),

@@ -10,7 +10,9 @@ In the create, under the image lock (registry/pull.py lock_image), into the pull
   2. every file CRIU reads itself, fetched and verified (all files but the pages images); the pages
      images allocated at their full size;
   3. of the pages images, every 64 MiB chunk holding a byte that is not lazy (CRIU reads those
-     itself while it restores: pagefill/verify.py eager_chunks), fetched and verified.
+     itself while it restores: pagefill/verify.py eager_chunks), fetched and verified: where the image
+     records the chunk's block digests (registry/blocks.py), only the blocks holding such a byte,
+     each verified, the rest of the chunk left to the filler.
 The restore then runs from the partial directory (ops/restore.py restore_pulling) with the page
 filler, whose Verifier fetches every other chunk from the registry before any page of it is installed
 (pagefill/registry.py: faults first, background sweeps in parallel) and, once every chunk is in,
@@ -45,7 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from migrt.config import Config
-from migrt.registry import image, pull, transfer
+from migrt.registry import blocks, image, pull, transfer
+from migrt.registry.blocks import is_pages
 from migrt.registry.client import Client, Deadline
 from migrt.registry.connect import client_for
 from migrt.registry.reference import Reference, parse
@@ -54,7 +57,6 @@ from migrt.store.manifest import Manifest
 
 EVENT_FALLBACK = "registry_lazy_fallback"
 CHUNK_LOCKS = ".chunks"  # <store>/.pulls/<digest>.chunks/: a lock file per chunk (registry/fill.py)
-PAGES_PREFIX = "images/pages-"
 # lazy_ok(images, files, recorded survey): None to fill lazily, else why the memory is copied eagerly
 LazyOk = Callable[[str, dict, object], str | None]
 
@@ -114,11 +116,6 @@ def commit_gate(chunk_locks: str, shared: bool) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def is_pages(rel: str) -> bool:
-    base = rel.rsplit("/", 1)[-1]
-    return rel == f"images/{base}" and rel.startswith(PAGES_PREFIX) and rel.endswith(".img")
 
 
 def prepare(cfg: Config, reference: str, *, admit: pull.Admit, lazy_ok: LazyOk, container_id: str,
@@ -186,6 +183,7 @@ def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdig
     if isinstance(config.get("pod"), dict):  # ops/pod_restore.py: every container restores its part of it
         raise Fallback("a pod checkpoint (each container's create restores its own part from the store)")
     plan = image.plan_files(manifest, config["files"], where)
+    records = blocks.records(manifest, where)
     pages = {rel: chunks for rel, chunks in plan.items() if is_pages(rel)}
     if not pages:
         raise Fallback("the image has no pages images to fill")
@@ -211,7 +209,7 @@ def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdig
             raise Fallback(why)
         eager = _eager_chunks(imp.images, pages)
         marks.append(time.monotonic())
-        fetch([(rel, pages[rel][i]) for rel, idx in eager.items() for i in idx])
+        partly = _fetch_eager_chunks(cfg, client, store, partial, pages, eager, records, have, fetch)
         marks.append(time.monotonic())
     present = {rel: [i for i, (off, _s, d) in enumerate(chunks) if (d, off, rel) in have]
                for rel, chunks in pages.items()}
@@ -219,10 +217,11 @@ def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdig
               "manifest_digest": mdigest, "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "lazy": True}
     handover = _handover(cfg, client, name, cid, partial, journal.path, pages, present,
-                         {"store": store.root, "name": name, "plan": plan, "config": config, "pulled": pulled})
+                         {"store": store.root, "name": name, "plan": plan, "config": config, "pulled": pulled},
+                         partly)
     total = sum(len(c) for c in pages.values())
     summary = {"chunks": total, "present": sum(len(p) for p in present.values()),
-               "bytes_received": client.stats.received,
+               "partly": sum(len(p) for p in partly.values()), "bytes_received": client.stats.received,
                **{f"{k}_s": round(b - a, 3)
                   for k, a, b in zip(("files", "plan", "eager"), marks[:-1], marks[1:], strict=True)}}
     # as the commit will write it: our name, and `pulled` (a pulled layer is applied without setuid bits)
@@ -246,28 +245,45 @@ def _fetcher(cfg: Config, client: Client, store: Store, partial: str, journal, h
     return fetch
 
 
-def _eager_chunks(images: str, pages: dict[str, list]) -> dict[str, list[int]]:
-    """Per pages image, the chunks holding a byte that is not lazy (CRIU reads them itself)."""
-    from migrt.pagefill import ImageError, plan
-    from migrt.pagefill.verify import eager_chunks
+def _eager_chunks(images: str, pages: dict[str, list]) -> dict[str, blocks.Eager]:
+    """Per pages image, the lazy ranges and the chunks holding a byte that is not lazy (CRIU reads them
+    itself): blocks.eager_plan, as the push plans them."""
+    from migrt.pagefill import ImageError
 
     try:
-        fill = plan(images)
+        return blocks.eager_plan(images, {rel: sum(c[1] for c in chunks) for rel, chunks in pages.items()})
     except ImageError as exc:
         raise Fallback(f"the page filler cannot plan the images ({exc})") from exc
-    lazy: dict[str, list[tuple[int, int]]] = {rel: [] for rel in pages}
-    for proc in fill.processes.values():
-        rel = "images/" + os.path.basename(proc.pages_file) if proc.pages_file else ""
-        if rel in lazy:
-            lazy[rel] += [(s.offset, s.offset + s.length) for s in proc.segments]
-    return {rel: eager_chunks(sum(c[1] for c in pages[rel]), lazy[rel]) for rel in pages}
+
+
+def _fetch_eager_chunks(cfg: Config, client: Client, store: Store, partial: str, pages: dict,
+                        eager: dict[str, blocks.Eager], records: dict, have: dict, fetch) -> dict:
+    """The eager chunks: of those the image has block digests for (and not in yet), only the blocks
+    holding an eager byte, verified; the others whole. Returns {rel: {chunk index: verified ranges}}."""
+    jobs, whole = [], []
+    for rel, e in eager.items():
+        for i in e.chunks:
+            off, size, digest = pages[rel][i]
+            rec = records.get((rel, off))
+            want = blocks.needed(off, off + size, rec.size, e.lazy) if rec is not None else []
+            if rec is None or (digest, off, rel) in have or len(want) == len(rec.digests):
+                whole.append((rel, pages[rel][i]))
+            else:
+                jobs.append(blocks.Job(rel, i, off, size, digest, rec, want))
+    partly, refused = blocks.fetch_blocks(client, partial, jobs, cfg.registry_parallel,
+                                          lambda exc: reserve.enospc(exc, f"pulling {client.ref}", store.root))
+    fetch(whole + [(j.rel, pages[j.rel][j.index]) for j in refused])
+    return partly
 
 
 def _handover(cfg: Config, client: Client, name: str, cid: str, partial: str, journal: str, pages: dict,
-              present: dict, commit: dict) -> dict:
-    """The filler's verify.json (pagefill/verify.py build) with what it fetches from and commits to."""
+              present: dict, commit: dict, partly: dict) -> dict:
+    """The filler's verify.json (pagefill/verify.py build) with what it fetches from and commits to;
+    "partly": the ranges of eager chunks the create fetched only the blocks of (registry/blocks.py)."""
     files = {rel.rsplit("/", 1)[1]: {"rel": rel, "size": sum(c[1] for c in chunks),
-                                    "chunks": "".join(d.split(":", 1)[1] for _o, _s, d in chunks)}
+                                    "chunks": "".join(d.split(":", 1)[1] for _o, _s, d in chunks),
+                                    **({"partly": {str(i): r for i, r in sorted(partly[rel].items())}}
+                                       if partly.get(rel) else {})}
              for rel, chunks in pages.items()}
     registry = {"registry": client.ref.registry, "repository": client.ref.repository,
                 "digest": commit["pulled"]["manifest_digest"], "auth_file": cfg.registry_auth_file,

@@ -18,6 +18,7 @@ import pytest
 
 from migrt.pagefill.verify import FileChunks, Verifier, VerifyError
 from migrt.registry import lazy, pull
+from migrt.registry.blocks import Eager
 from migrt.registry.fill import RegistrySource
 from migrt.store import Store
 from migrt.store.fsutil import lock_is_free
@@ -44,7 +45,7 @@ def _locked(store: str, digest: str) -> bool:
 @pytest.fixture()
 def no_eager(monkeypatch):
     """No CRIU images to plan here: every pages chunk counts as lazy (the filler fetches it)."""
-    monkeypatch.setattr(lazy, "_eager_chunks", lambda images, pages: {rel: [] for rel in pages})
+    monkeypatch.setattr(lazy, "_eager_chunks", lambda images, pages: {rel: Eager([], []) for rel in pages})
 
 
 # -- the create's part ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 from migrt.pagefill import images, verify
 from migrt.pagefill.verify import FileChunks, Verifier, VerifyError
 from migrt.registry import lazy
+from migrt.registry.blocks import Eager
 from tests.helpers.fake_registry import migrt_image
 from tests.unit.test_pagefill_verify import CH, small_chunks  # noqa: F401 - fixture
 from tests.unit.test_registry_lazy import FILES, _prepare
@@ -21,7 +22,7 @@ GPU = {"gpu": {"processes": [{"pid": 7, "ns_pid": 1, "gpu_backing": [[4096, 8192
 
 
 def test_a_gpu_checkpoint_is_restored_lazily_not_after_a_full_pull(cfg, reg, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(lazy, "_eager_chunks", lambda images, pages: {rel: [] for rel in pages})
+    monkeypatch.setattr(lazy, "_eager_chunks", lambda images, pages: {rel: Eager([], []) for rel in pages})
     registry, host, _ca = reg
     registry.ranges = True
     migrt_image(registry, "v1", FILES, extra=GPU)
