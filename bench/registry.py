@@ -2,7 +2,7 @@
 """Checkpoints through a local OCI registry: push and pull MB/s against `cp`, the second push, and
 pull + restore against a restore from the local store.
 
-    python bench/registry.py [--sizes 1,4,8] [--runs 1] [--json-out PATH]
+    python bench/registry.py [--sizes 1,4,8] [--runs 1] [--parallel N] [--json-out PATH]
 
 Per size (GiB of anonymous memory held by bench/memhog.c under plain runc), per run:
  1. `migrt checkpoint --leave-running` (A), 2 s later `migrt checkpoint` (B: the same workload a
@@ -598,9 +598,15 @@ def print_wire(rows: list[dict]) -> None:
               f"{r['wire_push_vs_put_pump']:>5.2f} {r['wire_pull_mbps']:>9.0f} {r['wire_get_pump_mbps']:>8.0f} "
               f"{r['wire_pull_vs_get_pump']:>5.2f} {r['wire_single_pull_s']:>8.2f} {r['wire_four_pulls_max_s']:>9.2f} "
               f"{r['wire_four_pulls_ratio']:>5.2f}")
-    print("raw pump: plain http.client GET/PUT of the same blobs, same registry, same connections (4); "
+    print(f"raw pump: plain http.client GET/PUT of the same blobs, same registry, same connections ({PARALLEL}); "
           "ratio = migrt / pump; "
           "4 pulls: the slowest of four `migrt pull` processes of one image on one store / one alone")
+
+
+def set_parallel(n: int) -> None:
+    """--parallel: migrt's registry_parallel and the raw pump's connections."""
+    global PARALLEL
+    PARALLEL = n
 
 
 def main() -> int:
@@ -611,11 +617,16 @@ def main() -> int:
     ap.add_argument("--synthetic", action="store_true",
                     help="random checkpoints, no CRIU: push/pull beside the raw pump and 4 concurrent pulls only")
     ap.add_argument("--json-out", default=DEFAULT_JSON)
+    ap.add_argument("--parallel", type=int, default=PARALLEL,
+                    help=f"registry_parallel for migrt and the pump's connections alike (default {PARALLEL})")
     args = ap.parse_args()
+    if args.parallel != PARALLEL:
+        set_parallel(args.parallel)
     if os.geteuid() != 0:
         log("registry: run as root")
         return 2
-    miss = [t for t in ("runc", "criu", "gcc") if not shutil.which(t)] + missing()
+    miss = [t for t in ("runc", "criu", *(() if os.environ.get("MIGRT_BENCH_MEMHOG") else ("gcc",)))
+            if not shutil.which(t)] + missing()
     if miss:
         log(f"registry: missing {', '.join(miss)}")
         return 2
@@ -632,7 +643,8 @@ def main() -> int:
             with open(lab.config, "w") as fh:
                 fh.write(f"runtime: runc\nstore: {lab.store}\nlog_file: {lab.log_file}\nlog_level: info\n"
                          f"registry_auth_file: {reg.auth_file}\nregistry_ca_file: {reg.ca_file}\n"
-                         f"restore_registries: ['{reg.host}']\nregistry_timeout: 3600\n")
+                         f"restore_registries: ['{reg.host}']\nregistry_timeout: 3600\n"
+                         f"registry_parallel: {PARALLEL}\n")
             for size in (float(x) for x in args.sizes.split(",")):
                 need = int(size * GIB) * (4 if args.shm else 1) + GIB
                 if meminfo("MemAvailable") < need:

@@ -26,7 +26,8 @@ rate (median and slowest run) and by a linear fit over the sizes, writes JSON (d
 
     restore_size gb=<largest size run> restore_s=<median total restore s> gbps=<median GB/s>
 
-Run as root (runc, CRIU 4.2+, gcc, /usr/local/bin/migrt-runc). Everything it starts is removed:
+Run as root (runc, CRIU 4.2+, gcc or MIGRT_BENCH_MEMHOG=<a static build of bench/memhog.c>,
+/usr/local/bin/migrt-runc). Everything it starts is removed:
 containers by id (private runc root), checkpoints by name (private store), the temp dirs.
 """
 
@@ -88,8 +89,12 @@ class Lab:
         self.root = os.path.join(base, "runc-root")
         os.makedirs(self.root)
         self.memhog = os.path.join(base, "memhog")
-        subprocess.run(["gcc", "-static", "-O2", "-o", self.memhog, os.path.join(REPO, "bench", "memhog.c")],
-                       check=True)
+        prebuilt = os.environ.get("MIGRT_BENCH_MEMHOG")  # a static build of bench/memhog.c (a machine without gcc)
+        if prebuilt:
+            shutil.copy2(prebuilt, self.memhog)
+        else:
+            subprocess.run(["gcc", "-static", "-O2", "-o", self.memhog, os.path.join(REPO, "bench", "memhog.c")],
+                           check=True)
         self.config = os.path.join(base, "config.yaml")
         self.log_file = os.path.join(base, "migrt.log")
         self.env = {**os.environ, "MIGRT_CONFIG": self.config}
