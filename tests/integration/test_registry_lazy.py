@@ -244,6 +244,98 @@ def test_lazy_restore_runs_before_the_pages_arrive_and_commits_the_image(memhog_
         _forget(store, image)
 
 
+def _block_records(image: dict) -> dict[str, tuple[int, int, str]]:
+    """{digest: (offset, size, record)} of the pages layers that carry block digests."""
+    return {d["digest"]: (int(d["annotations"].get("io.migrt.checkpoint.offset", "0")), d["size"],
+                          d["annotations"]["io.migrt.checkpoint.blocks"])
+            for d in image["layers"] if "io.migrt.checkpoint.blocks" in d["annotations"]}
+
+
+def test_the_create_fetches_only_the_blocks_criu_reads(memhog_image, reg, containerd, migrt_config, tmp_path):
+    """A freshly pushed image records its eager chunks' block digests: the create fetches only the
+    blocks holding bytes CRIU reads (far less than those whole chunks), the container runs with its
+    memory intact, and the filler fetches the rest of those chunks, so each blob's bytes come once."""
+    image, store, node_log = memhog_image, migrt_config["store"], migrt_config["log"]
+    records = _block_records(image)
+    assert records and all(r[2].startswith(f"{1 << 20}:") for r in records.values()), image["layers"]
+    _forget(store, image)
+    proxy = Proxy(reg, str(tmp_path / "proxy.log"))
+    cid, log = _id("lz-b"), str(tmp_path / "b.log")
+    try:
+        res = _restore(containerd, cid, image["proxied"], log, image)
+        assert res.returncode == 0, res.stderr
+        ready = _wait_event(node_log, "restore_image_ready", cid, 1)
+        chunks = ready["chunks"]
+        assert ready["lazy"] is True and chunks["partly"] == len(records), ready
+        whole = len(records) * CHUNK
+        assert chunks["bytes_received"] < whole // 8, (chunks, whole)   # a few MiB, not whole 64 MiB chunks
+        assert _sum(containerd, cid, log) == image["ready"]
+        done = _wait_event(node_log, "registry_fill_done", cid, 120)
+        assert done["fetched_chunks"] == chunks["chunks"] - chunks["present"]
+        sizes = {d["digest"]: d["size"] for d in image["layers"]}
+        served = proxy.bytes_served()
+        assert {d: served.get(d, 0) for d in records} == {d: sizes[d] for d in records}  # each byte once
+        run_cli("inspect", image["name"], "--verify")
+    finally:
+        _remove(containerd, cid)
+        proxy.stop()
+        _forget(store, image)
+
+
+def _criu_block(image: dict, store: str) -> tuple[str, int]:
+    """(digest, offset in the blob) of a byte CRIU reads itself, inside a blob with block digests:
+    planned from a copy pulled here, as the create plans it."""
+    from migrt.registry import blocks
+
+    records = _block_records(image)
+    run_cli("pull", image["direct"], "--name", "lz-probe2")
+    try:
+        top = os.path.join(store, "lz-probe2")
+        sizes = {"images/pages-1.img": os.path.getsize(os.path.join(top, "images", "pages-1.img"))}
+        lazy = blocks.eager_plan(os.path.join(top, "images"), sizes)["images/pages-1.img"].lazy
+    finally:
+        run_cli("rm", "lz-probe2")
+    for digest, (off, size, _rec) in sorted(records.items(), key=lambda r: r[1][0]):
+        want = blocks.needed(off, off + size, 1 << 20, lazy)
+        if want:
+            return digest, want[-1] * (1 << 20) + 100
+    raise AssertionError(f"no block CRIU reads in {records}")
+
+
+def test_a_corrupted_block_is_refused_before_criu_runs(memhog_image, reg, containerd, migrt_config, tmp_path):
+    """A byte of a block CRIU reads, altered in the registry's storage: the create fails with the
+    block's mismatch before CRIU runs, no container, nothing committed or journaled of that chunk."""
+    image, store, node_log = memhog_image, migrt_config["store"], migrt_config["log"]
+    _forget(store, image)
+    digest, at = _criu_block(image, store)
+    blob = reg.blob_path(digest)
+    with open(blob, "r+b") as fh:
+        fh.seek(at)
+        old = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([old[0] ^ 0xFF]))
+    cid, log = _id("lz-x"), str(tmp_path / "x.log")
+    try:
+        res = _restore(containerd, cid, image["direct"], log, image)
+        assert res.returncode != 0
+        failed = _wait_event(node_log, "restore_pull_failed", cid, 10)["error"]
+        assert f"blob {digest}" in failed and "the data received has sha256" in failed, failed
+        assert f"block {at >> 20} of" in failed, failed
+        assert not _events(node_log, "restored", cid)                    # CRIU never ran
+        assert not _running(containerd, cid)
+        assert not os.path.exists(os.path.join(store, image["name"]))
+        journal = os.path.join(store, ".pulls", image["digest"].split(":", 1)[1] + ".done")
+        assert digest not in (Path(journal).read_text() if os.path.exists(journal) else "")
+    finally:
+        with open(blob, "r+b") as fh:
+            fh.seek(at)
+            fh.write(old)
+        _remove(containerd, cid)
+        _forget(store, image)
+    for d in image["layers"]:                                           # the image as pushed
+        assert "sha256:" + hashlib.sha256(Path(reg.blob_path(d["digest"])).read_bytes()).hexdigest() == d["digest"]
+
+
 def _lazy_only_blob(image: dict, store: str) -> str:
     """A pages blob no byte of which CRIU reads itself (only the filler does): planned from a copy
     pulled here."""
