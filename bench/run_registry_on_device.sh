@@ -37,6 +37,7 @@ for tool in migrt migrt-runc; do
     chmod 755 "$BIN/$tool"
 done
 export MIGRT_BINDIR=$BIN
+export MIGRT_BENCH_HOST_NETNS=1  # the kernel lacks xt_mark (CRIU's network lock): memhog in the host's netns
 {
     echo "date: $(date -u +%FT%TZ)"; echo "kernel: $(uname -r)"; echo "cpus: $(nproc)"
     echo "criu: $(command -v criu)"; criu --version | head -1; runc --version | head -1
