@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from migrt.errors import CheckpointInvalid, RegistryError
 from migrt.pagefill.verify import FileChunks, VerifyError
 from migrt.registry import blocks
-from migrt.registry.fillwork import Workers
+from migrt.registry.fillwork import Workers, fill_deadline, make_client
 
 if TYPE_CHECKING:
     from migrt.registry.client import Client, Deadline
@@ -302,31 +302,6 @@ def _not_niced() -> None:
     """A fault's fetch runs at the process's priority, whichever (niced) copy thread made the pool."""
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, os.getpid()))
-
-
-def fill_deadline(spec: dict, total: int) -> Deadline:
-    """The fill's whole deadline: registry_timeout plus the pages at connect.WHOLE_RATE."""
-    from migrt.registry.client import Deadline
-    from migrt.registry.connect import WHOLE_RATE
-
-    deadline = Deadline.after(float(spec.get("timeout") or 60), "registry_timeout in the migrt config, plus the "
-                              f"pages at {WHOLE_RATE >> 20} MiB/s", rate=WHOLE_RATE,
-                              then="what arrived is kept and the next restore of the image resumes it")
-    deadline.allow(total)
-    return deadline
-
-
-def make_client(spec: dict, deadline: Deadline) -> Client:
-    """A registry client for the image pinned by digest, with the node's credentials and CA bundle, under
-    the fill's deadline (in the filler, and in each of its fetching processes)."""
-    from migrt.registry import auth
-    from migrt.registry.client import Client
-    from migrt.registry.reference import Reference
-
-    ref = Reference(spec["registry"], spec["repository"], None, spec["digest"])
-    creds = auth.load(spec.get("auth_file"), ref.registry) or (
-        auth.load(spec.get("auth_file"), ref.api_host) if ref.api_host != ref.registry else None)
-    return Client(ref, credentials=creds, ca_file=spec.get("ca_file"), deadline=deadline)
 
 
 if __name__ == "__main__":

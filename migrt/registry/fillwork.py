@@ -25,9 +25,12 @@ import sys
 import threading
 import time
 from dataclasses import asdict
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from migrt.errors import CheckpointInvalid, MigrtError, RegistryError
+
+if TYPE_CHECKING:
+    from migrt.registry.client import Client, Deadline
 
 ANSWER_MAX = 1 << 20  # a fetching process's answer line is never longer
 PARENT_WATCH_S = 0.5
@@ -123,6 +126,31 @@ def _raise(answer: dict) -> None:
     raise FetchFailed(message or f"a fetching process answered {kind!r}")
 
 
+def fill_deadline(spec: dict, total: int) -> Deadline:
+    """The fill's whole deadline: registry_timeout plus the pages at connect.WHOLE_RATE."""
+    from migrt.registry.client import Deadline
+    from migrt.registry.connect import WHOLE_RATE
+
+    deadline = Deadline.after(float(spec.get("timeout") or 60), "registry_timeout in the migrt config, plus the "
+                              f"pages at {WHOLE_RATE >> 20} MiB/s", rate=WHOLE_RATE,
+                              then="what arrived is kept and the next restore of the image resumes it")
+    deadline.allow(total)
+    return deadline
+
+
+def make_client(spec: dict, deadline: Deadline) -> Client:
+    """A registry client for the image pinned by digest, with the node's credentials and CA bundle, under
+    the fill's deadline (in the filler, and in each of its fetching processes)."""
+    from migrt.registry import auth
+    from migrt.registry.client import Client
+    from migrt.registry.reference import Reference
+
+    ref = Reference(spec["registry"], spec["repository"], None, spec["digest"])
+    creds = auth.load(spec.get("auth_file"), ref.registry) or (
+        auth.load(spec.get("auth_file"), ref.api_host) if ref.api_host != ref.registry else None)
+    return Client(ref, credentials=creds, ca_file=spec.get("ca_file"), deadline=deadline)
+
+
 # -- the fetching process ----------------------------------------------------------------------------
 
 def _watch_parent(parent: int) -> None:
@@ -135,7 +163,6 @@ def _watch_parent(parent: int) -> None:
 def _serve(inp: IO[bytes], out: IO[bytes]) -> int:
     from migrt.registry import transfer
     from migrt.registry.client import Deadline
-    from migrt.registry.fill import make_client
 
     head = json.loads(inp.readline() or b"null")
     if not isinstance(head, dict):

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from migrt.pagefill.verify import Verifier
-from migrt.registry.fill import fill_deadline
-from migrt.registry.fillwork import FetchFailed, Workers
+from migrt.registry.fillwork import FetchFailed, Workers, fill_deadline
 from tests.helpers.fake_registry import migrt_image
 from tests.unit.test_registry_lazy import FILES, PAGES, REF, _prepare, _source, no_eager  # noqa: F401 - fixture
 from tests.unit.test_registry_pull import Log, cfg, reg, tls  # noqa: F401 - fixtures
@@ -85,7 +84,7 @@ def test_a_fetching_process_that_dies_fails_the_fetch_with_its_pid_and_signal(cf
 
 _ORPHAN = """
 import json, sys
-from migrt.registry.fill import fill_deadline
+from migrt.registry.fillwork import fill_deadline
 from migrt.registry.fillwork import Workers
 spec, path, digest, size = json.loads(sys.argv[1])
 w = Workers(spec, fill_deadline(spec, size), 1)
