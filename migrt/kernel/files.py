@@ -31,6 +31,19 @@ def fsync_dir(path: str) -> None:
     fsync_path(path, os.O_DIRECTORY)
 
 
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing a range of a file to disk now, without waiting (sync_file_range WRITE): what a
+    later fsync must wait for is then mostly written already. On a machine with much memory the kernel
+    would otherwise write nothing before that fsync (dirty_background_ratio), which then writes it all.
+    A best effort: a file system that cannot do it is left to the fsync."""
+    from migrt.kernel.libc import libc
+
+    libc.sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE)
+
+
 @contextlib.contextmanager
 def atomic_file(path: str, mode: int = 0o600, *, text: bool = False, durable: bool = True) -> Iterator[IO[Any]]:
     """Write `path` all or nothing: the block writes a temporary file in the same directory (a hidden

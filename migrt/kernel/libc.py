@@ -36,3 +36,5 @@ libc.umount2.argtypes = [ctypes.c_char_p, c_int]
 libc.setns.argtypes = [c_int, c_int]
 libc.free.argtypes = [c_void_p]
 libc.free.restype = None
+libc.sync_file_range.argtypes = [c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+libc.sync_file_range.restype = c_int

@@ -173,7 +173,8 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> int:
             job = json.loads(line)
             blob = transfer.Blob(job["digest"], int(job["size"]), job["path"], int(job["offset"]))
             try:
-                transfer.fetch(client, [blob], 1, on_blob=lambda _b: None, pool=transfer.InThread())
+                transfer.fetch(client, [blob], 1, on_blob=lambda _b: None, pool=transfer.InThread(),
+                               write_behind=True)  # (the fill's commit fsyncs the image)
                 answer = {"answer": "ok"}
             except CheckpointInvalid as exc:
                 answer = {"answer": "invalid", "message": exc.message}

@@ -260,7 +260,7 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
             transfer.fetch(client, jobs, cfg.registry_parallel,
                            on_blob=lambda b: journal.add(b.digest, b.offset, os.path.relpath(b.path, partial)),
                            write_error=lambda exc: reserve.enospc(exc, f"pulling {client.ref}", store.root),
-                           on_bytes=lambda n: progress("bytes", name="download", bytes=n))
+                           on_bytes=lambda n: progress("bytes", name="download", bytes=n), write_behind=True)
             progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
             progress("phase", name="commit")
             t0 = time.monotonic()

@@ -141,11 +141,25 @@ class _Units:
 
 
 def _one(client: Client, unit: tuple[Blob, _Assembly | None, int], write_error: WriteError,
-         on_blob: Callable[[Blob], None]) -> None:
+         on_blob: Callable[[Blob], None], write_behind: bool) -> None:
     """Fetch a unit; on_blob(blob) once the blob is whole and verified."""
     done = _fetch_unit(client, unit, write_error)
     if done is not None:
+        if write_behind:
+            _write_behind(done)
         on_blob(done)
+
+
+def _write_behind(blob: Blob) -> None:
+    """The verified blob's range on its way to disk (the commit's fsync then has little left to wait for)."""
+    from migrt.kernel.files import start_writeback
+
+    with contextlib.suppress(OSError):
+        fd = os.open(blob.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            start_writeback(fd, blob.offset, blob.size)
+        finally:
+            os.close(fd)
 
 
 def _fetch_unit(client: Client, unit: tuple[Blob, _Assembly | None, int], write_error: WriteError) -> Blob | None:
@@ -173,12 +187,14 @@ def _fetch_unit(client: Client, unit: tuple[Blob, _Assembly | None, int], write_
 
 def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable[[Blob], None],
           write_error: WriteError = lambda exc: None, on_bytes: Callable[[int], None] = lambda n: None,
-          pool: Executor | None = None) -> None:
+          pool: Executor | None = None, write_behind: bool = False) -> None:
     """Every blob into its file range over `parallel` connections; on_blob(blob) once each is whole and
     verified (from the worker thread that verified it, one call per blob). A digest listed at several
     places is fetched once and copied to the others. The first failure cancels
     what has not started and is raised; blobs verified before it have had their on_blob. pool: the
-    caller's threads (kept: their connections are reused by its next call), else a pool of our own."""
+    caller's threads (kept: their connections are reused by its next call), else a pool of our own.
+    write_behind: each verified blob's range starts on its way to disk at once (a pull whose commit
+    fsyncs: kernel/files.py start_writeback)."""
     first: dict[str, Blob] = {}
     again: list[tuple[Blob, Blob]] = []  # (a blob, the same digest at another place)
     for b in blobs:
@@ -188,7 +204,7 @@ def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable
             first[b.digest] = b
     units = _Units(client, list(first.values()), parallel)
     with contextlib.nullcontext(pool) if pool is not None else ThreadPoolExecutor(max_workers=parallel) as run:
-        futures = {run.submit(_one, client, u, write_error, on_blob): u for u in units}
+        futures = {run.submit(_one, client, u, write_error, on_blob, write_behind): u for u in units}
         try:
             for fut in as_completed(futures):
                 fut.result()

@@ -184,3 +184,31 @@ def test_a_blob_cut_short_of_its_length_is_fetched_again(cfg, reg, log):  # noqa
     registry.hooks[path] = cut_once
     _pull(cfg, host)
     assert len(asked) == 2
+
+
+def test_a_pull_starts_each_verified_blob_on_its_way_to_disk_and_no_other(cfg, reg, log, monkeypatch):  # noqa: F811
+    """A pull's commit fsyncs every file: each blob that arrived and matched is handed to writeback at
+    once (on a host with much memory the kernel would otherwise write nothing before that fsync); a
+    blob that did not match is not."""
+    from migrt.kernel import files
+
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    started: list[tuple[int, int, bool]] = []
+
+    def record(fd: int, offset: int, length: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        started.append((offset, length, path.endswith("pages-1.img")))
+        real(fd, offset, length)
+    real = files.start_writeback
+    monkeypatch.setattr(files, "start_writeback", record)
+    _pull(cfg, host)
+    assert (0, len(BIG), True) in started and len(started) == len(FILES)
+    started.clear()
+    bad = bytearray(BIG)
+    bad[7] ^= 0xFF
+    registry.blobs[registry.add_blob(BIG)] = bytes(bad)
+    with pytest.raises(CheckpointInvalid):
+        pull.pull(cfg, f"{host}/team/ckpt:v1", name="again")
+    assert not [s for s in started if s[2]]                      # the altered blob never went to disk
