@@ -58,9 +58,12 @@ class Workers:
                 "deadline": asdict(deadline)}
         self._idle: queue.SimpleQueue[_Proc] = queue.SimpleQueue()
         self._all: list[_Proc] = []
+        # they import migrt from where we did (a venv, a checkout, a launcher's own path)
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (pkg_parent, os.environ.get("PYTHONPATH")) if p)}
         try:
             for _ in range(n):
-                proc = _Proc(subprocess.Popen([sys.executable, "-m", "migrt.registry.fillwork"],
+                proc = _Proc(subprocess.Popen([sys.executable, "-m", "migrt.registry.fillwork"], env=env,
                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True))
                 self._all.append(proc)
                 proc.stdin.write(json.dumps(head).encode() + b"\n")
@@ -70,9 +73,10 @@ class Workers:
             self.close()
             raise FetchFailed(f"cannot start the fill's fetching processes: {exc}") from exc
 
-    def fetch(self, digest: str, size: int, path: str, offset: int) -> None:
-        """The blob `digest` into path at offset, verified; CheckpointInvalid, RegistryError or
-        FetchFailed with the fetching process's reason."""
+    def fetch(self, digest: str, size: int, path: str, offset: int) -> int:
+        """The blob `digest` into path at offset, verified (and on its way to disk); CheckpointInvalid,
+        RegistryError, OSError (writing the file) or FetchFailed with the fetching process's reason.
+        Returns the bytes the process received for it (retries included)."""
         proc = self._idle.get()
         try:  # (a process that died stays in: the next fetch on it fails as this one does)
             job = {"digest": digest, "size": size, "path": path, "offset": offset}
@@ -91,7 +95,9 @@ class Workers:
                                   f"{line[:80]!r}") from exc
         finally:
             self._idle.put(proc)
-        _raise(answer if isinstance(answer, dict) else {})
+        answer = answer if isinstance(answer, dict) else {}
+        _raise(answer)
+        return int(answer.get("received") or 0)
 
     def _died(self, proc: _Proc, exc: BaseException | None) -> FetchFailed:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -123,6 +129,8 @@ def _raise(answer: dict) -> None:
         raise CheckpointInvalid(message)
     if kind == "registry":
         raise RegistryError(message)
+    if kind == "oserror":  # writing the file (the store full): the caller's to say
+        raise OSError(int(answer.get("errno") or 0), message)
     raise FetchFailed(message or f"a fetching process answered {kind!r}")
 
 
@@ -172,14 +180,17 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> int:
         for line in inp:
             job = json.loads(line)
             blob = transfer.Blob(job["digest"], int(job["size"]), job["path"], int(job["offset"]))
+            before = client.stats.received
             try:
                 transfer.fetch(client, [blob], 1, on_blob=lambda _b: None, pool=transfer.InThread(),
                                write_behind=True)  # (the fill's commit fsyncs the image)
-                answer = {"answer": "ok"}
+                answer = {"answer": "ok", "received": client.stats.received - before}
             except CheckpointInvalid as exc:
                 answer = {"answer": "invalid", "message": exc.message}
             except RegistryError as exc:
                 answer = {"answer": "registry", "message": exc.message}
+            except OSError as exc:
+                answer = {"answer": "oserror", "errno": exc.errno, "message": exc.strerror or str(exc)}
             except Exception as exc:  # noqa: BLE001 - told to the filler, which stops the fill
                 answer = {"answer": "other", "message": getattr(exc, "message", None) or repr(exc)}
             out.write(json.dumps(answer).encode() + b"\n")

@@ -51,6 +51,7 @@ from migrt.store import Store, importer, reserve
 from migrt.store.fsutil import fold_chunks
 
 PULLS = ".pulls"
+REMOTE_MIN = 256 << 20  # an image of at least this many bytes is fetched by processes (_fetchers)
 ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
 
 
@@ -229,6 +230,25 @@ class Journal:
         self.done.add((digest, off, rel))
 
 
+@contextlib.contextmanager
+def _fetchers(cfg: Config, client: Client, mdigest: str, jobs: list) -> Iterator[object]:
+    """The pull's fetching processes (registry/fillwork.py), one connection each, for an image of at
+    least REMOTE_MIN bytes in several blobs: receiving TLS and hashing in one interpreter capped a pull
+    at about half a 16-core host's raw GET pump. None (threads here) for a small one."""
+    from migrt.registry.fillwork import Workers
+
+    if len(jobs) < 2 or sum(j.size for j in jobs) < REMOTE_MIN or cfg.registry_parallel < 2:
+        yield None
+        return
+    spec = {"registry": client.ref.registry, "repository": client.ref.repository, "digest": mdigest,
+            "auth_file": cfg.registry_auth_file, "ca_file": cfg.registry_ca_file}
+    workers = Workers(spec, client.deadline, cfg.registry_parallel)
+    try:
+        yield workers
+    finally:
+        workers.close()
+
+
 def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdigest: str, name: str,
                   pulled: dict, progress: Progress, admit: Admit | None = None) -> dict:
     where = f"{client.ref}"
@@ -257,10 +277,12 @@ def _pull_chunked(cfg: Config, client: Client, store: Store, manifest: dict, mdi
             t0 = time.monotonic()
             # what arrived and verified is journaled at once: the first failure stops the pull, and
             # the next pull resumes from the journal
-            transfer.fetch(client, jobs, cfg.registry_parallel,
-                           on_blob=lambda b: journal.add(b.digest, b.offset, os.path.relpath(b.path, partial)),
-                           write_error=lambda exc: reserve.enospc(exc, f"pulling {client.ref}", store.root),
-                           on_bytes=lambda n: progress("bytes", name="download", bytes=n), write_behind=True)
+            with _fetchers(cfg, client, mdigest, jobs) as remote:
+                transfer.fetch(client, jobs, cfg.registry_parallel,
+                               on_blob=lambda b: journal.add(b.digest, b.offset, os.path.relpath(b.path, partial)),
+                               write_error=lambda exc: reserve.enospc(exc, f"pulling {client.ref}", store.root),
+                               on_bytes=lambda n: progress("bytes", name="download", bytes=n), write_behind=True,
+                               remote=remote)
             progress("done", name="download", seconds=round(time.monotonic() - t0, 3))
             progress("phase", name="commit")
             t0 = time.monotonic()

@@ -31,6 +31,10 @@ from dataclasses import dataclass, field
 from migrt.errors import CheckpointInvalid
 from migrt.registry.client import BUF, Client
 
+TYPE_CHECKING = False  # (typing stays off the create's path)
+if TYPE_CHECKING:
+    from migrt.registry.fillwork import Workers as Remote  # whole blobs fetched, verified, by processes
+
 PIECE = 16 << 20
 
 
@@ -44,6 +48,7 @@ class Blob:
 
 
 WriteError = Callable[[OSError], BaseException | None]  # a write's OSError -> the error to raise (None: as is)
+
 
 
 @dataclass
@@ -141,8 +146,19 @@ class _Units:
 
 
 def _one(client: Client, unit: tuple[Blob, _Assembly | None, int], write_error: WriteError,
-         on_blob: Callable[[Blob], None], write_behind: bool) -> None:
+         on_blob: Callable[[Blob], None], write_behind: bool, remote: Remote | None) -> None:
     """Fetch a unit; on_blob(blob) once the blob is whole and verified."""
+    blob, asm, _index = unit
+    if remote is not None and asm is None:  # whole, by a fetching process (written behind there)
+        try:
+            client.stats.add(received=remote.fetch(blob.digest, blob.size, blob.path, blob.offset))
+        except OSError as exc:
+            err = write_error(exc)
+            if err is None:
+                raise
+            raise err from exc
+        on_blob(blob)
+        return
     done = _fetch_unit(client, unit, write_error)
     if done is not None:
         if write_behind:
@@ -187,14 +203,15 @@ def _fetch_unit(client: Client, unit: tuple[Blob, _Assembly | None, int], write_
 
 def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable[[Blob], None],
           write_error: WriteError = lambda exc: None, on_bytes: Callable[[int], None] = lambda n: None,
-          pool: Executor | None = None, write_behind: bool = False) -> None:
+          pool: Executor | None = None, write_behind: bool = False, remote: Remote | None = None) -> None:
     """Every blob into its file range over `parallel` connections; on_blob(blob) once each is whole and
     verified (from the worker thread that verified it, one call per blob). A digest listed at several
     places is fetched once and copied to the others. The first failure cancels
     what has not started and is raised; blobs verified before it have had their on_blob. pool: the
     caller's threads (kept: their connections are reused by its next call), else a pool of our own.
     write_behind: each verified blob's range starts on its way to disk at once (a pull whose commit
-    fsyncs: kernel/files.py start_writeback)."""
+    fsyncs: kernel/files.py start_writeback). remote: the whole blobs are fetched by these processes
+    instead (registry/fillwork.py Workers: hashed and written there), ranges still here."""
     first: dict[str, Blob] = {}
     again: list[tuple[Blob, Blob]] = []  # (a blob, the same digest at another place)
     for b in blobs:
@@ -204,7 +221,7 @@ def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable
             first[b.digest] = b
     units = _Units(client, list(first.values()), parallel)
     with contextlib.nullcontext(pool) if pool is not None else ThreadPoolExecutor(max_workers=parallel) as run:
-        futures = {run.submit(_one, client, u, write_error, on_blob, write_behind): u for u in units}
+        futures = {run.submit(_one, client, u, write_error, on_blob, write_behind, remote): u for u in units}
         try:
             for fut in as_completed(futures):
                 fut.result()

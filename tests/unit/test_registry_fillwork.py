@@ -17,11 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from migrt.errors import CheckpointInvalid
 from migrt.pagefill.verify import Verifier
+from migrt.registry import pull
 from migrt.registry.fillwork import FetchFailed, Workers, fill_deadline
+from migrt.store import Store
 from tests.helpers.fake_registry import migrt_image
 from tests.unit.test_registry_lazy import FILES, PAGES, REF, _prepare, _source, no_eager  # noqa: F401 - fixture
-from tests.unit.test_registry_pull import Log, cfg, reg, tls  # noqa: F401 - fixtures
+from tests.unit.test_registry_pull import Log, _pulls_left, cfg, reg, tls  # noqa: F401 - fixtures
 
 
 def _gone(pid: int) -> bool:
@@ -122,3 +125,54 @@ def test_fetching_processes_end_when_the_filler_dies_while_they_wait_on_the_regi
             filler.kill()
             filler.wait()
         src.close()
+
+
+def _big_pull_image(registry) -> dict[str, bytes]:
+    blobs = {f"images/pages-{i}.img": os.urandom(256 << 10) for i in range(3)}  # one blob each
+    migrt_image(registry, "v1", {"images/inventory.img": b"inventory", **blobs})
+    return blobs
+
+
+def _count_workers(monkeypatch) -> list[list[int]]:
+    made: list[list[int]] = []
+    real = Workers.__init__
+
+    def init(self, *a, **kw) -> None:
+        real(self, *a, **kw)
+        made.append([p.popen.pid for p in self._all])
+    monkeypatch.setattr(Workers, "__init__", init)
+    return made
+
+
+def test_a_big_pull_fetches_its_blobs_through_fetching_processes(cfg, reg, monkeypatch):  # noqa: F811
+    registry, host, _ca = reg
+    blobs = _big_pull_image(registry)
+    monkeypatch.setattr(pull, "REMOTE_MIN", 1)
+    made = _count_workers(monkeypatch)
+    out = pull.pull(cfg, f"{host}/team/ckpt:v1")
+    Store(cfg.store).get(out["name"]).verify()                    # every file against the checkpoint's manifest
+    assert len(made) == 1 and len(made[0]) == cfg.registry_parallel
+    assert all(_wait_gone(pid, 5) for pid in made[0])             # gone with the pull
+    assert out["bytes_received"] >= sum(len(b) for b in blobs.values())  # what they received is counted
+
+
+def test_a_blob_altered_in_the_registry_fails_a_pull_through_fetching_processes(cfg, reg, monkeypatch):  # noqa: F811
+    registry, host, _ca = reg
+    blobs = _big_pull_image(registry)
+    monkeypatch.setattr(pull, "REMOTE_MIN", 1)
+    made = _count_workers(monkeypatch)
+    digest = registry.add_blob(blobs["images/pages-1.img"])
+    registry.blobs[digest] = b"\0" + registry.blobs[digest][1:]
+    with pytest.raises(CheckpointInvalid, match=f"blob {digest} from .*: the data received has sha256 .*altered"):
+        pull.pull(cfg, f"{host}/team/ckpt:v1")
+    assert made and Store(cfg.store).list() == []
+    journal = [f for f in _pulls_left(cfg.store) if f.endswith(".done")]
+    assert not journal or digest not in (Path(cfg.store) / pull.PULLS / journal[0]).read_text()
+
+
+def test_a_small_pull_stays_in_threads(cfg, reg, monkeypatch):  # noqa: F811
+    registry, host, _ca = reg
+    _big_pull_image(registry)
+    made = _count_workers(monkeypatch)
+    pull.pull(cfg, f"{host}/team/ckpt:v1")
+    assert made == []                                            # (768 KiB < REMOTE_MIN)
