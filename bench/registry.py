@@ -364,7 +364,9 @@ def restore(lab: Lab, request: str, ready: bytes, tag: str) -> dict:
             raise RuntimeError(f"checksum mismatch after restoring {request}: {got!r} != {ready!r}")
         return {"create_s": round(create_s, 3), "running_s": round(running_s, 3),
                 "filled_s": round(max(fill["done_at"] - t0, create_s), 3), "filler_seen": fill["guard"],
-                "lazy_bytes": fill["lazy_bytes"], "path": restore_path(events), "parts": parts}
+                "lazy_bytes": fill["lazy_bytes"], "path": restore_path(events), "parts": parts,
+                "image_ready": next((e.get("chunks") for e in events if e.get("event") == "restore_image_ready"), None),
+                "pages": next((e.get("pages") for e in reversed(events) if e.get("event") == "restored"), None)}
     finally:
         runc(lab, "delete", "--force", dst, check=False)
         shutil.rmtree(bundle, ignore_errors=True)
@@ -432,6 +434,9 @@ def restore_figures(local: dict, byref: dict, four: list[dict], wired: dict, pum
            "restore_local_runc_s": local["parts"].get("restore_s"),
            "pull_restore_s": byref["create_s"], "byref_running_s": byref["running_s"],
            "byref_filled_s": byref["filled_s"], "byref_path": byref["path"],
+           "byref_image_ready": byref.get("image_ready"),  # the create's part, in steps (registry/lazy.py)
+           "byref_timings": byref["parts"], "restore_local_timings": local["parts"],  # the restores' own records
+           "byref_pages": byref.get("pages"), "restore_local_pages": local.get("pages"),
            "pull_restore_runc_s": byref["parts"].get("restore_s"),
            "pull_restore_ratio": ratio(byref["create_s"], local["create_s"]),
            "byref_running_ratio": ratio(byref["running_s"], local["running_s"]),

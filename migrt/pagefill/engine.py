@@ -239,6 +239,7 @@ class Filler:
         self.tasks: dict[int, Task] = {}
         self.files: dict[str, PagesFile] = {}
         self.finished = False          # CRIU said the restore is complete: tasks may be closed
+        self.rest_after = threading.Event()  # set with `finished` (or the stop): a source's sweep fetches the rest
         self.copying = False           # background copies may run: finished, or every task restored
         self.told_all_in = False       # the status said that nothing is left to copy
         self.post_restore = post_restore  # appears when CRIU reaches post-restore (all VMAs registered)
@@ -727,6 +728,7 @@ class Filler:
                 with self.state:
                     self._fail(str(exc))
         elif words[0] == "F":
+            self.rest_after.set()
             with self.state:
                 self.finished = True
                 if not self.copying:
@@ -736,6 +738,7 @@ class Filler:
                 self.work.notify_all()
             self.write_status("filling")  # restore_finished: what the restore's waits look at
         elif words[0] == "A":
+            self.rest_after.set()
             with self.state:
                 self.stop = True
                 self.work.notify_all()
@@ -808,6 +811,8 @@ class Filler:
                 with self.state:
                     self._fail(f"cannot map the pages images to verify them: {exc}")
             self.verifier.on_eager_done = self._eager_verified
+            if self.verifier.source is not None:  # the rest fetched once the restore finished ("F")
+                self.verifier.rest_after = self.rest_after
             # a source's sweep threads each hold a connection: as many as it may open (registry_parallel)
             sweepers = self.verifier.source.parallel if self.verifier.source is not None else self.nthreads
             workers += [threading.Thread(target=self._sweeper, name=f"verify-{i}", daemon=True)

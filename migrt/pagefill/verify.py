@@ -107,6 +107,9 @@ class Verifier:
         # where chunks not on disk yet come from (a lazy restore by reference: pagefill/registry.py):
         # has(path, i) -> bool, fetch(f, i, fault=) verifies as it fetches, or raises VerifyError
         self.source: Any = None
+        # with a source: the rest (neither eager nor first) waits for this (the filler sets it once the
+        # restore finished), so that fetching it never takes the CPU from CRIU's restore
+        self.rest_after: threading.Event | None = None
         self._t0 = time.monotonic()
         if not self.eager:
             self.t_eager = self._t0
@@ -216,8 +219,8 @@ class Verifier:
             while self._next < len(self.order) and not self.error:
                 f, i = self.order[self._next]
                 key = (id(f), i)
-                if self.source is not None and self.t_first is None and key not in self.first \
-                        and key not in self._eager_keys:
+                if self.source is not None and key not in self.first and key not in self._eager_keys and (
+                        self.t_first is None or (self.rest_after is not None and not self.rest_after.is_set())):
                     return False
                 self._next += 1
                 if f.state[i] is None:
@@ -230,7 +233,7 @@ class Verifier:
         several threads). VerifyError on a mismatch."""
         got = self._claim()
         if got is False:
-            self._first_in.wait(0.05)
+            (self._first_in if self.t_first is None or self.rest_after is None else self.rest_after).wait(0.05)
             return True
         if got is None:
             with self.lock:

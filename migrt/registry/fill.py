@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from migrt.errors import CheckpointInvalid, RegistryError
+from migrt.pagefill.engine import BACKGROUND_NICE
 from migrt.pagefill.verify import FileChunks, VerifyError
 from migrt.registry import blocks
 from migrt.registry.fillwork import Workers, fill_deadline, make_client
@@ -191,7 +192,7 @@ class RegistrySource:
         """The fill's fetching processes (started at the first whole chunk), under the same deadline."""
         with self.lock:
             if self._workers is None:
-                self._workers = Workers(self.spec, self._deadline(), self.parallel)
+                self._workers = Workers(self.spec, self._deadline(), self.parallel, nice=BACKGROUND_NICE)
             return self._workers
 
     def _deadline(self) -> Deadline:

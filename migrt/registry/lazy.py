@@ -163,8 +163,10 @@ def _prepare(cfg: Config, ref: Reference, admit: pull.Admit, lazy_ok: LazyOk, ci
         _drop_marker(store, mdigest)  # (a fill that failed left it: ours now)
         if store.exists(name):  # pulled meanwhile (or another checkpoint: the full pull says so)
             return None
+        t_open = time.monotonic()  # the registry's manifest read and the image locked
         out = _fetch_eager(cfg, client, store, manifest, mdigest, name, admit, lazy_ok, cid)
         out.lock_fd, fd = fd, -1
+        out.summary["open_s"] = round(t_open - t0, 3)
         out.summary["seconds"] = round(time.monotonic() - t0, 3)
         _write_marker(store, mdigest, out)
         return out
@@ -177,6 +179,7 @@ def _prepare(cfg: Config, ref: Reference, admit: pull.Admit, lazy_ok: LazyOk, ci
 def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdigest: str, name: str,
                  admit: pull.Admit, lazy_ok: LazyOk, cid: str) -> LazyImage:
     """Steps 1-3 of the module's doc; the partial directory stays for the filler (or a full pull)."""
+    t_start = time.monotonic()
     where = str(client.ref)
     config = pull.fetch_config(client, manifest, where)
     admit(image.namespace(manifest, config))
@@ -211,6 +214,7 @@ def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdig
         marks.append(time.monotonic())
         partly = _fetch_eager_chunks(cfg, client, store, partial, pages, eager, records, have, fetch)
         marks.append(time.monotonic())
+    t_end = time.monotonic()
     present = {rel: [i for i, (off, _s, d) in enumerate(chunks) if (d, off, rel) in have]
                for rel, chunks in pages.items()}
     pulled = {"reference": str(client.ref), "registry": client.ref.registry, "repository": client.ref.repository,
@@ -222,6 +226,7 @@ def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdig
     total = sum(len(c) for c in pages.values())
     summary = {"chunks": total, "present": sum(len(p) for p in present.values()),
                "partly": sum(len(p) for p in partly.values()), "bytes_received": client.stats.received,
+               "setup_s": round(marks[0] - t_start, 3), "close_s": round(t_end - marks[-1], 3),
                **{f"{k}_s": round(b - a, 3)
                   for k, a, b in zip(("files", "plan", "eager"), marks[:-1], marks[1:], strict=True)}}
     # as the commit will write it: our name, and `pulled` (a pulled layer is applied without setuid bits)
