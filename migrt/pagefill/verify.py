@@ -137,7 +137,24 @@ class Verifier:
         if f is None or length <= 0:
             return
         for i in range(offset // TREE_CHUNK, (offset + length - 1) // TREE_CHUNK + 1):
-            self._chunk(f, i, "by_copy")
+            if not self._by_blocks(f, i, max(offset, i * TREE_CHUNK), min(offset + length, (i + 1) * TREE_CHUNK)):
+                self._chunk(f, i, "by_copy")
+
+    def _by_blocks(self, f: FileChunks, i: int, s: int, e: int) -> bool:
+        """A source that verifies a fault's few pages of chunk i by the chunk's block digests (a lazy
+        restore by reference: registry/fill.py ensure_range) instead of the whole chunk: True once it did."""
+        ensure_range = getattr(self.source, "ensure_range", None)
+        if ensure_range is None or f.state[i] is True:
+            return False
+        with self.lock:
+            if self.error:
+                raise VerifyError(self.error)
+        try:
+            return bool(ensure_range(f, i, s, e))
+        except VerifyError as exc:  # final, as a chunk's mismatch
+            with self.lock:
+                self.error = self.error or str(exc)
+            raise
 
     def _chunk(self, f: FileChunks, i: int, who: str) -> None:
         with self.lock:

@@ -292,6 +292,59 @@ def partly_of(files: dict, images: str) -> dict[tuple[str, int], list[Range]]:
     return out
 
 
+def digests_of(files: dict, images: str) -> dict[tuple[str, int], Blocks]:
+    """{(the Verifier's path, chunk index): Blocks} of the partly chunks, from the hand-over's file
+    records ("blocks": {chunk index: A_BLOCKS value}); VerifyError if malformed."""
+    out = {}
+    for base, rec in files.items():
+        size = int(rec["size"])
+        for key, value in (rec.get("blocks") or {}).items():
+            i = int(key) if isinstance(key, str) and key.isdigit() else -1
+            a, b = i * TREE_CHUNK, min(size, (i + 1) * TREE_CHUNK)
+            if not 0 <= a < b:
+                raise VerifyError(f"{rec.get('rel')}: block digests of no chunk ({key!r}) in the restore's hand-over")
+            try:
+                out[(os.path.join(images, base), i)] = parse(value, b - a, str(rec.get("rel") or base))
+            except CheckpointInvalid as exc:
+                raise VerifyError(exc.message) from exc
+    return out
+
+
+def fill_blocks(src, f: FileChunks, i: int, rec: Blocks, s: int, e: int) -> None:
+    """A fault's pages [s, e) of a partly chunk i of f, by their blocks alone: each block holding them
+    and not in yet fetched and hashed from disk against its block digest before it counts (added to
+    the chunk's verified ranges, so that the whole chunk's fill never rewrites it, and shared with the
+    image's other fillers: src.share_range); the whole chunk is hashed later all the same (fill_chunk).
+    VerifyError on a mismatch (the block zeroed) or a registry gone. Under the chunk's lock."""
+    a, b = f.span(i)
+    have = src.partly[(f.path, i)]
+    digest = "sha256:" + f.digests[i].hex()
+    path = os.path.join(src.partial, f.rel)
+    for k in range((s - a) // rec.size, (e - 1 - a) // rec.size + 1):
+        ks, ke = (a + x for x in rec.span(k, b - a))
+        if any(hs <= ks and ke <= he for hs, he in have):
+            continue
+        try:
+            _fill_range(src.client(), path, digest, a, b, ks, ke)
+            got = hash_range(path, ks, ke - ks)
+        except RegistryError as exc:
+            raise VerifyError(src._gone(exc)) from exc
+        except (CheckpointInvalid, OSError) as exc:
+            _zero_ranges(path, [(ks, ke)])
+            raise VerifyError(f"checkpoint {src.spec['commit']['name']}: {f.rel} bytes {ks}-{ke - 1} (block {k} of "
+                              f"blob {digest}) could not be filled from registry {src.spec['registry']}: "
+                              f"{getattr(exc, 'message', None) or exc}; the container was stopped") from exc
+        if got != rec.digests[k]:
+            _zero_ranges(path, [(ks, ke)])
+            raise VerifyError(f"checkpoint {src.spec['commit']['name']}: {f.rel} bytes {ks}-{ke - 1} (block {k} of "
+                              f"blob {digest}) from registry {src.spec['registry']} does not match its digest (the "
+                              f"data received has {got.hex()[:16]}...: altered in the registry or in transit); the "
+                              "container was stopped, no restored process ran on it")
+        with src.lock:
+            have.append((ks, ke))
+        src.share_range(f, i, (ks, ke))
+
+
 def gaps(a: int, b: int, have: list[Range]) -> list[Range]:
     """[a, b) less the `have` ranges, cut into pieces of at most PIECE."""
     out, pos = [], a
@@ -308,6 +361,7 @@ def fill_chunk(src, f: FileChunks, i: int, fault: bool) -> None:
     digest before it counts (journaled, present); VerifyError as RegistrySource.fetch's otherwise, what
     was fetched here zeroed on a mismatch."""
     a, b = f.span(i)
+    src.shared_ranges(f, i)  # (blocks another filler of the image verified for its faults: never rewritten)
     todo = gaps(a, b, src.partly[(f.path, i)])
     digest = "sha256:" + f.digests[i].hex()
     path = os.path.join(src.partial, f.rel)

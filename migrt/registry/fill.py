@@ -63,6 +63,7 @@ class RegistrySource:
         self.parallel = max(1, int(spec.get("parallel") or 1))
         self.present = {(os.path.join(images, base), int(i)) for base, idx in spec["present"].items() for i in idx}
         self.partly = blocks.partly_of(spec["files"], images)  # eager chunks the create fetched blocks of
+        self.block_digests = blocks.digests_of(spec["files"], images)  # theirs: a fault there takes its blocks
         self.lock = threading.Lock()
         self.total = sum(int(f["size"]) for f in spec["files"].values())
         self.arrived = 0  # bytes of chunks fetched here
@@ -99,6 +100,42 @@ class RegistrySource:
             if (f.path, i) in self.partly:  # only the rest of it, then the whole chunk hashed
                 return blocks.fill_chunk(self, f, i, fault)
             self._fetch(f, i, transfer.Blob(digest, b - a, os.path.join(self.partial, f.rel), a), fault)
+
+    def ensure_range(self, f: FileChunks, i: int, s: int, e: int) -> bool:
+        """A fault's few pages [s, e) of a chunk the create fetched blocks of, verified by their blocks
+        alone (blocks.fill_blocks; the whole chunk follows in the sweep): True once they are; False for
+        any other chunk or a longer range (the caller has the whole chunk verified)."""
+        rec = self.block_digests.get((f.path, i))
+        if rec is None or e - s > 2 * rec.size:
+            return False
+        with self._chunk_locked(f, i):
+            if (f.path, i) in self.present or self._arrived(f, i, "sha256:" + f.digests[i].hex()):
+                return True
+            self.shared_ranges(f, i)
+            blocks.fill_blocks(self, f, i, rec, s, e)
+        return True
+
+    def share_range(self, f: FileChunks, i: int, r: tuple[int, int]) -> None:
+        """(under the chunk's lock) A block verified for a fault, told to the image's other fillers."""
+        top = self.spec.get("chunk_locks")
+        if top:
+            with open(os.path.join(top, f"{self._order.index(f.rel)}-{i}.ranges"), "a", encoding="ascii") as fh:
+                fh.write(f"{r[0]} {r[1]}\n")
+
+    def shared_ranges(self, f: FileChunks, i: int) -> None:
+        """(under the chunk's lock) The blocks the image's other fillers verified of chunk i, ours too."""
+        top = self.spec.get("chunk_locks")
+        if not top or (f.path, i) not in self.partly:
+            return
+        a, b = f.span(i)
+        try:
+            with open(os.path.join(top, f"{self._order.index(f.rel)}-{i}.ranges"), encoding="ascii") as fh:
+                got = [(int(w[0]), int(w[1])) for w in (line.split() for line in fh) if len(w) == 2]
+        except (OSError, ValueError):
+            return
+        with self.lock:
+            have = self.partly[(f.path, i)]
+            have += [r for r in got if a <= r[0] < r[1] <= b and r not in have]
 
     def _fetch(self, f: FileChunks, i: int, blob, fault: bool) -> None:
         from migrt.registry import transfer

@@ -222,7 +222,7 @@ def _fetch_eager(cfg: Config, client: Client, store: Store, manifest: dict, mdig
               "lazy": True}
     handover = _handover(cfg, client, name, cid, partial, journal.path, pages, present,
                          {"store": store.root, "name": name, "plan": plan, "config": config, "pulled": pulled},
-                         partly)
+                         partly, records)
     total = sum(len(c) for c in pages.values())
     summary = {"chunks": total, "present": sum(len(p) for p in present.values()),
                "partly": sum(len(p) for p in partly.values()), "bytes_received": client.stats.received,
@@ -282,12 +282,14 @@ def _fetch_eager_chunks(cfg: Config, client: Client, store: Store, partial: str,
 
 
 def _handover(cfg: Config, client: Client, name: str, cid: str, partial: str, journal: str, pages: dict,
-              present: dict, commit: dict, partly: dict) -> dict:
+              present: dict, commit: dict, partly: dict, records: dict) -> dict:
     """The filler's verify.json (pagefill/verify.py build) with what it fetches from and commits to;
-    "partly": the ranges of eager chunks the create fetched only the blocks of (registry/blocks.py)."""
+    "partly": the ranges of eager chunks the create fetched only the blocks of (registry/blocks.py), and
+    "blocks": their block digests (a fault there takes its blocks only)."""
     files = {rel.rsplit("/", 1)[1]: {"rel": rel, "size": sum(c[1] for c in chunks),
                                     "chunks": "".join(d.split(":", 1)[1] for _o, _s, d in chunks),
-                                    **({"partly": {str(i): r for i, r in sorted(partly[rel].items())}}
+                                    **({"partly": {str(i): r for i, r in sorted(partly[rel].items())},
+                                        "blocks": {str(i): records[(rel, chunks[i][0])].value() for i in partly[rel]}}
                                        if partly.get(rel) else {})}
              for rel, chunks in pages.items()}
     registry = {"registry": client.ref.registry, "repository": client.ref.repository,

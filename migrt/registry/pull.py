@@ -46,6 +46,7 @@ from migrt.progress import Progress, null_progress
 from migrt.registry import image, transfer
 from migrt.registry.client import Client, Deadline
 from migrt.registry.connect import client_for, deadline_for
+from migrt.registry.fillwork import Workers
 from migrt.registry.reference import Reference, parse, registry_allowed
 from migrt.store import Store, importer, reserve
 from migrt.store.fsutil import fold_chunks
@@ -231,12 +232,10 @@ class Journal:
 
 
 @contextlib.contextmanager
-def _fetchers(cfg: Config, client: Client, mdigest: str, jobs: list) -> Iterator[object]:
+def _fetchers(cfg: Config, client: Client, mdigest: str, jobs: list) -> Iterator[Workers | None]:
     """The pull's fetching processes (registry/fillwork.py), one connection each, for an image of at
     least REMOTE_MIN bytes in several blobs: receiving TLS and hashing in one interpreter capped a pull
     at about half a 16-core host's raw GET pump. None (threads here) for a small one."""
-    from migrt.registry.fillwork import Workers
-
     if len(jobs) < 2 or sum(j.size for j in jobs) < REMOTE_MIN or cfg.registry_parallel < 2:
         yield None
         return

@@ -19,6 +19,7 @@ from migrt.pagefill import images as images_mod
 from migrt.registry import blocks, image, lazy, pull
 from migrt.registry import push as push_mod
 from migrt.registry.blocks import BLOCK, Eager
+from migrt.registry.fill import RegistrySource
 from migrt.registry.reference import parse
 from migrt.store import Store
 from tests.helpers.fake_registry import migrt_image, send_range
@@ -289,7 +290,7 @@ def test_the_filler_fetches_only_the_missing_blocks_then_hashes_the_whole_chunk(
     del asked[:]
     src, v, f = _filler(cfg, host, out, tmp_path)
     assert v.eager == []
-    v.ensure(f.path, 2 * MiB, 4096)                                         # a fault in the lazy block
+    v.sweep_one()                                                           # the chunk's fill
     assert asked == [f"bytes={2 * MiB}-{3 * MiB - 1}"]                      # the gap only
     with open(f.path, "rb") as fh:
         assert fh.read() == PAGES
@@ -298,6 +299,56 @@ def test_the_filler_fetches_only_the_missing_blocks_then_hashes_the_whole_chunk(
     assert (registry.add_blob(PAGES), 0, "images/pages-1.img") in journal.done
     src.commit()
     Store(cfg.store).get(out.ckpt.name).verify()
+
+
+def test_a_fault_in_a_partly_chunk_takes_its_block_alone_and_the_chunk_is_hashed_whole_later(
+        cfg, reg, eager, tmp_path):  # noqa: F811
+    registry, host, _ca = reg
+    registry.ranges = True
+    _image(registry)
+    asked = _ranges(registry)
+    out = _prepare(cfg, host, Log())
+    del asked[:]
+    src, v, f = _filler(cfg, host, out, tmp_path)
+    v.ensure(f.path, 2 * MiB + 8192, 4096)                                  # a fault in the lazy block
+    assert asked == [f"bytes={2 * MiB}-{3 * MiB - 1}"]                      # that block, nothing more
+    with open(f.path, "rb") as fh:
+        assert fh.read() == PAGES
+    assert f.state[0] is not True and src.summary()["fetched_chunks"] == 0  # the chunk: not counted yet
+    assert not [k for k in pull.Journal(src.spec["journal"]).done if k[2] == "images/pages-1.img"]
+    v.ensure(f.path, 2 * MiB, 4096)                                         # in now: nothing fetched again
+    assert len(asked) == 1
+    other = RegistrySource.from_handover(json.loads(json.dumps({**out.handover, "registry": {
+        **out.handover["registry"], "join": True}})), src.images, None)
+    other.shared_ranges(f, 0)                                               # another filler of the image
+    assert (2 * MiB, 3 * MiB) in other.partly[(f.path, 0)]                  # never rewrites that block
+    v.sweep_one()                                                           # the whole chunk, from disk
+    assert len(asked) == 1 and f.state[0] is True
+    assert (registry.add_blob(PAGES), 0, "images/pages-1.img") in pull.Journal(src.spec["journal"]).done
+    src.commit()
+    Store(cfg.store).get(out.ckpt.name).verify()
+
+
+def test_a_corrupted_block_taken_for_a_fault_is_refused_zeroed_and_final(cfg, reg, eager, tmp_path):  # noqa: F811
+    registry, host, _ca = reg
+    registry.ranges = True
+    _image(registry)
+    _ranges(registry)
+    out = _prepare(cfg, host, Log())
+    blob = registry.add_blob(PAGES)
+    registry.blobs[blob] = PAGES[:2 * MiB + 7] + bytes([PAGES[2 * MiB + 7] ^ 1]) + PAGES[2 * MiB + 8:]
+    src, v, f = _filler(cfg, host, out, tmp_path)
+    with pytest.raises(verify.VerifyError, match=rf"images/pages-1.img bytes {2 * MiB}-{3 * MiB - 1} \(block 2 of blob "
+                                                 rf"{blob}\) from registry {host} does not match its digest .*no "
+                                                 "restored process ran on it"):
+        v.ensure(f.path, 2 * MiB, 4096)
+    with open(f.path, "rb") as fh:
+        got = fh.read()
+    assert got[2 * MiB:3 * MiB] == bytes(MiB)                               # the block: zeroed
+    assert got[:2 * MiB] == PAGES[:2 * MiB] and got[3 * MiB:] == PAGES[3 * MiB:]   # the verified ones kept
+    with pytest.raises(verify.VerifyError):                                 # final: any later ensure fails
+        v.ensure(f.path, 0, 4096)
+    src.close()
 
 
 def test_a_corrupted_gap_is_refused_with_the_chunks_mismatch_and_zeroed(cfg, reg, eager, tmp_path):  # noqa: F811
