@@ -459,8 +459,8 @@ class Filler:
             return  # started only with a verifier
         try:
             while not self.stop:
-                # (a registry source's sweep is the fill's own fetching: it keeps the process's priority)
-                if not niced and verifier.eager_done and verifier.source is None:
+                # (a registry source's sweep keeps the process's priority until the GPU host copy is in)
+                if not niced and verifier.eager_done and (verifier.source is None or verifier.t_first is not None):
                     niced = True
                     with contextlib.suppress(OSError):
                         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
