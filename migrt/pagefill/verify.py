@@ -10,22 +10,27 @@ that was not verified against the manifest.
   stack page, file-backed private pages, images no process plan lists such as shared memory). Every
   chunk holding a byte that is not lazy (the complement of the plan's lazy segments, so nothing
   CRIU may read is missed) is "eager": the sweep hashes those first, and the restore's gate holds the
-  tree until they are all verified (status `verify.eager_done`: ops/pages.py EagerVerified).
+  tree until they are all verified (status `verify.eager_done`: ops/pages.py EagerVerified). A chunk
+  every such byte of which a restore by reference verified by its blocks (the hand-over's "partly":
+  `verified_ranges`) is not eager: the gate does not wait for it.
 - The sweep threads then verify the remaining chunks ahead of the copies, in the copy order (a
   process's first ranges, then the biggest segments), so that copies seldom wait.
 - The "first" chunks (those holding a process's first ranges: the GPU driver's host copy of its GPU
-  memory, images.py) come right after the eager ones. With a source (a restore by reference) each
-  is fetched in byte ranges over all of the source's connections, as a fault's chunk is, and the
-  sweep claims no other chunk before they are all in (`t_first`, status `verify.first_s`), so the
-  host copy arrives at the wire's speed and each process's GPU restore starts as soon as it can;
-  faults are still served meanwhile.
+  memory, images.py) come right after the eager ones. With a source (a restore by reference) the
+  sweep fetches them whole, several at once (registry/fillwork.py's processes), and claims no other
+  chunk before they are all in (`t_first`, status `verify.first_s`), nor, until the filler sets
+  `rest_after` (CRIU's restore finished), any chunk neither eager nor first; so each process's GPU
+  restore starts as soon as it can and the rest never takes the CPU from CRIU's restore. Faults are
+  still served meanwhile.
 - Each chunk is hashed once: the first caller that needs it claims it; any other (a copy thread, a
   fault, the sweep) waits for that verdict. A mismatch is final: every later `ensure()` fails too,
   and the filler fails (the guard kills the restored tasks before they can touch the chunk).
 
 A chunk that is not on disk yet (a lazy restore by reference) is fetched by the Verifier's `source`
 instead of read: from the registry, hashed as it arrives against the same digest, and only then
-counted as verified (pagefill/registry.py); a fault's chunk is fetched by the thread that needs it.
+counted as verified (registry/fill.py); a fault's chunk is fetched by the thread that needs it, and
+a fault's few pages in a chunk whose block digests the source has (one the create fetched blocks of)
+are verified by those blocks alone (`ensure_range`), the whole chunk still hashed later.
 
 Only files the restore hands over with their chunk digests (the manifest's per-chunk record, or the
 plain sha256 of a file of one chunk) are checked here; the restore hashes every other file itself.
@@ -104,7 +109,7 @@ class Verifier:
         self.t_first: float | None = None
         self.t_all: float | None = None
         self.on_eager_done: Callable[[], None] | None = None
-        # where chunks not on disk yet come from (a lazy restore by reference: pagefill/registry.py):
+        # where chunks not on disk yet come from (a lazy restore by reference: registry/fill.py):
         # has(path, i) -> bool, fetch(f, i, fault=) verifies as it fetches, or raises VerifyError
         self.source: Any = None
         # with a source: the rest (neither eager nor first) waits for this (the filler sets it once the
