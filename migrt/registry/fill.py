@@ -3,20 +3,31 @@ container's memory from chunks fetched from the registry while it runs. Run as t
 (`python -m migrt.registry.fill`: pagefill/guard.py with this source; the filler sits below the
 registry, so the registry plugs its source in rather than the filler importing it).
 
-The rule: a chunk reaches a task only after every byte of it was hashed against its digest. Each
+The rule: a page reaches a task only after every byte of its chunk (of its block, for a fault in a
+chunk the create fetched blocks of: below) was hashed against its digest. Each
 64 MiB chunk of a pages image is one blob of the image, whose digest is the chunk's digest in the
 checkpoint's manifest. The Verifier (pagefill/verify.py) asks `fetch` for a chunk not on disk yet before any
-page of it is copied: a page fault's chunk at once, in `registry_parallel` byte ranges (its bytes
-hashed in order as the ranges land: registry/transfer.py), the rest by the sweep threads, whole
-blobs `registry_parallel` at a time, in the copy order. The bytes land in the pull's partial
-directory (the sparse pages images the filler maps), and a chunk counts only once its digest
-matched: then it is journaled (`.pulls/<digest>.done`), so the fill is also a pull that a retry
-resumes.
+page of it is copied: a page fault's chunk at once, in `registry_parallel` byte ranges over this
+source's threads (its bytes hashed in order as the ranges land: registry/transfer.py); the sweep's
+(the GPU host copy's too, then, once the restore finished, the rest, in the copy order) whole, by
+`registry_parallel` fetching processes (registry/fillwork.py: one connection each; they hash and
+write it, this source journals it). The bytes land in the pull's partial directory (the sparse pages
+images the filler maps), and a chunk counts only once its digest matched: then it is journaled
+(`.pulls/<digest>.done`), so the fill is also a pull that a retry resumes.
+
+An eager chunk the create fetched only the blocks of (registry/blocks.py, the hand-over's "partly"
+and "blocks"): a fault's few pages there are verified by their blocks alone (`ensure_range`: each
+block hashed against its block digest; the blocks shared with the image's other fillers through
+`<chunk_locks>/<n>-<i>.ranges`, so none rewrites them); the chunk's missing ranges are fetched here
+later and the whole chunk hashed against its digest before it counts (blocks.fill_chunk).
 
 Failures (the Verifier's error; the filler fails, its guard kills the restored container, and the
 reason goes to the runc log and the node's log):
-- a chunk whose bytes do not match its digest: its range is zeroed on disk (nothing of it is
-  journaled or committed), `... blob sha256:... does not match its digest ...; no restored process ran on it`;
+- a chunk (or a fault's block) whose bytes do not match its digest: what was fetched of it is zeroed
+  on disk (nothing of it is journaled or committed), `... blob sha256:... does not match its digest
+  ...; no restored process ran on it`;
+- a fetching process that dies, or anything else (the store full): `... could not be filled from
+  registry HOST: ...; the container was stopped; restore again`;
 - a registry that stays away past the client's retries, or past the fill's deadline
   (registry_timeout plus the image at 8 MiB/s): `registry HOST went away while filling container
   ID's memory (N of M MiB in); the container was stopped; restore again`. The image in the registry
