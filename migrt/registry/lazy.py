@@ -15,7 +15,9 @@ In the create, under the image lock (registry/pull.py lock_image), into the pull
      each verified, the rest of the chunk left to the filler.
 The restore then runs from the partial directory (ops/restore.py restore_pulling) with the page
 filler, whose Verifier fetches every other chunk from the registry before any page of it is installed
-(pagefill/registry.py: faults first, background sweeps in parallel) and, once every chunk is in,
+(registry/fill.py: faults first, in ranges, or by the blocks of a chunk the create fetched blocks of;
+the sweep's whole chunks by registry_parallel fetching processes, registry/fillwork.py; what is
+neither eager nor the GPU host copy once the restore finished) and, once every chunk is in,
 commits the directory as the pulled checkpoint. The filler holds the image lock until then. A second
 restore of the image on this node while that fill runs joins it (a marker beside the journal says
 one runs): it restores from the same partial directory, its filler taking each chunk the other has
@@ -31,8 +33,8 @@ mode decides to copy eagerly (`lazy_ok`).
 A GPU checkpoint restores lazily too, in the order of lazy GPU migration: the GPU record
 (migrt-gpu.json, fetched with the other files CRIU reads) says where each CUDA process's host copy of
 its GPU memory lies (`gpu_backing`); the filler's Verifier fetches the chunks holding it right after
-the eager ones, each in byte ranges over registry_parallel connections and verified before any page
-of it goes in, and fetches no other chunk in the background until they are all in (faults are still
+the eager ones, whole, by the fetching processes (registry_parallel at once), each verified before any
+page of it goes in, and fetches no other chunk in the background until they are all in (faults are still
 served); each process's GPU restore starts once its host copy is in (ops/pages.py MemoryReady), the
 rest fills behind it. Should the fill fail before then, the GPU restore never starts: the create
 fails, the container goes, and the GPU is left unlocked with the process.
