@@ -18,10 +18,10 @@ stream per blob, said once in the node's log. A registry that stops serving rang
 a range request) has that blob fetched whole.
 
 Whole blobs may be fetched by processes instead (`remote`: registry/fillwork.py Workers, one
-connection each, hashing and writing there; a pull of REMOTE_MIN or more, registry/pull.py, and a lazy
-fill's sweep), ranges staying in these threads. With `write_behind`, each verified blob's range is
-handed to writeback at once (kernel/files.py start_writeback), so that a commit's fsync does not write
-the whole image after the transfer.
+connection each, each running this module's fetch of one blob; a pull of REMOTE_MIN or more,
+registry/pull.py; a lazy fill's sweep hands them chunks directly), ranges staying in these threads.
+With `write_behind`, each verified blob's range is handed to writeback at once (kernel/files.py
+start_writeback), so that a commit's fsync does not write the whole image after the transfer.
 """
 
 from __future__ import annotations
