@@ -310,14 +310,18 @@ def commit_files(imp: importer.Import, plan: dict, config: dict, pulled: dict) -
     return imp.commit(fields, config["files"])
 
 
-def allocate_files(partial: str, plan: dict) -> None:
-    """Every file of the plan at its final size in the partial directory, before the chunks land."""
+def allocate_files(partial: str, plan: dict, sparse: frozenset[str] = frozenset()) -> None:
+    """Every file of the plan at its final size in the partial directory, before the chunks land
+    (those named in `sparse` without their blocks reserved)."""
     for rel, chunks in plan.items():
         full = os.path.join(partial, rel)
         os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
         fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            _allocate(fd, sum(c[1] for c in chunks))
+            if rel in sparse:
+                os.ftruncate(fd, sum(c[1] for c in chunks))
+            else:
+                _allocate(fd, sum(c[1] for c in chunks))
         finally:
             os.close(fd)
 

@@ -300,3 +300,22 @@ def test_a_source_failure_is_the_verifiers_error_and_final(tmp_path):
         v.ensure(str(path), 50, 1)
     assert v.snapshot()["error"] == "registry r went away while filling container c's memory"
     assert v.source.calls == [(0, True)]                               # not asked twice
+
+
+@pytest.mark.parametrize("fstype", ["tmpfs", "ext4"])
+def test_the_pages_images_are_not_fallocated_on_a_tmpfs_store(cfg, reg, no_eager, monkeypatch, fstype):  # noqa: F811
+    """On a tmpfs, fallocate takes and zeroes the memory (0.8 s of a 4 GiB create's 1.2 s on a GPU host):
+    the pages images stay sparse there, the room checked first; elsewhere their blocks are reserved."""
+    from migrt.store import hugetmpfs
+
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    monkeypatch.setattr(hugetmpfs, "mount_of", lambda path: hugetmpfs.Mount("/x", fstype, {}, ""))
+    out = _prepare(cfg, host, Log())
+    try:
+        st = os.stat(os.path.join(out.ckpt.path, "images", "pages-1.img"))
+        assert st.st_size == len(PAGES)
+        assert (st.st_blocks * 512 < len(PAGES)) == (fstype == "tmpfs")
+    finally:
+        out.release()
