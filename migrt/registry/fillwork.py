@@ -51,8 +51,8 @@ class _Proc:
 class Workers:
     """`n` fetching processes for the image of `spec` (the hand-over's registry section) under the
     fill's `deadline` (registry/client.py Deadline: its end is on the system's monotonic clock, the
-    same in every process), each `nice` steps below its starter's priority (a lazy fill's: the
-    restore and the restored container first where the CPU is short)."""
+    same in every process), each at nice `nice` at least (a lazy fill's: the restore and the restored
+    container first where the CPU is short)."""
 
     def __init__(self, spec: dict, deadline, n: int, *, nice: int = 0) -> None:
         head = {"spec": {k: spec.get(k) for k in ("registry", "repository", "digest", "auth_file", "ca_file")},
@@ -176,9 +176,9 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> int:
     head = json.loads(inp.readline() or b"null")
     if not isinstance(head, dict):
         return 1
-    if head.get("nice"):
+    if head.get("nice"):  # (an absolute value: the starting thread may be niced already)
         with contextlib.suppress(OSError):
-            os.nice(int(head["nice"]))
+            os.setpriority(os.PRIO_PROCESS, 0, max(int(head["nice"]), os.getpriority(os.PRIO_PROCESS, 0)))
     client = make_client(head["spec"], Deadline(**head["deadline"]))
     try:
         for line in inp:

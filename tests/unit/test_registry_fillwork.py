@@ -176,3 +176,34 @@ def test_a_small_pull_stays_in_threads(cfg, reg, monkeypatch):  # noqa: F811
     made = _count_workers(monkeypatch)
     pull.pull(cfg, f"{host}/team/ckpt:v1")
     assert made == []                                            # (768 KiB < REMOTE_MIN)
+
+
+def _nice_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_fetching_processes_run_at_the_fills_nice_whoever_starts_them(cfg, reg, no_eager, tmp_path):  # noqa: F811
+    """A lazy fill's fetching processes run at nice 10 (the copy threads'), also when the thread that
+    starts them has niced itself already (a sweep thread does once the host copy is in)."""
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    out = _prepare(cfg, host, Log())
+    src, _f = _source(out, tmp_path)
+    got: list[Workers] = []
+
+    def start() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        got.append(Workers(src.spec, fill_deadline(src.spec, len(PAGES)), 2, nice=10))
+    t = threading.Thread(target=start)
+    t.start()
+    t.join()
+    try:
+        pids = [p.popen.pid for p in got[0]._all]
+        end = time.monotonic() + 10
+        while time.monotonic() < end and any(_nice_of(pid) != 10 for pid in pids):
+            time.sleep(0.05)                                        # (each sets it as it starts)
+        assert [_nice_of(pid) for pid in pids] == [10, 10]
+    finally:
+        got[0].close()
+        src.close()
