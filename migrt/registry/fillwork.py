@@ -41,11 +41,22 @@ class FetchFailed(MigrtError):
 
 
 class _Proc:
-    def __init__(self, popen: subprocess.Popen) -> None:
-        self.popen = popen
-        assert popen.stdin is not None and popen.stdout is not None
-        self.stdin: IO[bytes] = popen.stdin
-        self.stdout: IO[bytes] = popen.stdout
+    """A fetching process: its requests on its stdin, its answers on a pipe of their own (whatever it
+    prints goes to our stderr, never into an answer)."""
+
+    def __init__(self, argv: list[str], env: dict) -> None:
+        r, w = os.pipe()
+        try:
+            self.popen = subprocess.Popen([*argv, str(w)], env=env, stdin=subprocess.PIPE, stdout=2,
+                                          pass_fds=(w,), close_fds=True)
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        assert self.popen.stdin is not None
+        self.stdin: IO[bytes] = self.popen.stdin
+        self.stdout: IO[bytes] = os.fdopen(r, "rb")
 
 
 class Workers:
@@ -64,8 +75,7 @@ class Workers:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (pkg_parent, os.environ.get("PYTHONPATH")) if p)}
         try:
             for _ in range(n):
-                proc = _Proc(subprocess.Popen([sys.executable, "-m", "migrt.registry.fillwork"], env=env,
-                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True))
+                proc = _Proc([sys.executable, "-m", "migrt.registry.fillwork"], env)
                 self._all.append(proc)
                 proc.stdin.write(json.dumps(head).encode() + b"\n")
                 proc.stdin.flush()
@@ -204,10 +214,15 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    return _serve(sys.stdin.buffer, sys.stdout.buffer)
+    if len(argv) != 1 or not argv[0].isdigit():
+        print("usage: python -m migrt.registry.fillwork ANSWER_FD (started by a lazy fill or a pull)", file=sys.stderr)
+        return 2
+    # the answers go out on a descriptor of their own: whatever writes to stdout (a log line of the
+    # client's, a warning, a site hook) never lands in the middle of an answer
+    return _serve(sys.stdin.buffer, os.fdopen(int(argv[0]), "wb"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

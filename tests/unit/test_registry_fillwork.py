@@ -207,3 +207,27 @@ def test_fetching_processes_run_at_the_fills_nice_whoever_starts_them(cfg, reg, 
     finally:
         got[0].close()
         src.close()
+
+
+def test_what_else_a_fetching_process_prints_never_mixes_with_its_answers(cfg, reg, no_eager, tmp_path,  # noqa: F811
+                                                                          monkeypatch):
+    """A line printed to stdout in a fetching process (a log line, a warning) goes to stderr, not into
+    the answer the fill reads."""
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    out = _prepare(cfg, host, Log())
+    src, f = _source(out, tmp_path)
+    hook = tmp_path / "sitecustomize.py"  # runs in each fetching process as Python starts
+    hook.write_text("import atexit, sys\nsys.stdout.write('noise on stdout\\\\n'); sys.stdout.flush()\n"
+                    "import migrt.registry.transfer as t\n_f = t.fetch\n"
+                    "def fetch(*a, **k):\n    print('noise during a fetch', flush=True)\n    return _f(*a, **k)\n"
+                    "t.fetch = fetch\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    try:
+        workers = Workers(src.spec, fill_deadline(src.spec, len(PAGES)), 1)
+        assert workers.fetch(registry.add_blob(PAGES), len(PAGES), f.path, 0) >= len(PAGES)
+        assert Path(f.path).read_bytes() == PAGES
+        workers.close()
+    finally:
+        src.close()
