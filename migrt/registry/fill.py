@@ -53,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from migrt.errors import CheckpointInvalid, RegistryError
+from migrt.kernel.files import TREE_CHUNK
 from migrt.pagefill.engine import BACKGROUND_NICE
 from migrt.pagefill.verify import FileChunks, VerifyError
 from migrt.registry import blocks
@@ -87,6 +88,16 @@ class RegistrySource:
         self._faults: ThreadPoolExecutor | None = None
         self._order = sorted(f["rel"] for f in spec["files"].values())
         self.taken = 0  # chunks another filler of the image fetched
+        self.copied = 0  # chunks copied from one of the same digest here
+        self._by_digest: dict[str, tuple[str, int, int]] = {}  # a chunk's digest -> where one such is in
+        self._inflight: dict[str, threading.Event] = {}  # a digest being fetched -> set once it is done
+        for base, idx in spec["present"].items():  # (the create's chunks, verified)
+            rec = spec["files"][base]
+            for k in idx:
+                a, b = int(k) * TREE_CHUNK, min(int(rec["size"]), (int(k) + 1) * TREE_CHUNK)
+                d = "sha256:" + rec["chunks"][64 * int(k):64 * int(k) + 64]
+                self._by_digest.setdefault(d, (rec["rel"], a, b))
+                self._inflight.setdefault(d, threading.Event()).set()
 
     @classmethod
     def from_handover(cls, handover: dict, images: str, lock_fd: int | None) -> RegistrySource:
@@ -110,7 +121,49 @@ class RegistrySource:
                 return
             if (f.path, i) in self.partly:  # only the rest of it, then the whole chunk hashed
                 return blocks.fill_chunk(self, f, i, fault)
-            self._fetch(f, i, transfer.Blob(digest, b - a, os.path.join(self.partial, f.rel), a), fault)
+            with self.lock:  # the first chunk of a digest is fetched, the others copied from it
+                landing = self._inflight.get(digest)
+                mine = landing is None
+                if landing is None:
+                    landing = self._inflight[digest] = threading.Event()
+            if not mine and self._same_here(f, i, digest, landing):
+                return
+            try:
+                self._fetch(f, i, transfer.Blob(digest, b - a, os.path.join(self.partial, f.rel), a), fault)
+                with self.lock:
+                    self._by_digest.setdefault(digest, (f.rel, a, b))
+            finally:
+                if mine:
+                    landing.set()
+
+    def _same_here(self, f: FileChunks, i: int, digest: str, landing: threading.Event) -> bool:
+        """(under chunk i's lock) Chunk i's bytes copied from a chunk of the same digest in the partial
+        directory (zero pages: identical chunks are common), once `landing` says the one being fetched
+        is in; hashed again where they land before they count. False: none (or the copy did not match)."""
+        from migrt.store.fsutil import hash_range
+
+        landing.wait()
+        with self.lock:
+            src = self._by_digest.get(digest)
+        a, b = f.span(i)
+        if src is None or src == (f.rel, a, b):
+            return False
+        dst = os.path.join(self.partial, f.rel)
+        try:
+            _copy_range(os.path.join(self.partial, src[0]), src[1], dst, a, b - a)
+            same = hash_range(dst, a, b - a) == f.digests[i]
+        except OSError:
+            same = False
+        if not same:
+            with contextlib.suppress(OSError):
+                _copy_range(None, 0, dst, a, b - a)  # (zeroed: never counted)
+            return False
+        with contextlib.suppress(OSError):
+            self._journal_add(digest, a, f.rel)
+        with self.lock:
+            self.present.add((f.path, i))
+            self.copied += 1
+        return True
 
     def ensure_range(self, f: FileChunks, i: int, s: int, e: int) -> bool:
         """A fault's few pages [s, e) of a chunk the create fetched blocks of, verified by their blocks
@@ -289,7 +342,7 @@ class RegistrySource:
     def summary(self) -> dict:
         with self.lock:
             return {"fetched_chunks": self.fetched, "fetched_bytes": self.arrived, "taken_chunks": self.taken,
-                    "seconds": round(time.monotonic() - self.t0, 3)}
+                    "copied_chunks": self.copied, "seconds": round(time.monotonic() - self.t0, 3)}
 
     def commit(self) -> dict:
         """Every chunk is in: the partial directory becomes the pulled checkpoint; the lock goes."""
@@ -345,6 +398,27 @@ class RegistrySource:
 
     def _reference(self) -> str:
         return f"{self.spec['registry']}/{self.spec['repository']}@{self.spec['digest']}"
+
+
+def _copy_range(src: str | None, src_off: int, dst: str, dst_off: int, n: int) -> None:
+    """n bytes of src at src_off to dst at dst_off (src None: zeros), files of the partial directory."""
+    fout = os.open(dst, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fin = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if src else -1
+    try:
+        done = 0
+        while done < n:
+            step = min(len(ZEROS), n - done)
+            buf = os.pread(fin, step, src_off + done) if fin >= 0 else ZEROS[:step]
+            if len(buf) != step:
+                raise OSError(f"{src} shrank while copied")
+            view = memoryview(buf)
+            while view:
+                view = view[os.pwrite(fout, view, dst_off + done + step - len(view)):]
+            done += step
+    finally:
+        os.close(fout)
+        if fin >= 0:
+            os.close(fin)
 
 
 def _not_niced() -> None:

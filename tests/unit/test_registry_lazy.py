@@ -319,3 +319,32 @@ def test_the_pages_images_are_not_fallocated_on_a_tmpfs_store(cfg, reg, no_eager
         assert (st.st_blocks * 512 < len(PAGES)) == (fstype == "tmpfs")
     finally:
         out.release()
+
+
+def test_a_chunk_whose_digest_is_in_already_is_copied_not_fetched_again(cfg, reg, no_eager, tmp_path):  # noqa: F811
+    """Identical chunks (zero pages, a model's repeated tensors) come from the registry once: the others
+    are copied from the first where they land, hashed again there before they count, and journaled."""
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", {**FILES, "images/pages-2.img": PAGES})
+    out = _prepare(cfg, host, Log())
+    handover = json.loads(json.dumps(out.handover))
+    images = os.path.join(out.ckpt.path, "images")
+    src = RegistrySource.from_handover(handover, images, out.lock_fd)
+    out.lock_fd = -1
+    chunks = [FileChunks(path=os.path.join(images, base), rel=f"images/{base}", size=len(PAGES),
+                         digests=[hashlib.sha256(PAGES).digest()]) for base in ("pages-1.img", "pages-2.img")]
+    v = Verifier(chunks, what="checkpoint x")
+    v.source = src
+    blob = "/v2/team/ckpt/blobs/" + registry.add_blob(PAGES)
+    before = len(registry.requests)
+    while v.sweep_one():
+        pass
+    assert [r for r in registry.requests[before:] if r[1] == blob] == [("GET", blob)]    # fetched once
+    assert all(Path(f.path).read_bytes() == PAGES for f in chunks) and v.snapshot()["verified"] == 2
+    assert src.summary()["copied_chunks"] == 1 and src.summary()["fetched_chunks"] == 1
+    done = pull.Journal(src.spec["journal"]).done
+    assert {(k[1], k[2]) for k in done if k[0] == registry.add_blob(PAGES)} == {(0, "images/pages-1.img"),
+                                                                                (0, "images/pages-2.img")}
+    committed = src.commit()
+    Store(cfg.store).get(committed["name"]).verify()
