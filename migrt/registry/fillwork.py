@@ -70,12 +70,13 @@ class Workers:
                 "deadline": asdict(deadline), "nice": int(nice)}
         self._idle: queue.SimpleQueue[_Proc] = queue.SimpleQueue()
         self._all: list[_Proc] = []
-        # they import migrt from where we did (a venv, a checkout, a launcher's own path)
+        # they import migrt from where we did (a venv, a checkout, a launcher's own path); -P: never from
+        # the working directory (containerd's is the bundle's)
         pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (pkg_parent, os.environ.get("PYTHONPATH")) if p)}
         try:
             for _ in range(n):
-                proc = _Proc([sys.executable, "-m", "migrt.registry.fillwork"], env)
+                proc = _Proc([sys.executable, "-P", "-m", "migrt.registry.fillwork"], env)
                 self._all.append(proc)
                 proc.stdin.write(json.dumps(head).encode() + b"\n")
                 proc.stdin.flush()

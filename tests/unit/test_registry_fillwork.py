@@ -231,3 +231,26 @@ def test_what_else_a_fetching_process_prints_never_mixes_with_its_answers(cfg, r
         workers.close()
     finally:
         src.close()
+
+
+def test_fetching_processes_never_import_from_the_working_directory(cfg, reg, no_eager, tmp_path, monkeypatch):  # noqa: F811
+    """containerd runs the runtime in the bundle's directory: a `migrt` package there is never imported
+    by a fetching process (python -P), only the one the fill itself runs."""
+    registry, host, _ca = reg
+    registry.ranges = True
+    migrt_image(registry, "v1", FILES)
+    out = _prepare(cfg, host, Log())
+    src, f = _source(out, tmp_path)
+    decoy = tmp_path / "cwd" / "migrt" / "registry"
+    decoy.mkdir(parents=True)
+    for d in (decoy.parent, decoy):
+        (d / "__init__.py").write_text("")
+    (decoy / "fillwork.py").write_text("import sys\nsys.exit(42)\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    try:
+        workers = Workers(src.spec, fill_deadline(src.spec, len(PAGES)), 1)
+        workers.fetch(registry.add_blob(PAGES), len(PAGES), f.path, 0)
+        assert Path(f.path).read_bytes() == PAGES
+        workers.close()
+    finally:
+        src.close()
