@@ -306,8 +306,18 @@ class CriClient:
             self.container_pod.pop(cid, None)
 
     def delete_pod(self, pod_id: str) -> None:
-        """Stop and remove a pod (what kubelet does when a pod is deleted)."""
-        self.stop_pod(pod_id)
+        """Stop and remove a pod (what kubelet does when a pod is deleted). A stop that fails because the
+        pod's shim closed its connection is tried again, as kubelet's pod worker does (seen once in a
+        full run under load: "failed to kill container ...: ttrpc: closed"); any other failure is raised."""
+        for attempt in range(3):
+            try:
+                self.stop_pod(pod_id)
+                break
+            except CriError as exc:
+                if "ttrpc: closed" not in str(exc) or attempt == 2:
+                    raise
+                print(f"StopPodSandbox {pod_id[:12]} tried again: {exc}", file=sys.stderr)
+                time.sleep(1)
         self.remove_pod(pod_id)
 
     def list_pods(self) -> list:
