@@ -330,12 +330,12 @@ def fill_blocks(src, f: FileChunks, i: int, rec: Blocks, s: int, e: int) -> None
         except RegistryError as exc:
             raise VerifyError(src._gone(exc)) from exc
         except (CheckpointInvalid, OSError) as exc:
-            _zero_ranges(path, [(ks, ke)])
+            zero_ranges(path, [(ks, ke)])
             raise VerifyError(f"checkpoint {src.spec['commit']['name']}: {f.rel} bytes {ks}-{ke - 1} (block {k} of "
                               f"blob {digest}) could not be filled from registry {src.spec['registry']}: "
                               f"{getattr(exc, 'message', None) or exc}; the container was stopped") from exc
         if got != rec.digests[k]:
-            _zero_ranges(path, [(ks, ke)])
+            zero_ranges(path, [(ks, ke)])
             raise VerifyError(f"checkpoint {src.spec['commit']['name']}: {f.rel} bytes {ks}-{ke - 1} (block {k} of "
                               f"blob {digest}) from registry {src.spec['registry']} does not match its digest (the "
                               f"data received has {got.hex()[:16]}...: altered in the registry or in transit); the "
@@ -381,7 +381,7 @@ def fill_chunk(src, f: FileChunks, i: int, fault: bool) -> None:
     except RegistryError as exc:
         raise VerifyError(src._gone(exc)) from exc
     except CheckpointInvalid as exc:  # (a range's place or length: the registry's answer)
-        _zero_ranges(path, todo)
+        zero_ranges(path, todo)
         raise VerifyError(f"checkpoint {name}: {f.rel} bytes {a}-{b - 1} (blob {digest}) from registry {registry}: "
                           f"{exc.message}; the container was stopped, no restored process ran on it") from exc
     except Exception as exc:  # e.g. the store full
@@ -389,7 +389,7 @@ def fill_chunk(src, f: FileChunks, i: int, fault: bool) -> None:
         raise VerifyError(f"checkpoint {name}: {f.rel} bytes {a}-{b - 1} could not be filled from registry "
                           f"{registry}: {why}; the container was stopped; restore again") from exc
     if got != f.digests[i]:
-        _zero_ranges(path, todo)
+        zero_ranges(path, todo)
         raise VerifyError(f"checkpoint {name}: {f.rel} bytes {a}-{b - 1} (blob {digest}) from registry {registry} "
                           f"does not match its digest (the data received has {got.hex()[:16]}...: altered in the "
                           "registry or in transit); the container was stopped, no restored process ran on it")
@@ -429,7 +429,7 @@ def _window(sink: Callable[[memoryview], None], s: int, e: int) -> Callable[[mem
     return take
 
 
-def _zero_ranges(path: str, ranges: list[Range]) -> None:
+def zero_ranges(path: str, ranges: list[Range]) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:

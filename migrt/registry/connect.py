@@ -29,9 +29,14 @@ def deadline_for(cfg: Config, command: str, timeout: float | None = None) -> Dea
                           f"config, plus the image's size at {WHOLE_RATE >> 20} MiB/s", rate=WHOLE_RATE, then=then)
 
 
+def credentials_for(auth_file: str | None, ref: Reference) -> auth.Credentials | None:
+    """The node's credentials for the registry of `ref`: by its name, else by its API host."""
+    return auth.load(auth_file, ref.registry) or (
+        auth.load(auth_file, ref.api_host) if ref.api_host != ref.registry else None)
+
+
 def client_for(cfg: Config, ref: Reference, *, deadline: Deadline, push: bool = False) -> Client:
-    creds = auth.load(cfg.registry_auth_file, ref.registry) or (
-        auth.load(cfg.registry_auth_file, ref.api_host) if ref.api_host != ref.registry else None)
+    creds = credentials_for(cfg.registry_auth_file, ref)
     client = Client(ref, credentials=creds, ca_file=cfg.registry_ca_file, push=push, deadline=deadline)
     try:
         client.ping()

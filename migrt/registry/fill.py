@@ -63,7 +63,6 @@ if TYPE_CHECKING:
     from migrt.registry.client import Client, Deadline
     from migrt.registry.pull import Journal
 
-ZEROS = bytes(4 << 20)
 
 
 class RegistrySource:
@@ -140,6 +139,7 @@ class RegistrySource:
         """(under chunk i's lock) Chunk i's bytes copied from a chunk of the same digest in the partial
         directory (zero pages: identical chunks are common), once `landing` says the one being fetched
         is in; hashed again where they land before they count. False: none (or the copy did not match)."""
+        from migrt.registry import transfer
         from migrt.store.fsutil import hash_range
 
         landing.wait()
@@ -150,13 +150,13 @@ class RegistrySource:
             return False
         dst = os.path.join(self.partial, f.rel)
         try:
-            _copy_range(os.path.join(self.partial, src[0]), src[1], dst, a, b - a)
+            transfer.copy_blob(transfer.Blob(digest, b - a, os.path.join(self.partial, src[0]), src[1]),
+                               transfer.Blob(digest, b - a, dst, a))
             same = hash_range(dst, a, b - a) == f.digests[i]
         except OSError:
             same = False
         if not same:
-            with contextlib.suppress(OSError):
-                _copy_range(None, 0, dst, a, b - a)  # (zeroed: never counted)
+            blocks.zero_ranges(dst, [(a, b)])  # (never counted)
             return False
         with contextlib.suppress(OSError):
             self._journal_add(digest, a, f.rel)
@@ -183,7 +183,7 @@ class RegistrySource:
         """(under the chunk's lock) A block verified for a fault, told to the image's other fillers."""
         top = self.spec.get("chunk_locks")
         if top:
-            with open(os.path.join(top, f"{self._order.index(f.rel)}-{i}.ranges"), "a", encoding="ascii") as fh:
+            with open(self._chunk_file(top, f, i, ".ranges"), "a", encoding="ascii") as fh:
                 fh.write(f"{r[0]} {r[1]}\n")
 
     def shared_ranges(self, f: FileChunks, i: int) -> None:
@@ -193,7 +193,7 @@ class RegistrySource:
             return
         a, b = f.span(i)
         try:
-            with open(os.path.join(top, f"{self._order.index(f.rel)}-{i}.ranges"), encoding="ascii") as fh:
+            with open(self._chunk_file(top, f, i, ".ranges"), encoding="ascii") as fh:
                 got = [(int(w[0]), int(w[1])) for w in (line.split() for line in fh) if len(w) == 2]
         except (OSError, ValueError):
             return
@@ -211,7 +211,7 @@ class RegistrySource:
             else:  # whole, by a fetching process (registry/fillwork.py)
                 self.workers().fetch(digest, b - a, blob.path, a)
         except CheckpointInvalid as exc:
-            self._zero(blob)
+            blocks.zero_ranges(blob.path, [(a, b)])  # what arrived of it goes from the disk, never journaled
             got = exc.message.partition("the data received has ")[2].partition(";")[0]
             raise VerifyError(f"checkpoint {self.spec['commit']['name']}: {f.rel} bytes {a}-{b - 1} (blob {digest}) "
                               f"from registry {self.spec['registry']} does not match its digest ("
@@ -244,7 +244,7 @@ class RegistrySource:
             return
         try:
             os.makedirs(top, mode=0o700, exist_ok=True)
-            fd = os.open(os.path.join(top, f"{self._order.index(f.rel)}-{i}"),
+            fd = os.open(self._chunk_file(top, f, i),
                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise VerifyError(f"cannot lock chunk {i} of {f.rel} in {top}: {exc}") from exc
@@ -253,6 +253,10 @@ class RegistrySource:
             yield
         finally:
             os.close(fd)
+
+    def _chunk_file(self, top: str, f: FileChunks, i: int, suffix: str = "") -> str:
+        """Chunk i of f's file in the image's chunk lock directory: its lock, its `.ranges`."""
+        return os.path.join(top, f"{self._order.index(f.rel)}-{i}{suffix}")
 
     def _arrived(self, f: FileChunks, i: int, digest: str) -> bool:
         """Another filler of the image journaled the chunk (or committed the image, its journal gone):
@@ -319,16 +323,6 @@ class RegistrySource:
                 if (os.path.join(self.images, base), i) not in self.present:
                     missing += min(size, (i + 1) * TREE_CHUNK) - i * TREE_CHUNK
         return missing
-
-    def _zero(self, blob) -> None:
-        """What arrived of a chunk that did not match goes from the disk (never journaled)."""
-        with contextlib.suppress(OSError):
-            fd = os.open(blob.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                for off in range(0, blob.size, len(ZEROS)):
-                    os.pwrite(fd, ZEROS[:min(len(ZEROS), blob.size - off)], blob.offset + off)
-            finally:
-                os.close(fd)
 
     def _journal_add(self, digest: str, offset: int, rel: str) -> None:
         from migrt.registry.pull import Journal
@@ -398,27 +392,6 @@ class RegistrySource:
 
     def _reference(self) -> str:
         return f"{self.spec['registry']}/{self.spec['repository']}@{self.spec['digest']}"
-
-
-def _copy_range(src: str | None, src_off: int, dst: str, dst_off: int, n: int) -> None:
-    """n bytes of src at src_off to dst at dst_off (src None: zeros), files of the partial directory."""
-    fout = os.open(dst, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    fin = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if src else -1
-    try:
-        done = 0
-        while done < n:
-            step = min(len(ZEROS), n - done)
-            buf = os.pread(fin, step, src_off + done) if fin >= 0 else ZEROS[:step]
-            if len(buf) != step:
-                raise OSError(f"{src} shrank while copied")
-            view = memoryview(buf)
-            while view:
-                view = view[os.pwrite(fout, view, dst_off + done + step - len(view)):]
-            done += step
-    finally:
-        os.close(fout)
-        if fin >= 0:
-            os.close(fin)
 
 
 def _not_niced() -> None:

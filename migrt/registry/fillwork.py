@@ -161,14 +161,13 @@ def fill_deadline(spec: dict, total: int) -> Deadline:
 def make_client(spec: dict, deadline: Deadline) -> Client:
     """A registry client for the image pinned by digest, with the node's credentials and CA bundle, under
     the fill's deadline (in the filler, and in each of its fetching processes)."""
-    from migrt.registry import auth
     from migrt.registry.client import Client
+    from migrt.registry.connect import credentials_for
     from migrt.registry.reference import Reference
 
     ref = Reference(spec["registry"], spec["repository"], None, spec["digest"])
-    creds = auth.load(spec.get("auth_file"), ref.registry) or (
-        auth.load(spec.get("auth_file"), ref.api_host) if ref.api_host != ref.registry else None)
-    return Client(ref, credentials=creds, ca_file=spec.get("ca_file"), deadline=deadline)
+    return Client(ref, credentials=credentials_for(spec.get("auth_file"), ref), ca_file=spec.get("ca_file"),
+                  deadline=deadline)
 
 
 # -- the fetching process ----------------------------------------------------------------------------

@@ -239,12 +239,12 @@ def fetch(client: Client, blobs: list[Blob], parallel: int, *, on_blob: Callable
             wait(futures)  # (a pool of the caller's is not shut down: nothing of ours may still write)
             raise
     for src, dst in again:  # identical chunks (zero pages) are fetched once, then copied here
-        _copy(src, dst, write_error)
+        copy_blob(src, dst, write_error)
         on_bytes(dst.size)
         on_blob(dst)
 
 
-def _copy(src: Blob, dst: Blob, write_error: WriteError) -> None:
+def copy_blob(src: Blob, dst: Blob, write_error: WriteError = lambda exc: None) -> None:
     """A verified blob's bytes to the other place of the same digest, on this file system."""
     fin = os.open(src.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
