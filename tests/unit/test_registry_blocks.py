@@ -274,6 +274,22 @@ def test_the_gate_does_not_wait_for_a_chunk_whose_criu_bytes_are_verified(tmp_pa
             verify.build(plan, spec)
 
 
+def _partly(cfg, reg, *, alter_gap: bool = False):  # noqa: F811
+    """The image with block records, served in ranges, its create done (the eager chunk's blocks but
+    block 2, the lazy one, in); alter_gap: the registry then serves block 2 with a byte altered.
+    (registry, host, the ranges asked since the create, the create's LazyImage)."""
+    registry, host, _ca = reg
+    registry.ranges = True
+    _image(registry)
+    asked = _ranges(registry)
+    out = _prepare(cfg, host, Log())
+    del asked[:]
+    if alter_gap:
+        blob = registry.add_blob(PAGES)
+        registry.blobs[blob] = PAGES[:2 * MiB + 7] + bytes([PAGES[2 * MiB + 7] ^ 1]) + PAGES[2 * MiB + 8:]
+    return registry, host, asked, out
+
+
 def _filler(cfg, host, out, tmp_path):  # noqa: F811
     src, _f = _source(out, tmp_path)
     v = verify.build(_plan(os.path.join(out.ckpt.path, "images")), json.loads(json.dumps(out.handover)))
@@ -282,12 +298,7 @@ def _filler(cfg, host, out, tmp_path):  # noqa: F811
 
 
 def test_the_filler_fetches_only_the_missing_blocks_then_hashes_the_whole_chunk(cfg, reg, eager, tmp_path):  # noqa: F811
-    registry, host, _ca = reg
-    registry.ranges = True
-    _image(registry)
-    asked = _ranges(registry)
-    out = _prepare(cfg, host, Log())
-    del asked[:]
+    registry, host, asked, out = _partly(cfg, reg)
     src, v, f = _filler(cfg, host, out, tmp_path)
     assert v.eager == []
     v.sweep_one()                                                           # the chunk's fill
@@ -303,12 +314,7 @@ def test_the_filler_fetches_only_the_missing_blocks_then_hashes_the_whole_chunk(
 
 def test_a_fault_in_a_partly_chunk_takes_its_block_alone_and_the_chunk_is_hashed_whole_later(
         cfg, reg, eager, tmp_path):  # noqa: F811
-    registry, host, _ca = reg
-    registry.ranges = True
-    _image(registry)
-    asked = _ranges(registry)
-    out = _prepare(cfg, host, Log())
-    del asked[:]
+    registry, host, asked, out = _partly(cfg, reg)
     src, v, f = _filler(cfg, host, out, tmp_path)
     v.ensure(f.path, 2 * MiB + 8192, 4096)                                  # a fault in the lazy block
     assert asked == [f"bytes={2 * MiB}-{3 * MiB - 1}"]                      # that block, nothing more
@@ -330,13 +336,8 @@ def test_a_fault_in_a_partly_chunk_takes_its_block_alone_and_the_chunk_is_hashed
 
 
 def test_a_corrupted_block_taken_for_a_fault_is_refused_zeroed_and_final(cfg, reg, eager, tmp_path):  # noqa: F811
-    registry, host, _ca = reg
-    registry.ranges = True
-    _image(registry)
-    _ranges(registry)
-    out = _prepare(cfg, host, Log())
-    blob = registry.add_blob(PAGES)
-    registry.blobs[blob] = PAGES[:2 * MiB + 7] + bytes([PAGES[2 * MiB + 7] ^ 1]) + PAGES[2 * MiB + 8:]
+    registry, host, _asked, out = _partly(cfg, reg, alter_gap=True)
+    blob = "sha256:" + hashlib.sha256(PAGES).hexdigest()
     src, v, f = _filler(cfg, host, out, tmp_path)
     with pytest.raises(verify.VerifyError, match=rf"images/pages-1.img bytes {2 * MiB}-{3 * MiB - 1} \(block 2 of blob "
                                                  rf"{blob}\) from registry {host} does not match its digest .*no "
@@ -352,13 +353,8 @@ def test_a_corrupted_block_taken_for_a_fault_is_refused_zeroed_and_final(cfg, re
 
 
 def test_a_corrupted_gap_is_refused_with_the_chunks_mismatch_and_zeroed(cfg, reg, eager, tmp_path):  # noqa: F811
-    registry, host, _ca = reg
-    registry.ranges = True
-    _image(registry)
-    _ranges(registry)
-    out = _prepare(cfg, host, Log())
-    blob = registry.add_blob(PAGES)
-    registry.blobs[blob] = PAGES[:2 * MiB + 7] + bytes([PAGES[2 * MiB + 7] ^ 1]) + PAGES[2 * MiB + 8:]
+    registry, host, _asked, out = _partly(cfg, reg, alter_gap=True)
+    blob = "sha256:" + hashlib.sha256(PAGES).hexdigest()
     src, v, f = _filler(cfg, host, out, tmp_path)
     with pytest.raises(verify.VerifyError, match=rf"images/pages-1.img bytes 0-{4 * MiB - 1} \(blob {blob}\) from "
                                                  rf"registry {host} does not match its digest \(the data received "

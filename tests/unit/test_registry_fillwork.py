@@ -44,12 +44,18 @@ def _wait_gone(pid: int, seconds: float) -> bool:
     return False
 
 
-def test_the_sweep_fetches_a_chunk_through_a_fetching_process_verified(cfg, reg, no_eager, tmp_path):  # noqa: F811
+def _filling(cfg, reg, tmp_path):  # noqa: F811
+    """The fake registry serving FILES with ranges, the create's part done: (registry, the filler's
+    source, the pages image's FileChunks)."""
     registry, host, _ca = reg
     registry.ranges = True
     migrt_image(registry, "v1", FILES)
-    out = _prepare(cfg, host, Log())
-    src, f = _source(out, tmp_path)
+    src, f = _source(_prepare(cfg, host, Log()), tmp_path)
+    return registry, src, f
+
+
+def test_the_sweep_fetches_a_chunk_through_a_fetching_process_verified(cfg, reg, no_eager, tmp_path):  # noqa: F811
+    registry, src, f = _filling(cfg, reg, tmp_path)
     v = Verifier([f], what="checkpoint x")
     v.source = src
     try:
@@ -66,11 +72,7 @@ def test_the_sweep_fetches_a_chunk_through_a_fetching_process_verified(cfg, reg,
 
 def test_a_fetching_process_that_dies_fails_the_fetch_with_its_pid_and_signal(cfg, reg, no_eager,  # noqa: F811
                                                                               tmp_path):
-    registry, host, _ca = reg
-    registry.ranges = True
-    migrt_image(registry, "v1", FILES)
-    out = _prepare(cfg, host, Log())
-    src, f = _source(out, tmp_path)
+    registry, src, f = _filling(cfg, reg, tmp_path)
     try:
         workers = Workers(src.spec, fill_deadline(src.spec, len(PAGES)), 1)
         pid = workers._all[0].popen.pid
@@ -98,11 +100,7 @@ w.fetch(digest, size, path, 0)
 
 def test_fetching_processes_end_when_the_filler_dies_while_they_wait_on_the_registry(cfg, reg, no_eager,  # noqa: F811
                                                                                     tmp_path):
-    registry, host, _ca = reg
-    registry.ranges = True
-    migrt_image(registry, "v1", FILES)
-    out = _prepare(cfg, host, Log())
-    src, f = _source(out, tmp_path)
+    registry, src, f = _filling(cfg, reg, tmp_path)
     blob = registry.add_blob(PAGES)
     asked, release = threading.Event(), threading.Event()
 
@@ -185,11 +183,7 @@ def _nice_of(pid: int) -> int:
 def test_fetching_processes_run_at_the_fills_nice_whoever_starts_them(cfg, reg, no_eager, tmp_path):  # noqa: F811
     """A lazy fill's fetching processes run at nice 10 (the copy threads'), also when the thread that
     starts them has niced itself already (a sweep thread does once the host copy is in)."""
-    registry, host, _ca = reg
-    registry.ranges = True
-    migrt_image(registry, "v1", FILES)
-    out = _prepare(cfg, host, Log())
-    src, _f = _source(out, tmp_path)
+    registry, src, _f = _filling(cfg, reg, tmp_path)
     got: list[Workers] = []
 
     def start() -> None:
@@ -213,11 +207,7 @@ def test_what_else_a_fetching_process_prints_never_mixes_with_its_answers(cfg, r
                                                                           monkeypatch):
     """A line printed to stdout in a fetching process (a log line, a warning) goes to stderr, not into
     the answer the fill reads."""
-    registry, host, _ca = reg
-    registry.ranges = True
-    migrt_image(registry, "v1", FILES)
-    out = _prepare(cfg, host, Log())
-    src, f = _source(out, tmp_path)
+    registry, src, f = _filling(cfg, reg, tmp_path)
     hook = tmp_path / "sitecustomize.py"  # runs in each fetching process as Python starts
     hook.write_text("import atexit, sys\nsys.stdout.write('noise on stdout\\\\n'); sys.stdout.flush()\n"
                     "import migrt.registry.transfer as t\n_f = t.fetch\n"
@@ -236,11 +226,7 @@ def test_what_else_a_fetching_process_prints_never_mixes_with_its_answers(cfg, r
 def test_fetching_processes_never_import_from_the_working_directory(cfg, reg, no_eager, tmp_path, monkeypatch):  # noqa: F811
     """containerd runs the runtime in the bundle's directory: a `migrt` package there is never imported
     by a fetching process (python -P), only the one the fill itself runs."""
-    registry, host, _ca = reg
-    registry.ranges = True
-    migrt_image(registry, "v1", FILES)
-    out = _prepare(cfg, host, Log())
-    src, f = _source(out, tmp_path)
+    registry, src, f = _filling(cfg, reg, tmp_path)
     decoy = tmp_path / "cwd" / "migrt" / "registry"
     decoy.mkdir(parents=True)
     for d in (decoy.parent, decoy):
